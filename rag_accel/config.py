@@ -1,0 +1,98 @@
+"""Typed, validated decoding configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DRAFTER_NAMES = ("reference", "prompt_lookup", "ngram")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """How drafts are made and how long they may be.
+
+    Args:
+        drafters: drafter names tried in order each step; the first non-empty
+            draft is verified. Any of ``"reference"`` (LLMA copy from the
+            references), ``"prompt_lookup"`` (copy from prompt + output so far)
+            and ``"ngram"`` (ANPD multi-level n-gram tables).
+        max_draft_tokens: upper bound on the tokens verified in one step.
+        adaptive: choose each draft's length from the measured verification
+            cost curve and the acceptance observed so far (may choose 0: a plain
+            step). ``False`` always sends the whole draft (plain LLMA/PLD).
+        reference_min_match / reference_max_match: shortest context suffix
+            that may start a copy from the references, and the longest one
+            the matcher looks at.
+        prompt_lookup_min_ngram / prompt_lookup_max_ngram: the same for
+            prompt lookup.
+        ngram_min_n / ngram_max_n: ANPD table levels (N-grams, N >= 2).
+        cost_curve: relative wall time of a verification forward over
+            ``1 + L`` tokens, index ``L`` (``cost_curve[0] == 1``). ``None``
+            measures it once for the model at hand.
+        max_reference_tokens: refuse references longer than this (tokens,
+            all references together) instead of running out of memory.
+    """
+
+    drafters: tuple[str, ...] = DRAFTER_NAMES
+    max_draft_tokens: int = 32
+    adaptive: bool = True
+    reference_min_match: int = 1
+    reference_max_match: int = 32
+    prompt_lookup_min_ngram: int = 1
+    prompt_lookup_max_ngram: int = 4
+    ngram_min_n: int = 2
+    ngram_max_n: int = 5
+    cost_curve: tuple[float, ...] | None = None
+    max_reference_tokens: int = 4_000_000
+
+    def __post_init__(self) -> None:
+        drafters = tuple(self.drafters)
+        object.__setattr__(self, "drafters", drafters)
+        unknown = [d for d in drafters if d not in DRAFTER_NAMES]
+        if unknown:
+            raise ValueError(f"unknown drafter(s) {unknown}; choose from {list(DRAFTER_NAMES)}")
+        if len(set(drafters)) != len(drafters):
+            raise ValueError(f"drafters listed twice: {list(drafters)}")
+        for name in (
+            "max_draft_tokens",
+            "reference_min_match",
+            "reference_max_match",
+            "prompt_lookup_min_ngram",
+            "prompt_lookup_max_ngram",
+            "max_reference_tokens",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.reference_min_match > self.reference_max_match:
+            raise ValueError(
+                f"reference_min_match ({self.reference_min_match}) > reference_max_match ({self.reference_max_match})"
+            )
+        if self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
+            raise ValueError(
+                f"prompt_lookup_min_ngram ({self.prompt_lookup_min_ngram}) > "
+                f"prompt_lookup_max_ngram ({self.prompt_lookup_max_ngram})"
+            )
+        if not 2 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ValueError(f"need 2 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n}, {self.ngram_max_n}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
+        if self.cost_curve is not None:
+            curve = tuple(float(c) for c in self.cost_curve)
+            if len(curve) < self.max_draft_tokens + 1:
+                raise ValueError(
+                    f"cost_curve needs max_draft_tokens + 1 = {self.max_draft_tokens + 1} entries, got {len(curve)}"
+                )
+            if any(c <= 0 for c in curve):
+                raise ValueError("cost_curve entries must be positive")
+            object.__setattr__(self, "cost_curve", curve)
+
+    def replace(self, **changes: Any) -> DecoderConfig:
+        """A copy with ``changes`` applied; unknown keys are an error, not ignored."""
+        valid = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - valid)
+        if unknown:
+            raise ValueError(f"unknown decoder option(s) {unknown}; valid options: {sorted(valid)}")
+        return dataclasses.replace(self, **changes)

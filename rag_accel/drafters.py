@@ -1,0 +1,226 @@
+"""Drafters: propose the next tokens cheaply; the model verifies them.
+
+The protocol has two methods (as transformers' candidate generators do):
+
+* ``propose(context, max_len) -> Draft``: a guess of the tokens after
+  ``context`` (prompt + output so far). An empty draft is a normal answer:
+  the decoder then takes a plain step.
+* ``update(context, num_new)``: ``context`` grew by ``num_new`` tokens (what
+  the model accepted plus its own next token); index them and learn from them.
+
+Drafters are built per request by :func:`build_drafters` and keep only small
+state: an index over their source and, for copy drafters, the span they are
+following (so a followed span continues without a new search).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from .config import DecoderConfig
+from .kernels import NgramIndex, NgramTables, SuffixArrayIndex, concat_with_separators, copy_continuation
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens plus the evidence behind them.
+
+    ``match_len`` is how many context tokens the proposal rests on (the length
+    of the matched suffix, grown as a copied span keeps being accepted); the
+    draft-length policy learns acceptance per source and ``match_len``.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    match_len: int = 0
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+NO_DRAFT = Draft()
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, context: Sequence[int], max_len: int) -> Draft: ...
+
+    def update(self, context: Sequence[int], num_new: int) -> None: ...
+
+
+class _SpanCopier:
+    """Shared span-following for copy drafters: after a copy is proposed, the
+    next tokens of the same span are proposed again as long as the context
+    keeps following it; only a break triggers a new search."""
+
+    name = "copy"
+
+    def __init__(self) -> None:
+        self._follow: int | None = None  # index in the source of the next expected token
+        self._match_len = 0
+
+    def _source(self) -> Sequence[int]:
+        raise NotImplementedError
+
+    def _search(self, context: Sequence[int]) -> tuple[int, int] | None:
+        raise NotImplementedError
+
+    def propose(self, context: Sequence[int], max_len: int) -> Draft:
+        source = self._source()
+        if self._follow is not None:
+            tokens = copy_continuation(source, self._follow, max_len)
+            if tokens:
+                return Draft(tokens, self._match_len, self.name)
+        found = self._search(context)
+        if found is None:
+            self._follow = None
+            return NO_DRAFT
+        self._match_len, self._follow = found
+        return Draft(copy_continuation(source, self._follow, max_len), self._match_len, self.name)
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        if self._follow is None or num_new <= 0:
+            return
+        source, start = self._source(), self._follow
+        new = list(context[len(context) - num_new :])
+        if list(source[start : start + num_new]) == new:
+            self._follow = start + num_new
+            self._match_len += num_new
+        else:
+            self._follow = None
+
+
+class ReferenceDrafter(_SpanCopier):
+    """LLMA: copy from the references where the longest suffix of the context matches.
+
+    Example:
+        >>> d = ReferenceDrafter([[1, 2, 3, 4, 5]], min_match=1, max_match=8)
+        >>> d.propose([9, 2, 3], max_len=2)
+        Draft(tokens=[4, 5], match_len=2, source='reference')
+    """
+
+    name = "reference"
+
+    def __init__(self, references: Sequence[Sequence[int]], min_match: int = 1, max_match: int = 32) -> None:
+        super().__init__()
+        self.index = SuffixArrayIndex(concat_with_separators(references))
+        self.min_match, self.max_match = min_match, max_match
+
+    def _source(self) -> Sequence[int]:
+        return self.index.tokens
+
+    def _search(self, context: Sequence[int]) -> tuple[int, int] | None:
+        return self.index.longest_match(context, self.min_match, self.max_match)
+
+
+class PromptLookupDrafter(_SpanCopier):
+    """Prompt lookup: copy from earlier in the prompt + output, most recent occurrence.
+
+    Example:
+        >>> d = PromptLookupDrafter([1, 2, 3, 4, 1, 2])
+        >>> d.propose([1, 2, 3, 4, 1, 2], max_len=2)
+        Draft(tokens=[3, 4], match_len=2, source='prompt_lookup')
+    """
+
+    name = "prompt_lookup"
+
+    def __init__(self, context: Sequence[int], min_ngram: int = 1, max_ngram: int = 4, max_match: int = 32) -> None:
+        super().__init__()
+        self.index = NgramIndex(min_ngram, max_ngram)
+        self.max_match = max_match
+        self._context: Sequence[int] = context
+        self.index.extend(context)
+
+    def _source(self) -> Sequence[int]:
+        return self._context
+
+    def _search(self, context: Sequence[int]) -> tuple[int, int] | None:
+        return self.index.longest_match(context, self.max_match)
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        self._context = context
+        self.index.extend(context)
+        super().update(context, num_new)
+
+
+class NgramDrafter:
+    """ANPD: multi-level n-gram tables from the context, updated with every token.
+
+    Example:
+        >>> d = NgramDrafter([5, 6, 7, 5, 6], min_n=2, max_n=3)
+        >>> d.propose([5, 6, 7, 5, 6], max_len=3)
+        Draft(tokens=[7, 5, 6], match_len=2, source='ngram')
+    """
+
+    name = "ngram"
+
+    def __init__(self, context: Sequence[int], min_n: int = 2, max_n: int = 5) -> None:
+        self.tables = NgramTables(min_n, max_n)
+        self.tables.extend(context)
+
+    def propose(self, context: Sequence[int], max_len: int) -> Draft:
+        tokens, level = self.tables.draft(context, max_len)
+        return Draft(tokens, level - 1, self.name) if tokens else NO_DRAFT
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        self.tables.extend(context)
+
+
+class DrafterChain:
+    """Drafters in priority order; all of them see every update.
+
+    :meth:`propose` is the plain chain: the first non-empty draft wins.
+    :meth:`candidates` returns every drafter's non-empty draft, in order, for
+    the adaptive policy to weigh (it breaks ties by this order).
+    """
+
+    def __init__(self, drafters: Sequence[Drafter]) -> None:
+        self.drafters = list(drafters)
+
+    def propose(self, context: Sequence[int], max_len: int) -> Draft:
+        if max_len <= 0:
+            return NO_DRAFT
+        for drafter in self.drafters:
+            draft = drafter.propose(context, max_len)
+            if draft.tokens:
+                return draft
+        return NO_DRAFT
+
+    def candidates(self, context: Sequence[int], max_len: int) -> list[Draft]:
+        if max_len <= 0:
+            return []
+        drafts = (drafter.propose(context, max_len) for drafter in self.drafters)
+        return [d for d in drafts if d.tokens]
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        for drafter in self.drafters:
+            drafter.update(context, num_new)
+
+
+def build_drafters(
+    config: DecoderConfig, context: Sequence[int], references: Sequence[Sequence[int]]
+) -> DrafterChain:
+    """The factory: one chain from the config, for one request."""
+    chain: list[Drafter] = []
+    for name in config.drafters:
+        if name == "reference":
+            if references and any(len(r) for r in references):
+                chain.append(
+                    ReferenceDrafter(references, config.reference_min_match, config.reference_max_match)
+                )
+        elif name == "prompt_lookup":
+            chain.append(
+                PromptLookupDrafter(
+                    context,
+                    config.prompt_lookup_min_ngram,
+                    config.prompt_lookup_max_ngram,
+                    config.reference_max_match,
+                )
+            )
+        elif name == "ngram":
+            chain.append(NgramDrafter(context, config.ngram_min_n, config.ngram_max_n))
+    return DrafterChain(chain)

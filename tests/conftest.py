@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    from rag_accel.models import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def real_decoder():
+    from rag_accel import DEFAULT_MODEL, ReferenceDecoder
+
+    return ReferenceDecoder.from_pretrained(DEFAULT_MODEL, device="cpu", dtype="float32")

@@ -1,0 +1,98 @@
+"""Drafters and the chain, on five-token examples."""
+
+from __future__ import annotations
+
+from rag_accel import (
+    NO_DRAFT,
+    DecoderConfig,
+    Draft,
+    Drafter,
+    DrafterChain,
+    NgramDrafter,
+    PromptLookupDrafter,
+    ReferenceDrafter,
+    build_drafters,
+)
+
+
+class CountingReference(ReferenceDrafter):
+    searches = 0
+
+    def _search(self, context):
+        self.searches += 1
+        return super()._search(context)
+
+
+def test_reference_drafter_copies_longest_match_and_follows_span():
+    d = CountingReference([[1, 2, 3, 4, 5, 6, 7]], min_match=1, max_match=8)
+    ctx = [9, 1, 2]
+    assert d.propose(ctx, 2) == Draft([3, 4], 2, "reference")
+    ctx += [3, 4, 5]  # the model accepted the draft and its own next token equals the span's next
+    d.update(ctx, 3)
+    assert d.propose(ctx, 2) == Draft([6, 7], 5, "reference")
+    assert d.searches == 1  # the followed span continued without a new search
+
+
+def test_reference_drafter_searches_again_after_a_break():
+    d = CountingReference([[1, 2, 3, 4], [8, 3, 6]], min_match=1, max_match=8)
+    ctx = [1, 2]
+    assert d.propose(ctx, 3).tokens == [3, 4]
+    ctx += [8, 3]  # diverged: the span said 3, the model said 8
+    d.update(ctx, 2)
+    assert d.propose(ctx, 3) == Draft([6], 2, "reference")  # "8 3" found in the second reference
+    assert d.searches == 2
+
+
+def test_reference_drafter_prefers_longest_matching_prefix():
+    d = ReferenceDrafter([[5, 1, 7], [6, 5, 1, 8]], min_match=1, max_match=8)
+    assert d.propose([6, 5, 1], 1).tokens == [8]  # "6 5 1" beats the earlier "5 1"
+    assert ReferenceDrafter([[5, 1, 7], [6, 5, 1, 8]]).propose([4, 5, 1], 1).tokens == [7]  # tie: earliest
+
+
+def test_no_match_is_an_empty_draft_not_an_error():
+    assert ReferenceDrafter([[1, 2, 3]]).propose([7, 8], 4) is NO_DRAFT
+    assert ReferenceDrafter([[1, 2, 3]], min_match=2).propose([7, 1], 4) is NO_DRAFT
+    assert PromptLookupDrafter([1, 2, 3]).propose([1, 2, 3], 4) is NO_DRAFT
+    assert NgramDrafter([1, 2, 3]).propose([1, 2, 3], 4) is NO_DRAFT
+
+
+def test_prompt_lookup_indexes_output_incrementally():
+    ctx = [1, 2, 3]
+    d = PromptLookupDrafter(ctx, min_ngram=1, max_ngram=3)
+    ctx += [4, 1, 2]
+    d.update(ctx, 3)
+    assert d.propose(ctx, 2) == Draft([3, 4], 2, "prompt_lookup")
+    ctx += [3, 4]
+    d.update(ctx, 2)
+    # "1 2 3 4" matched and followed: next copy continues the span (now overlapping the output)
+    assert d.propose(ctx, 3) == Draft([1, 2, 3], 4, "prompt_lookup")
+
+
+def test_ngram_drafter_learns_from_accepted_tokens():
+    ctx = [1, 2, 3]
+    d = NgramDrafter(ctx, min_n=2, max_n=3)
+    assert d.propose(ctx + [9], 2) is NO_DRAFT
+    ctx += [9, 4]
+    d.update(ctx, 2)
+    assert d.propose([9], 1) == Draft([4], 1, "ngram")
+
+
+def test_chain_order_and_candidates():
+    ctx = [1, 2, 3, 1, 2]
+    ref = ReferenceDrafter([[1, 2, 7]])
+    pld = PromptLookupDrafter(ctx)
+    chain = DrafterChain([ref, pld])
+    assert chain.propose(ctx, 2).source == "reference"
+    assert [d.source for d in chain.candidates(ctx, 2)] == ["reference", "prompt_lookup"]
+    assert chain.propose(ctx, 0) is NO_DRAFT
+    assert all(isinstance(x, Drafter) for x in (ref, pld, NgramDrafter(ctx)))
+
+
+def test_factory_follows_config():
+    ctx = [1, 2, 3]
+    chain = build_drafters(DecoderConfig(), ctx, [[1, 2]])
+    assert [d.name for d in chain.drafters] == ["reference", "prompt_lookup", "ngram"]
+    chain = build_drafters(DecoderConfig(drafters=("ngram", "prompt_lookup")), ctx, [[1, 2]])
+    assert [d.name for d in chain.drafters] == ["ngram", "prompt_lookup"]
+    # no (or only empty) references: the reference drafter is simply absent
+    assert [d.name for d in build_drafters(DecoderConfig(), ctx, [[]]).drafters] == ["prompt_lookup", "ngram"]

@@ -1,0 +1,111 @@
+"""Matching kernels on small hand-written and generated token arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rag_accel.kernels import (
+    SEPARATOR,
+    NgramIndex,
+    NgramTables,
+    SuffixArrayIndex,
+    concat_with_separators,
+    copy_continuation,
+    suffix_array,
+)
+
+tokens = st.lists(st.integers(0, 3), min_size=0, max_size=40)
+
+
+@given(tokens)
+def test_suffix_array_sorts_all_suffixes(seq):
+    sa = suffix_array(np.array(seq, dtype=np.int64)).tolist()
+    assert sa == sorted(range(len(seq)), key=lambda i: seq[i:])
+
+
+def _brute_longest(source, context, min_match, max_match):
+    """Reference implementation of the documented rule: take the longest suffix of the context
+    (up to max_match) that occurs in the source; among its occurrences the earliest one
+    that has a continuation; None if that length is below min_match or nothing continues."""
+    def occurrences(L):
+        pat = context[-L:]
+        return [i for i in range(len(source) - L + 1) if source[i:i + L] == pat]
+
+    longest = 0
+    for L in range(1, min(max_match, len(context)) + 1):
+        if occurrences(L):
+            longest = L
+    if longest == 0 or longest < min_match:
+        return None
+    starts = [i + longest for i in occurrences(longest)
+              if i + longest < len(source) and source[i + longest] != SEPARATOR]
+    return (longest, min(starts)) if starts else None
+
+
+@settings(max_examples=300)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=15), max_size=3), tokens,
+       st.integers(1, 3), st.integers(1, 8))
+def test_suffix_array_index_matches_brute_force(docs, context, min_match, max_match):
+    source = concat_with_separators(docs).tolist()
+    idx = SuffixArrayIndex(source, candidate_scan=10_000)
+    assert idx.longest_match(context, min_match, max_match) == _brute_longest(source, context, min_match, max_match)
+
+
+def test_suffix_array_index_five_tokens():
+    idx = SuffixArrayIndex([3, 1, 4, 1, 5])
+    assert idx.longest_match([9, 4, 1], min_match=1, max_match=4) == (2, 4)  # "4 1" -> 5
+    assert idx.longest_match([9, 3, 1], min_match=1, max_match=4) == (2, 2)  # "3 1" -> 4
+    assert idx.longest_match([9, 9, 1], min_match=1, max_match=4) == (1, 2)  # "1": earliest -> 4
+    assert idx.longest_match([9, 9, 1], min_match=2, max_match=4) is None
+    assert idx.longest_match([9, 9, 5], min_match=1, max_match=4) is None  # 5 ends the source
+    assert SuffixArrayIndex([]).longest_match([1], 1, 4) is None
+
+
+def test_matches_never_cross_documents():
+    source = concat_with_separators([[1, 2], [3, 4]]).tolist()
+    assert source == [1, 2, SEPARATOR, 3, 4]
+    idx = SuffixArrayIndex(source)
+    assert idx.longest_match([7, 2], 1, 4) is None  # "2" is followed only by the separator
+    assert idx.longest_match([2, 3], 1, 4) == (1, 4)  # only "3" matches; "2 3" spans the boundary
+    assert copy_continuation(source, 0, 10) == [1, 2]
+
+
+@given(tokens, st.integers(1, 3), st.integers(3, 5))
+def test_ngram_index_incremental_equals_batch(seq, min_n, max_n):
+    whole = NgramIndex(min_n, max_n)
+    whole.extend(seq)
+    inc = NgramIndex(min_n, max_n)
+    for i in range(len(seq) + 1):
+        inc.extend(seq[:i])
+    assert whole._tables == inc._tables
+    got = inc.longest_match(seq, max_match=16)
+    if got is not None:
+        L, start = got
+        assert start < len(seq)
+        assert seq[start - L:start] == seq[len(seq) - L:]
+
+
+def test_ngram_index_five_tokens():
+    idx = NgramIndex(1, 3)
+    seq = [1, 2, 3, 1, 2]
+    idx.extend(seq)
+    assert idx.longest_match(seq, max_match=8) == (2, 2)
+    seq.append(3)
+    idx.extend(seq)
+    assert idx.longest_match(seq, max_match=8) == (3, 3)  # "1 2 3" seen, continued by 1
+    idx2 = NgramIndex(2, 3)
+    idx2.extend([1, 2, 3, 4, 5])
+    assert idx2.longest_match([1, 2, 3, 4, 5], 8) is None
+
+
+def test_ngram_tables_draft_and_online_update():
+    t = NgramTables(2, 3)
+    seq = [5, 6, 7, 5]
+    t.extend(seq)
+    assert t.draft(seq, 4) == ([6, 7, 5, 6], 2)  # only bigram (5,)->6 at first, then trigrams
+    seq += [6, 8]
+    t.extend(seq)  # (5, 6) now followed by 8: the latest wins
+    assert t.draft([1, 5, 6], 1) == ([8], 3)
+    assert t.draft([9], 3) == ([], 0)

@@ -1,0 +1,82 @@
+"""The cost-aware draft-length policy."""
+
+from __future__ import annotations
+
+from rag_accel import Draft
+from rag_accel.policy import AcceptanceStats, DraftLengthPolicy, leading_matches
+
+CPU_CURVE = [1.0, 1.21, 1.5, 1.76, 1.9, 2.0, 2.1, 2.15, 2.17] + [2.17 + 0.11 * i for i in range(1, 9)]  # 0..16
+FLAT = [1.0] * 17
+
+
+def train(policy, source, match_len, right: bool, times=30):
+    draft = Draft([1, 2, 3, 4], match_len, source)
+    actual = [1, 2, 3, 4, 5] if right else [9, 9]
+    for _ in range(times):
+        policy.observe(draft, actual)
+
+
+def test_leading_matches():
+    assert leading_matches([1, 2, 3], [1, 2, 4]) == 2
+    assert leading_matches([], [1]) == 0
+    assert leading_matches([5], [6]) == 0
+
+
+def test_drafts_nothing_when_drafts_keep_failing():
+    p = DraftLengthPolicy(CPU_CURVE)
+    train(p, "reference", 1, right=False)
+    assert p.choose(Draft([1] * 16, 1, "reference")) == 0
+
+
+def test_drafts_long_when_spans_keep_being_accepted():
+    p = DraftLengthPolicy(CPU_CURVE)
+    train(p, "reference", 8, right=True)
+    assert p.choose(Draft([1] * 16, 8, "reference")) == 16
+
+
+def test_weak_and_strong_evidence_are_learnt_apart():
+    p = DraftLengthPolicy(CPU_CURVE)
+    train(p, "prompt_lookup", 1, right=False)
+    train(p, "prompt_lookup", 12, right=True)
+    assert p.choose(Draft([1] * 8, 1, "prompt_lookup")) == 0
+    assert p.choose(Draft([1] * 8, 12, "prompt_lookup")) == 8
+
+
+def test_flat_cost_curve_sends_whole_draft_with_modest_acceptance():
+    p = DraftLengthPolicy(FLAT)
+    assert p.choose(Draft([1] * 10, 2, "ngram")) == 10
+
+
+def test_non_adaptive_sends_everything():
+    p = DraftLengthPolicy(CPU_CURVE, adaptive=False)
+    train(p, "reference", 1, right=False)
+    assert p.choose(Draft([1] * 5, 1, "reference")) == 5
+    assert p.select([Draft([1] * 3, 1, "ngram"), Draft([2] * 5, 1, "reference")]) == (Draft([1] * 3, 1, "ngram"), 3)
+
+
+def test_unsent_drafts_still_learn_from_the_models_token():
+    p = DraftLengthPolicy(CPU_CURVE)
+    before = p.rates("ngram", 3)
+    for _ in range(20):  # nothing was sent: only the model's own next token is known
+        p.observe(Draft([7, 8, 9], 3, "ngram"), [7])
+    assert p.rates("ngram", 3)[0] > before[0]
+
+
+def test_select_picks_the_more_promising_drafter():
+    p = DraftLengthPolicy(CPU_CURVE)
+    train(p, "reference", 2, right=False)
+    train(p, "prompt_lookup", 2, right=True)
+    chosen, n = p.select([Draft([1] * 8, 2, "reference"), Draft([2] * 8, 2, "prompt_lookup")])
+    assert chosen.source == "prompt_lookup" and n > 0
+
+
+def test_stats_carry_across_requests_and_forget():
+    stats = AcceptanceStats(horizon=50)
+    train(DraftLengthPolicy(CPU_CURVE, stats=stats), "reference", 8, right=True)
+    fresh = DraftLengthPolicy(CPU_CURVE, stats=stats)  # a later request sharing the stats
+    assert fresh.choose(Draft([1] * 16, 8, "reference")) == 16
+    train(fresh, "reference", 8, right=False, times=200)
+    later = DraftLengthPolicy(CPU_CURVE, stats=stats)
+    assert later.choose(Draft([1] * 16, 8, "reference")) == 0
+    r = stats.overall["reference"]
+    assert r.s0 + r.f0 <= 51

@@ -1,0 +1,64 @@
+"""Stop strings (also spanning verify steps), streaming, and EOS with the real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import OracleDrafter, hf_greedy, tiny_model
+from rag_accel import DecoderConfig, ReferenceDecoder
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer):
+    model = tiny_model("llama", len(tokenizer), seed=11)
+    dec = ReferenceDecoder(model, tokenizer, DecoderConfig(adaptive=False, max_draft_tokens=8))
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
+    want = hf_greedy(model, prompt, 40)
+    text = tokenizer.decode(want, skip_special_tokens=True)
+    return dec, prompt, want, text
+
+
+def _token_end_offsets(tokenizer, ids):
+    return [len(tokenizer.decode(ids[: i + 1], skip_special_tokens=True)) for i in range(len(ids))]
+
+
+@pytest.mark.parametrize("drafts", ["none", "right"])
+def test_stop_string_spanning_tokens_and_steps(setup, tokenizer, drafts):
+    dec, prompt, want, text = setup
+    ends = _token_end_offsets(tokenizer, want)
+    # a stop string made of the last 2 characters of token 9 and the first 2 of token 10
+    cut = ends[9]
+    stop = text[cut - 2: cut + 2]
+    assert len(stop) == 4 and text.find(stop) == cut - 2, "pick a unique span for this seed"
+    drafters = None if drafts == "none" else [OracleDrafter(want, len(prompt), "right", dec.vocab_size)]
+    stream = dec.stream(prompt, max_new_tokens=40, stop=["NEVER", stop], drafters=drafters)
+    pieces = list(stream)
+    out = stream.output
+    assert out.text == text[: cut - 2]
+    assert "".join(pieces) == out.text
+    assert out.finish_reason == "stop"
+    # ids end with the token that completed the stop string, as generate(stop_strings=...) does
+    assert out.token_ids == want[: next(i for i, e in enumerate(ends) if e >= cut + 2) + 1]
+
+
+def test_stream_concatenation_equals_text_without_stops(setup):
+    dec, prompt, want, text = setup
+    stream = dec.stream(prompt, max_new_tokens=40, references=[want])
+    pieces = list(stream)
+    assert "".join(pieces) == stream.output.text == text
+    assert stream.output.token_ids == want
+    assert len(pieces) > 1
+
+
+def test_stop_string_at_the_very_start(setup):
+    dec, prompt, want, text = setup
+    out = dec.generate(prompt, max_new_tokens=40, stop=text[:3])
+    assert out.text == "" and out.finish_reason == "stop"
+
+
+def test_abandoned_stream_releases_the_model(setup):
+    dec, prompt, want, text = setup
+    stream = dec.stream(prompt, max_new_tokens=40)
+    next(iter(stream))
+    stream.close()
+    assert dec.generate(prompt, max_new_tokens=5).token_ids == want[:5]
