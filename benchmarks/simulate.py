@@ -20,7 +20,8 @@ from rag_accel.policy import AcceptanceStats, DraftLengthPolicy, leading_matches
 
 
 def simulate(prompt: list[int], refs: list[list[int]], target: Sequence[int], cfg: DecoderConfig,
-             curve: Sequence[float], stats: AcceptanceStats | None = None) -> tuple[int, int, float]:
+             curve: Sequence[float], stats: AcceptanceStats | None = None,
+             prefill_units: float = 0.0) -> tuple[int, int, float]:
     """Returns (new tokens, steps incl. prefill, modelled cost in plain-step units, prefill counted as 1)."""
     context = list(prompt)
     chain = build_drafters(cfg, context, refs)
@@ -38,9 +39,10 @@ def simulate(prompt: list[int], refs: list[list[int]], target: Sequence[int], cf
             candidates = chain.candidates(context, max_len)
         else:
             candidates = [d for d in [chain.propose(context, max_len)] if d.tokens]
-        draft, n = policy.select(candidates)
+        draft, n = policy.select(candidates, cfg.max_loss * (prefill_units + pos))
         sent = draft.tokens[:n]
         acc = leading_matches(sent, target[pos:])
+        policy.record(n, acc)
         new = list(target[pos: pos + acc + 1])
         context.extend(new)
         pos += len(new)
@@ -76,8 +78,8 @@ def main() -> None:
         worst = 9.0
         stats = AcceptanceStats()  # carried across items, as the decoder does
         for it in data["items"]:
-            t, s, c = simulate(it["prompt"], it["refs"], it[args.target], cfg, curve, stats)
             pre = args.prefill_per_token * len(it["prompt"])  # prefill, in plain-step units, for both sides
+            t, s, c = simulate(it["prompt"], it["refs"], it[args.target], cfg, curve, stats, pre)
             tot_t += t; tot_s += s; tot_c += c
             tot_plain += t + pre; tot_ours += c + pre
             if (t + pre) / (c + pre) < worst:

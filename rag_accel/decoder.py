@@ -91,7 +91,9 @@ class GenerationStream:
         self.output: GenerationOutput | None = None
 
     def __iter__(self) -> Iterator[str]:
-        self.output = yield from self._gen
+        result = yield from self._gen
+        if result is not None:  # iterating an exhausted stream again keeps the output
+            self.output = result
 
     def close(self) -> None:
         self._gen.close()
@@ -179,7 +181,7 @@ class ReferenceDecoder:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cost_curves: dict[int, tuple[float, ...]] = {}
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a generate() inside a stream loop of the same thread
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -405,6 +407,7 @@ class ReferenceDecoder:
             stats.prefill_s = time.perf_counter() - t0
             stats.steps = 1
             candidates: list[Draft] = []
+            unit_s: float | None = None  # fastest plain-step-equivalent seen, to express prefill in steps
             while True:
                 # Emit the new tokens, honouring EOS / stop strings / max_new_tokens.
                 finish, text_end, n_kept = None, None, 0
@@ -444,17 +447,23 @@ class ReferenceDecoder:
                     candidates = chain.candidates(context, min(cfg.max_draft_tokens, remaining - 1))
                 else:
                     candidates = [d for d in [chain.propose(context, min(cfg.max_draft_tokens, remaining - 1))] if d.tokens]
-                draft, n_send = policy.select(candidates)
+                # Failed drafts may cost at most max_loss of the plain-greedy time so far.
+                plain_units = stats.prefill_s / unit_s + len(generated) if unit_s else 0.0
+                draft, n_send = policy.select(candidates, cfg.max_loss * plain_units)
                 sent = draft.tokens[:n_send]
-                stats.draft_s += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                stats.draft_s += t1 - t0
 
                 # 2. Verify: one forward over [last token + draft] on top of the cache.
                 preds = self._forward([context[-1]] + sent, cache).argmax(-1).tolist()  # [1 + n_send]
                 stats.steps += 1
+                step_units = (time.perf_counter() - t1) / policy.cost[n_send]  # seconds per plain step
+                unit_s = step_units if unit_s is None else min(unit_s, step_units)
 
                 # 3. Accept the longest draft prefix equal to the model's argmax, plus its next token.
                 n_acc = leading_matches(sent, preds)
                 new_tokens = sent[:n_acc] + [preds[n_acc]]
+                policy.record(n_send, n_acc)
 
                 # 4. Roll the cache back to the accepted tokens (the new last token is not cached yet).
                 rollback_cache(cache, n_send - n_acc)

@@ -97,15 +97,19 @@ class DraftLengthPolicy:
         prior: float = 0.5,
         prior_weight: float = 2.0,
         min_gain: float = 0.1,
+        exploration: float = 1.0,
     ) -> None:
         self.cost = [float(c) / float(cost_curve[0]) for c in cost_curve]
         self.adaptive = adaptive
         self.stats = stats if stats is not None else AcceptanceStats()
         self.prior, self.w = prior, prior_weight
         self.min_gain = min_gain  # a draft must beat a plain step by this fraction
+        self.exploration = exploration  # plain steps any request may lose before its budget grows
         self._overall = self.stats.overall
         self._buckets = self.stats.buckets
         self._local: dict[tuple[str, int], _Rates] = {}  # this request only
+        # Time lost to drafts so far in this request, in plain-step units (negative: time won).
+        self.debt = 0.0
 
     def rates(self, source: str, match_len: int) -> tuple[float, float]:
         """Estimated (first-token, next-token) acceptance for a draft with this evidence."""
@@ -144,19 +148,32 @@ class DraftLengthPolicy:
             return min(len(draft.tokens), len(self.cost) - 1)
         return self.value(draft)[1]
 
-    def select(self, drafts: Sequence[Draft]) -> tuple[Draft, int]:
+    def select(self, drafts: Sequence[Draft], loss_budget: float = float("inf")) -> tuple[Draft, int]:
         """The draft and length with the most expected tokens per unit of cost
-        (the first draft on ties; non-adaptive: the first draft, whole)."""
+        (the first draft on ties; non-adaptive: the first draft, whole).
+
+        ``loss_budget``: plain steps this request may lose to failed drafts, on top
+        of :attr:`exploration`; once :attr:`debt` exceeds both, only plain steps
+        until the budget (which grows with the tokens generated) catches up. This
+        bounds the worst case when the learnt rates are too optimistic for an item.
+        """
         if not drafts:
             return NO_DRAFT, 0
         if not self.adaptive:
             return drafts[0], self.choose(drafts[0])
+        if self.debt > loss_budget + self.exploration:
+            return NO_DRAFT, 0
         best, best_value, best_len = NO_DRAFT, (1.0 + self.min_gain) / self.cost[0], 0
         for d in drafts:
             value, length = self.value(d)
             if value > best_value:
                 best, best_value, best_len = d, value, length
         return best, best_len
+
+    def record(self, sent: int, accepted: int) -> None:
+        """Account a verified draft: its cost against the tokens it bought beyond a plain step."""
+        if sent:
+            self.debt += self.cost[sent] - 1.0 - accepted
 
     def observe(self, draft: Draft, new_tokens: Sequence[int]) -> None:
         """Learn from the tokens the step produced (accepted draft + the model's next token).

@@ -80,3 +80,16 @@ def test_stats_carry_across_requests_and_forget():
     assert later.choose(Draft([1] * 16, 8, "reference")) == 0
     r = stats.overall["reference"]
     assert r.s0 + r.f0 <= 51
+
+
+def test_loss_budget_stops_drafting_after_failed_drafts_and_reopens():
+    p = DraftLengthPolicy(CPU_CURVE, exploration=1.0)
+    train(p, "reference", 8, right=True)  # the rates say: draft
+    good = Draft([1] * 8, 8, "reference")
+    assert p.select([good], loss_budget=0.0)[1] == 8
+    p.record(8, 0)  # a whole draft rejected: 2.17 - 1 = 1.17 plain steps lost
+    assert p.debt > 1.0
+    assert p.select([good], loss_budget=0.0) == (Draft(), 0)  # over budget + exploration: plain step
+    assert p.select([good], loss_budget=0.5)[1] == 8  # the budget grows with the tokens generated
+    p.record(8, 8)  # an accepted draft pays the debt back
+    assert p.debt < 0 and p.select([good], loss_budget=0.0)[1] == 8

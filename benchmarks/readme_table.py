@@ -1,0 +1,62 @@
+"""Regenerate the README's results section from the committed benchmark JSON.
+
+    python benchmarks/readme_table.py          # rewrites README.md between the results markers
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def engine_section(path: Path) -> str:
+    r = json.loads(path.read_text())
+    env, s = r["environment"], r["summary"]
+    lines = [
+        f"**{env['model'].split('/')[-1]}, {env['dtype']}, {env['device']} ({env['cpu_threads']} threads), "
+        f"{r['items']} MS-MARCO items, {r['max_new_tokens']} new tokens, {env['date']}** "
+        f"([json]({path.relative_to(ROOT)}))",
+        "",
+        "| method | speed-up vs greedy (geo-mean) | worst item | tokens/step | tokens/s | identical to greedy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m, v in s.items():
+        lines.append(f"| {m} | {v['speedup_geomean']:.2f}x | {v['speedup_worst']:.2f}x | "
+                     f"{v['tokens_per_step']:.2f} | {v['tokens_per_s']:.1f} | {v['identical_rate']:.0%} |")
+    lines += ["", f"Reproduce: `{r['command']}`"]
+    return "\n".join(lines)
+
+
+def propose_section(path: Path) -> str:
+    r = json.loads(path.read_text())
+    lines = [
+        f"**Drafting cost against reference size** ({r['environment']['device']}, {r['environment']['date']}; "
+        f"[json]({path.relative_to(ROOT)})): one `propose` of the reference drafter, a fresh search and a "
+        "followed span, against transformers' prompt lookup (`PromptLookupCandidateGenerator`) on the same tokens.",
+        "",
+        "| reference tokens | index build | index peak memory | propose: search (median / p99) | propose: followed span | HF prompt lookup |",
+        "|---|---|---|---|---|---|",
+    ]
+    for x in r["rows"]:
+        lines.append(f"| {x['reference_tokens']:,} | {x['index_build_s']:.3f} s | {x['index_peak_mem_mb']:.0f} MiB | "
+                     f"{x['propose_search_us_median']:.0f} / {x['propose_search_us_p99']:.0f} µs | "
+                     f"{x['propose_follow_us_median']:.0f} µs | {x['hf_prompt_lookup_us_median']:.0f} µs |")
+    lines += ["", f"Reproduce: `{r['command']}`"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    res = ROOT / "benchmarks" / "results"
+    parts = [engine_section(p) for p in sorted(res.glob("engine_*.json"))]
+    parts += [propose_section(p) for p in sorted(res.glob("propose_*.json"))]
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    a, b = text.index(START) + len(START), text.index(END)
+    readme.write_text(text[:a] + "\n" + "\n\n".join(parts) + "\n" + text[b:])
+
+
+if __name__ == "__main__":
+    main()
