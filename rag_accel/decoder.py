@@ -181,6 +181,8 @@ class ReferenceDecoder:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cost_curves: dict[int, tuple[float, ...]] = {}
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
+        # Observed verify cost / measured curve, per context-length bucket (log2), learnt online.
+        self._cost_scale: dict[int, float] = {}
         self._lock = threading.RLock()  # re-entrant: a generate() inside a stream loop of the same thread
 
     # ------------------------------------------------------------------ loading
@@ -407,7 +409,7 @@ class ReferenceDecoder:
             stats.prefill_s = time.perf_counter() - t0
             stats.steps = 1
             candidates: list[Draft] = []
-            unit_s: float | None = None  # fastest plain-step-equivalent seen, to express prefill in steps
+            plain_s: float | None = None  # running time of a plain (one-token) step in this request
             while True:
                 # Emit the new tokens, honouring EOS / stop strings / max_new_tokens.
                 finish, text_end, n_kept = None, None, 0
@@ -448,7 +450,9 @@ class ReferenceDecoder:
                 else:
                     candidates = [d for d in [chain.propose(context, min(cfg.max_draft_tokens, remaining - 1))] if d.tokens]
                 # Failed drafts may cost at most max_loss of the plain-greedy time so far.
-                plain_units = stats.prefill_s / unit_s + len(generated) if unit_s else 0.0
+                bucket = len(context).bit_length()
+                policy.scale_cost(self._cost_scale.get(bucket, 1.0))
+                plain_units = stats.prefill_s / plain_s + len(generated) if plain_s else 0.0
                 draft, n_send = policy.select(candidates, cfg.max_loss * plain_units)
                 sent = draft.tokens[:n_send]
                 t1 = time.perf_counter()
@@ -457,8 +461,13 @@ class ReferenceDecoder:
                 # 2. Verify: one forward over [last token + draft] on top of the cache.
                 preds = self._forward([context[-1]] + sent, cache).argmax(-1).tolist()  # [1 + n_send]
                 stats.steps += 1
-                step_units = (time.perf_counter() - t1) / policy.cost[n_send]  # seconds per plain step
-                unit_s = step_units if unit_s is None else min(unit_s, step_units)
+                dt = time.perf_counter() - t1  # .tolist() synchronised the device
+                if n_send == 0:  # track the plain-step time; learn how far the curve is off at this length
+                    plain_s = dt if plain_s is None else 0.8 * plain_s + 0.2 * dt
+                elif plain_s is not None and policy.adaptive:
+                    ratio = (dt / plain_s - 1.0) / max(policy.base_cost[n_send] - 1.0, 1e-3)
+                    old = self._cost_scale.get(bucket, 1.0)
+                    self._cost_scale[bucket] = min(4.0, max(0.25, 0.9 * old + 0.1 * ratio))
 
                 # 3. Accept the longest draft prefix equal to the model's argmax, plus its next token.
                 n_acc = leading_matches(sent, preds)

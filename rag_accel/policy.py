@@ -99,7 +99,9 @@ class DraftLengthPolicy:
         min_gain: float = 0.1,
         exploration: float = 1.0,
     ) -> None:
-        self.cost = [float(c) / float(cost_curve[0]) for c in cost_curve]
+        self.base_cost = [float(c) / float(cost_curve[0]) for c in cost_curve]
+        self.cost = list(self.base_cost)
+        self.cost_scale = 1.0
         self.adaptive = adaptive
         self.stats = stats if stats is not None else AcceptanceStats()
         self.prior, self.w = prior, prior_weight
@@ -126,6 +128,14 @@ class DraftLengthPolicy:
             if r is not None:
                 g0, g1 = (r.s0 + w * g0) / (r.s0 + r.f0 + w), (r.s1 + w * g1) / (r.s1 + r.f1 + w)
         return g0, g1
+
+    def scale_cost(self, scale: float) -> None:
+        """Correct the measured curve by what verification really costs now: the extra cost of
+        a forward over ``1 + L`` tokens beyond one token is taken ``scale`` times (longer
+        contexts make multi-token forwards dearer than the one-off measurement says)."""
+        if abs(scale - self.cost_scale) > 0.01:
+            self.cost_scale = scale
+            self.cost = [1.0] + [1.0 + (c - 1.0) * scale for c in self.base_cost[1:]]
 
     def value(self, draft: Draft) -> tuple[float, int]:
         """Best expected tokens per unit of cost for this draft, and the length that achieves it."""
