@@ -57,10 +57,63 @@ def load_msmarco_sample(path: str | Path | None = None, *, with_answers: bool = 
     return items
 
 
-def rag_messages(query: str, passages: list[str], system: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
-    """Chat messages: numbered passages, then the question."""
+def rag_prompt(question: str, passages: list[str]) -> str:
+    """The user turn of a RAG prompt: numbered passages, then the question."""
+    if not passages:
+        return question
     context = "\n\n".join(f"Passage {i}: {p}" for i, p in enumerate(passages, 1))
-    return [
-        {"role": "system", "content": system},
-        {"role": "user", "content": f"{context}\n\nQuestion: {query}"},
-    ]
+    return f"{context}\n\nQuestion: {question}"
+
+
+def rag_messages(query: str, passages: list[str], system: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
+    """Chat messages: a system prompt, then numbered passages and the question."""
+    return [{"role": "system", "content": system}, {"role": "user", "content": rag_prompt(query, passages)}]
+
+
+# --------------------------------------------------------------------------- official MS-MARCO files
+def _tsv_rows(path: str | Path, ncols: int, what: str):
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file {path} does not exist")
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line:
+                continue
+            cols = line.split("\t") if "\t" in line or ncols == 1 else line.split()
+            if len(cols) != ncols:
+                raise ValueError(f"{path}:{lineno}: expected {ncols} columns in a {what} file, got {len(cols)}")
+            yield cols
+
+
+def load_collection(path: str | Path, limit: int | None = None) -> dict[str, str]:
+    """``collection.tsv``: ``pid<TAB>passage`` -> {pid: passage}."""
+    out: dict[str, str] = {}
+    for pid, text in _tsv_rows(path, 2, "collection"):
+        out[pid] = text
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def load_queries(path: str | Path) -> dict[str, str]:
+    """``queries.*.tsv``: ``qid<TAB>query`` -> {qid: query}."""
+    return {qid: q for qid, q in _tsv_rows(path, 2, "queries")}
+
+
+def load_qrels(path: str | Path) -> dict[str, dict[str, int]]:
+    """``qrels.*.tsv`` (TREC format: ``qid 0 pid grade``) -> {qid: {pid: grade}}."""
+    out: dict[str, dict[str, int]] = {}
+    for qid, _, pid, grade in _tsv_rows(path, 4, "qrels"):
+        out.setdefault(qid, {})[pid] = int(grade)
+    return out
+
+
+def load_top1000(path: str | Path, limit_queries: int | None = None) -> dict[str, list[tuple[str, str]]]:
+    """``top1000.*.tsv``: ``qid<TAB>pid<TAB>query<TAB>passage`` -> {qid: [(pid, passage), ...]} in file order."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for qid, pid, _query, passage in _tsv_rows(path, 4, "top1000"):
+        if qid not in out and limit_queries is not None and len(out) >= limit_queries:
+            break
+        out.setdefault(qid, []).append((pid, passage))
+    return out

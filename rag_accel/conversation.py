@@ -1,0 +1,71 @@
+"""Multi-turn conversations whose earlier turns are references for the next answer.
+
+The LLMA paper's third scenario: follow-up answers repeat what was said
+before. :class:`Conversation` keeps the turns and passes them (the user's and
+the model's), together with whatever retrieval and the response cache return,
+as references to the decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cache import ResponseCache
+from .data import SYSTEM_PROMPT, rag_prompt
+from .decoder import GenerationOutput, ReferenceDecoder
+from .retrieval import SearchHit, VectorIndex
+
+
+@dataclass
+class Turn:
+    question: str
+    answer: str
+    passages: list[SearchHit] = field(default_factory=list)
+    output: GenerationOutput | None = None
+
+
+class Conversation:
+    """A chat whose references are its own history plus retrieved passages and cached answers.
+
+    Args:
+        decoder: the model.
+        index: optional passage index; its top ``k`` hits for each question are
+            put in the prompt and passed as references.
+        cache: optional response cache; answers to similar past questions are
+            passed as references (not put in the prompt), and each answer is stored.
+        system: system prompt.
+    """
+
+    def __init__(self, decoder: ReferenceDecoder, *, index: VectorIndex | None = None, k: int = 3,
+                 cache: ResponseCache | None = None, system: str | None = SYSTEM_PROMPT) -> None:
+        self.decoder, self.index, self.k, self.cache, self.system = decoder, index, k, cache, system
+        self.turns: list[Turn] = []
+
+    def messages(self, question: str, passages: list[str]) -> list[dict[str, str]]:
+        msgs = [{"role": "system", "content": self.system}] if self.system else []
+        for t in self.turns:
+            msgs += [{"role": "user", "content": t.question}, {"role": "assistant", "content": t.answer}]
+        msgs.append({"role": "user", "content": rag_prompt(question, passages)})
+        return msgs
+
+    def references(self, question: str, passages: list[str]) -> list[str]:
+        refs = [text for t in self.turns for text in (t.answer, t.question)]
+        refs += passages
+        if self.cache is not None:
+            refs += self.cache.references(question)
+        return refs
+
+    def ask(self, question: str, **generate_kwargs: Any) -> Turn:
+        """Answer ``question`` in the context of the earlier turns and record the turn."""
+        if not isinstance(question, str) or not question.strip():
+            raise ValueError("question must be a non-empty string")
+        hits = self.index.search(question, self.k) if self.index is not None else []
+        passages = [h.text for h in hits]
+        out = self.decoder.generate(self.messages(question, passages),
+                                    references=self.references(question, passages), **generate_kwargs)
+        turn = Turn(question, out.text, hits, out)
+        self.turns.append(turn)
+        if self.cache is not None:
+            self.cache.put(question, out.text)
+        return turn

