@@ -48,10 +48,34 @@ def propose_section(path: Path) -> str:
     return "\n".join(lines)
 
 
+def retrieval_section(path: Path) -> str:
+    r = json.loads(path.read_text())
+    lines = [f"**Retrieval quality**: reranking the BM25 top-10 of the {r['queries']} TREC-DL 2019+2020 sample "
+             f"queries, nDCG@10 (ranx) against NIST grades ({r['date']}; [json]({path.relative_to(ROOT)}))", "",
+             "| order | nDCG@10 |", "|---|---|"]
+    lines += [f"| {name} | {v:.3f} |" for name, v in r["ndcg@10"].items()]
+    lines += ["", f"Reproduce: `{r['command']}`"]
+    return "\n".join(lines)
+
+
+def cache_section(path: Path) -> str:
+    r = json.loads(path.read_text())
+    env = r["environment"]
+    ok, total = r["identical"]
+    lines = [f"**Cached answers and earlier turns as references** ({r['items']} MS-MARCO items, {env['device']}, "
+             f"{env['date']}; outputs identical to greedy {ok}/{total}; [json]({path.relative_to(ROOT)}))", "",
+             "| scenario / decoder / references | tokens per step |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in r["tokens_per_step"].items()]
+    lines += ["", f"Reproduce: `{r['command']}`"]
+    return "\n".join(lines)
+
+
 def main() -> None:
     res = ROOT / "benchmarks" / "results"
     parts = [engine_section(p) for p in sorted(res.glob("engine_*.json"))]
     parts += [propose_section(p) for p in sorted(res.glob("propose_*.json"))]
+    parts += [retrieval_section(p) for p in sorted(res.glob("retrieval_*.json"))]
+    parts += [cache_section(p) for p in sorted(res.glob("cache_multiturn_*.json"))]
     readme = ROOT / "README.md"
     text = readme.read_text()
     a, b = text.index(START) + len(START), text.index(END)
