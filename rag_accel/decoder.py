@@ -7,6 +7,7 @@ it; drafts only decide how many of those argmaxes one forward pass computes.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import time
@@ -99,13 +100,18 @@ class GenerationStream:
         self._gen.close()
 
 
+@functools.cache
+def _crop_takes_count(cache_type: type) -> bool:
+    return "tokens_to_remove" in inspect.signature(cache_type.crop).parameters
+
+
 def rollback_cache(cache: Any, remove: int) -> None:
     """Drop the last ``remove`` positions from a KV cache (``DynamicCache.crop``)."""
     if remove <= 0:
         return
     if not hasattr(cache, "crop"):
         raise NotImplementedError(f"{type(cache).__name__} cannot be rolled back (no crop())")
-    if "tokens_to_remove" in inspect.signature(cache.crop).parameters:
+    if _crop_takes_count(type(cache)):
         cache.crop(-remove)  # transformers >= 5: negative = tokens to remove
     else:
         cache.crop(cache.get_seq_length() - remove)  # older: crop(max_length)
