@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +58,48 @@ class _ForwardCounter:
         self._handle.remove()
 
 
+class TargetForcing:
+    """The LLMA paper's target-guided simulation: every forward pass of the model
+    returns logits whose argmax is the target token for each position, so every
+    method decodes exactly ``target`` (then EOS), whatever the weights.
+
+    Applied as hooks on the model itself, identically for all methods, and
+    invisible to drafters (a logits processor would be shown to Hugging Face's
+    prompt-lookup candidate generator, which uses it to filter its drafts).
+    Randomly initialised models of real sizes then time realistically.
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_token_id: int) -> None:
+        self.model, self.eos = model, eos_token_id
+        self.prompt_len = 0
+        self.target: list[int] = []
+        self._past = 0
+        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         model.register_forward_hook(self._post, with_kwargs=True)]
+
+    def set(self, prompt_len: int, target: Sequence[int]) -> None:
+        self.prompt_len, self.target = prompt_len, list(target)
+
+    def _pre(self, module: Any, args: Any, kwargs: dict) -> None:
+        cache = kwargs.get("past_key_values")
+        self._past = cache.get_seq_length() if cache is not None else 0
+
+    def _post(self, module: Any, args: Any, kwargs: dict, output: Any) -> Any:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        logits = output.logits  # [1, R, V]: the last R of the S input positions
+        seq, rows = ids.shape[1], logits.shape[1]
+        for r in range(rows):
+            p = self._past + seq - rows + r + 1 - self.prompt_len  # index in the output of the token predicted here
+            tok = self.target[p] if 0 <= p < len(self.target) else self.eos
+            logits[0, r].fill_(-1e4)
+            logits[0, r, tok] = 0.0
+        return output
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
 def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int) -> Callable[[list[int], RagItem], list[int]]:
     model = dec.model
     if method in BASELINES:
@@ -86,18 +129,31 @@ def run_benchmark(
     methods: Sequence[str],
     max_new_tokens: int,
     progress: Callable[[str], None] | None = None,
+    targets: dict[str, list[int]] | None = None,
 ) -> list[Run]:
+    """Run ``methods`` on ``items``; with ``targets`` (item id -> token ids) every method
+    is forced to decode that target (see :class:`TargetForcing`)."""
     if "greedy" not in methods:
         methods = ["greedy", *methods]
     runners = {m: _runner(dec, m, max_new_tokens) for m in methods}
     prompts = [dec.encode_prompt(rag_messages(it.query, it.passages)) for it in items]
-    # Warm-up on the first item, untimed (also measures our cost curve once, outside the timings).
-    for m in methods:
-        runners[m](prompts[0], items[0])
+    forcing = None
+    if targets is not None:
+        missing = [it.id for it in items if it.id not in targets]
+        if missing:
+            raise ValueError(f"no target for {len(missing)} item(s), e.g. {missing[0]}")
+        forcing = TargetForcing(dec.model, next(iter(dec.eos_token_ids), 0))
     counter = _ForwardCounter(dec.model)
     runs: list[Run] = []
     try:
+        # Warm-up on the first item, untimed (also measures our cost curve once, outside the timings).
+        for m in methods:
+            if forcing is not None:
+                forcing.set(len(prompts[0]), targets[items[0].id])
+            runners[m](prompts[0], items[0])
         for i, (item, ids) in enumerate(zip(items, prompts)):
+            if forcing is not None:
+                forcing.set(len(ids), targets[item.id])
             order = list(methods[i % len(methods):]) + list(methods[: i % len(methods)])
             greedy_ids: list[int] | None = None
             item_runs = []
@@ -119,6 +175,8 @@ def run_benchmark(
                     f"{r.method}={r.seconds:.2f}s" for r in item_runs))
     finally:
         counter.close()
+        if forcing is not None:
+            forcing.close()
     return runs
 
 
@@ -144,7 +202,7 @@ def summarize(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def environment(dec: ReferenceDecoder) -> dict[str, Any]:
+def environment(dec: ReferenceDecoder, model_name: str | None = None) -> dict[str, Any]:
     dev = dec.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
     import transformers
@@ -152,7 +210,7 @@ def environment(dec: ReferenceDecoder) -> dict[str, Any]:
     return {
         "device": f"{dev.type}: {name}",
         "cpu_threads": torch.get_num_threads(),
-        "model": getattr(dec.model.config, "_name_or_path", "") or type(dec.model).__name__,
+        "model": model_name or getattr(dec.model.config, "_name_or_path", "") or type(dec.model).__name__,
         "dtype": str(dec.model.dtype).replace("torch.", ""),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "torch": torch.__version__,
@@ -172,3 +230,29 @@ def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
             f"{s['tokens_per_s']:.1f} | {s['median_latency_s']:.2f} | {s['identical_rate']:.0%} |"
         )
     return "\n".join(lines)
+
+
+def plot(runs: Sequence[Run], path: str | Path, title: str) -> None:
+    """Per-item speed-up against greedy (one column per method) and tokens per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    greedy = {r.item: r.seconds for r in runs if r.method == "greedy"}
+    methods = [m for m in dict.fromkeys(r.method for r in runs) if m != "greedy"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, m in enumerate(methods):
+        sp = [greedy[r.item] / r.seconds for r in runs if r.method == m]
+        a.scatter([i + (j % 7 - 3) * 0.03 for j in range(len(sp))], sp, s=10, alpha=0.6)
+        a.hlines(math.exp(sum(map(math.log, sp)) / len(sp)), i - 0.3, i + 0.3, colors="k")
+        b.bar(i, sum(r.new_tokens for r in runs if r.method == m) / sum(r.steps for r in runs if r.method == m))
+    for ax in (a, b):
+        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
+    a.axhline(1.0, color="grey", lw=0.8, ls="--")
+    a.set_ylabel("speed-up vs greedy (per item; bar = geo-mean)")
+    b.set_ylabel("tokens per verification step")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,90 @@
+"""The CLI end to end on tiny subsets, and its errors for bad arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rag_accel.bench import ALL_METHODS
+from rag_accel.cli import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+@pytest.mark.slow
+def test_demo_two_queries():
+    code, out = run("demo", "--queries", "2", "--corpus-items", "4", "--max-new-tokens", "24")
+    assert code == 0, out
+    assert out.count("Q: ") == 2
+    assert out.count("identical to greedy: True") == 2
+    assert "retrieved: msmarco-" in out and "tokens/step" in out
+
+
+@pytest.mark.slow
+def test_bench_all_methods_writes_json_md_png(tmp_path):
+    prefix = tmp_path / "b"
+    code, out = run("bench", "--items", "3", "--max-new-tokens", "12", "--methods", ",".join(ALL_METHODS),
+                    "--out", str(prefix), "--save-outputs", str(tmp_path / "saved.json"))
+    assert code == 0, out
+    r = json.loads(prefix.with_suffix(".json").read_text())
+    assert set(r["summary"]) == set(ALL_METHODS)
+    for s in r["summary"].values():
+        assert {"median_latency_s", "tokens_per_s", "speedup_geomean", "speedup_worst", "tokens_per_step",
+                "identical_rate"} <= set(s)
+        assert s["identical_rate"] == 1.0
+    assert {"device", "model", "dtype", "date"} <= set(r["environment"]) and r["command"].startswith("rag-accel bench")
+    assert len(r["runs"]) == 3 * len(ALL_METHODS)
+    assert prefix.with_suffix(".png").stat().st_size > 1000 and "| ours |" in prefix.with_suffix(".md").read_text()
+    saved = json.loads((tmp_path / "saved.json").read_text())["outputs"]
+    assert len(saved) == 3
+
+
+def test_target_forced_makes_every_method_decode_the_target(tmp_path):
+    from rag_accel.bench import run_benchmark
+    from rag_accel.data import load_msmarco_sample
+    from rag_accel.decoder import ReferenceDecoder
+    from rag_accel.models import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer("random:tiny", torch.device("cpu"), torch.float32)
+    dec = ReferenceDecoder(model, tok)
+    items = load_msmarco_sample(with_answers=True, limit=3)
+    targets = {it.id: tok(it.answers[0], add_special_tokens=False)["input_ids"][:30] for it in items}
+    runs = run_benchmark(dec, items, ["greedy", "hf-pld", "ours"], 40, targets=targets)
+    for r in runs:
+        assert r.token_ids == targets[r.item] + [tok.eos_token_id], r.method
+    ours = [r for r in runs if r.method == "ours"]
+    assert sum(r.new_tokens for r in ours) > 1.5 * sum(r.steps for r in ours)  # the answers copy from passages
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["bench", "--model", "/no/such/model", "--items", "1"], "'/no/such/model' is not a local folder"),
+    (["bench", "--methods", "greedy,warp-drive", "--items", "1"], "unknown method"),
+    (["bench", "--model", "random:tiny", "--items", "1"], "only makes sense with --target-forced"),
+    (["bench", "--items", "1", "--target-forced", "psychic"], "must be 'human' or 'saved:FILE'"),
+    (["demo", "--corpus", "/no/such/corpus.jsonl"], "does not exist"),
+])
+def test_bad_arguments_give_a_clear_message(args, msg):
+    code, out = run(*args)
+    assert code == 2
+    assert msg in out and "Traceback" not in out
+
+
+def test_malformed_corpus(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    code, out = run("demo", "--corpus", str(bad))
+    assert code == 2 and "bad.jsonl:1: not an MS-MARCO RAG record" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_gpu():
+    code, out = run("bench", "--device", "cuda", "--items", "1")
+    assert code == 2 and "no CUDA GPU is available" in out
