@@ -43,6 +43,21 @@ def greedy(dec, ids, n):
         return dec.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)[0, len(ids):].tolist()
 
 
+def measure(dec, msgs, n, acc, scenario, base_refs, more_refs) -> int:
+    """Decode ``msgs`` with each config and both reference sets; add tokens/steps to ``acc``;
+    return how many outputs equal plain greedy."""
+    want = greedy(dec, dec.encode_prompt(msgs), n)
+    same = 0
+    for cfg_name, cfg in CONFIGS.items():
+        for refs_name, refs in (("passages only", base_refs), ("with extra references", more_refs)):
+            out = dec.generate(msgs, references=refs, max_new_tokens=n, config=cfg)
+            a = acc[f"{scenario} / {cfg_name} / {refs_name}"]
+            a[0] += out.stats.new_tokens
+            a[1] += out.stats.steps
+            same += out.token_ids == want
+    return same
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--items", type=int, default=12)
@@ -67,31 +82,15 @@ def main() -> None:
         again = f"Could you tell me: {it.query}?"
         passages2 = [h.text for h in index.search(again, 3)]
         msgs = rag_messages(again, passages2)
-        want = greedy(dec, dec.encode_prompt(msgs), n)
-        for cfg_name, cfg in CONFIGS.items():
-            for refs_name, refs in (("passages only", passages2),
-                                    ("with extra references", passages2 + cache.references(again))):
-                out = dec.generate(msgs, references=refs, max_new_tokens=n, config=cfg)
-                a = acc[f"cache / {cfg_name} / {refs_name}"]
-                a[0] += out.stats.new_tokens
-                a[1] += out.stats.steps
-                identical += out.token_ids == want
-                total += 1
+        identical += measure(dec, msgs, n, acc, "cache", passages2, passages2 + cache.references(again))
+        total += 2 * len(CONFIGS)
         # multi-turn
         conv = Conversation(dec, index=index, k=3)
         conv.ask(it.query, max_new_tokens=n)
         passages3 = [h.text for h in index.search(FOLLOW_UP, 3)]
         msgs = conv.messages(FOLLOW_UP, passages3)
-        want = greedy(dec, dec.encode_prompt(msgs), n)
-        for cfg_name, cfg in CONFIGS.items():
-            for refs_name, refs in (("passages only", passages3),
-                                    ("with extra references", conv.references(FOLLOW_UP, passages3))):
-                out = dec.generate(msgs, references=refs, max_new_tokens=n, config=cfg)
-                a = acc[f"multi-turn / {cfg_name} / {refs_name}"]
-                a[0] += out.stats.new_tokens
-                a[1] += out.stats.steps
-                identical += out.token_ids == want
-                total += 1
+        identical += measure(dec, msgs, n, acc, "multi-turn", passages3, conv.references(FOLLOW_UP, passages3))
+        total += 2 * len(CONFIGS)
     rows = {k: v[0] / v[1] for k, v in acc.items()}
     lines = ["| scenario / decoder / references | tokens per step |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in rows.items()]

@@ -17,7 +17,8 @@ def engine_section(path: Path) -> str:
     env, s = r["environment"], r["summary"]
     lines = [
         f"**{env['model'].split('/')[-1]}, {env['dtype']}, {env['device']} ({env['cpu_threads']} threads), "
-        f"{r['items']} MS-MARCO items, {r['max_new_tokens']} new tokens, {env['date']}** "
+        f"{r['items']} MS-MARCO items, {r['max_new_tokens']} new tokens"
+        f"{', target-forced: ' + r['target_forced'] if r.get('target_forced') else ''}, {env['date']}** "
         f"([json]({path.relative_to(ROOT)}))",
         "",
         "| method | speed-up vs greedy (geo-mean) | worst item | tokens/step | tokens/s | identical to greedy |",
@@ -72,7 +73,7 @@ def cache_section(path: Path) -> str:
 
 def main() -> None:
     res = ROOT / "benchmarks" / "results"
-    parts = [engine_section(p) for p in sorted(res.glob("engine_*.json"))]
+    parts = [engine_section(p) for p in sorted(res.glob("bench_*.json"))]
     parts += [propose_section(p) for p in sorted(res.glob("propose_*.json"))]
     parts += [retrieval_section(p) for p in sorted(res.glob("retrieval_*.json"))]
     parts += [cache_section(p) for p in sorted(res.glob("cache_multiturn_*.json"))]

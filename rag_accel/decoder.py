@@ -486,10 +486,10 @@ class ReferenceDecoder:
                 if n_send:
                     stats.drafted += n_send
                     stats.accepted += n_acc
-                    d = stats.by_drafter.setdefault(draft.source, {"steps": 0, "drafted": 0, "accepted": 0})
-                    d["steps"] += 1
-                    d["drafted"] += n_send
-                    d["accepted"] += n_acc
+                    row = stats.by_drafter.setdefault(draft.source, {"steps": 0, "drafted": 0, "accepted": 0})
+                    row["steps"] += 1
+                    row["drafted"] += n_send
+                    row["accepted"] += n_acc
 
             stats.new_tokens = len(generated)
             stats.finish_reason = finish
