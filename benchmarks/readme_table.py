@@ -27,6 +27,9 @@ def engine_section(path: Path) -> str:
     for m, v in s.items():
         lines.append(f"| {m} | {v['speedup_geomean']:.2f}x | {v['speedup_worst']:.2f}x | "
                      f"{v['tokens_per_step']:.2f} | {v['tokens_per_s']:.1f} | {v['identical_rate']:.0%} |")
+    png = path.with_suffix(".png")
+    if png.is_file():
+        lines += ["", f"![per-item speed-up and tokens per step]({png.relative_to(ROOT)})"]
     lines += ["", f"Reproduce: `{r['command']}`"]
     return "\n".join(lines)
 
