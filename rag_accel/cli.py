@@ -186,6 +186,37 @@ def bench(
     typer.echo(f"wrote {out.with_suffix('.json')}, .md, .png")
 
 
+@app.command("bench-drafting")
+def bench_drafting(
+    sizes: str = typer.Option("1000,100000,1000000", help="Reference sizes in tokens, comma-separated."),
+    queries: int = typer.Option(300, min=1, help="Proposals timed per size."),
+    out: Path = typer.Option(Path("benchmarks/results/propose_cpu"), help="Output prefix: .json, .md"),
+) -> None:
+    """Cost of one draft proposal against reference size: ours vs Hugging Face's prompt lookup."""
+    import platform
+
+    import torch
+
+    from .bench import propose_cost, propose_table
+
+    try:
+        size_list = [int(x) for x in sizes.split(",") if x.strip()]
+        if not size_list or min(size_list) < 1:
+            raise ValueError
+    except ValueError:
+        _fail(f"--sizes must be positive integers separated by commas, got {sizes!r}")
+    rows = propose_cost(size_list, queries)
+    table = propose_table(rows)
+    typer.echo(table)
+    env = {"device": f"cpu: {platform.processor() or platform.machine()}", "threads": torch.get_num_threads(),
+           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "python": platform.python_version()}
+    command = "rag-accel bench-drafting " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"environment": env, "command": command, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(f"# Drafting cost against reference size\n\n- {env['device']}, {env['date']}\n"
+                                      f"- command: `{command}`\n\n{table}\n")
+
+
 def main() -> None:
     app()
 

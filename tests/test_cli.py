@@ -88,3 +88,13 @@ def test_malformed_corpus(tmp_path):
 def test_cuda_without_gpu():
     code, out = run("bench", "--device", "cuda", "--items", "1")
     assert code == 2 and "no CUDA GPU is available" in out
+
+
+def test_bench_drafting_small(tmp_path):
+    code, out = run("bench-drafting", "--sizes", "500,5000", "--queries", "20", "--out", str(tmp_path / "p"))
+    assert code == 0, out
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [r["reference_tokens"] for r in rows] == [500, 5000]
+    assert all(r["propose_search_us_median"] > 0 and r["hf_prompt_lookup_us_median"] > 0 for r in rows)
+    code, out = run("bench-drafting", "--sizes", "ten")
+    assert code == 2 and "--sizes must be positive integers" in out
