@@ -17,7 +17,6 @@ from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 
-import numpy as np
 
 
 def load_trecdl():
