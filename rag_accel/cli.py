@@ -6,7 +6,6 @@ import hashlib
 import json
 import shlex
 import sys
-import time
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -73,7 +72,6 @@ def demo(
 ) -> None:
     """Index the MS-MARCO sample (FAISS + E5), answer sample questions with streaming,
     and compare each answer with plain greedy decoding of the same prompt."""
-    import torch
 
     from .data import load_msmarco_sample, rag_messages, sample_path
 
@@ -103,18 +101,12 @@ def demo(
         for piece in stream:
             typer.echo(piece, nl=False)
         out = stream.output
-        ids = torch.tensor([dec.encode_prompt(messages)], device=dec.device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            plain = dec.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                       max_new_tokens=max_new_tokens)[0, ids.shape[1]:].tolist()
-        if dec.device.type == "cuda":
-            torch.cuda.synchronize()
-        greedy_s = time.perf_counter() - t0
+        plain = dec.generate_greedy(messages, max_new_tokens=max_new_tokens)
+        greedy_s = plain.stats.time_s
         s = out.stats
         typer.secho(f"\n   {s.new_tokens} tokens, {s.tokens_per_step:.2f} tokens/step, {s.time_s:.2f}s vs plain "
                     f"greedy {greedy_s:.2f}s: {greedy_s / s.time_s:.2f}x; identical to greedy: "
-                    f"{plain == out.token_ids}", fg=typer.colors.GREEN)
+                    f"{plain.token_ids == out.token_ids}", fg=typer.colors.GREEN)
 
 
 @app.command()

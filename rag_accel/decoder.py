@@ -100,6 +100,14 @@ class GenerationStream:
         self._gen.close()
 
 
+def _check_stops(stop: str | Sequence[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+    return stops
+
+
 @functools.cache
 def _crop_takes_count(cache_type: type) -> bool:
     return "tokens_to_remove" in inspect.signature(cache_type.crop).parameters
@@ -340,14 +348,43 @@ class ReferenceDecoder:
             cfg = config
         elif config is not None:
             raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        for s in stops:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        stops = _check_stops(stop)
         prompt_ids = self.encode_prompt(prompt)
         self._check_lengths(len(prompt_ids), max_new_tokens)
         ref_ids = self.encode_references(references, cfg.max_reference_tokens)
         return GenerationStream(self._decode(prompt_ids, ref_ids, max_new_tokens, stops, cfg, drafters))
+
+    def generate_greedy(
+        self, prompt: Any, *, max_new_tokens: int = 256, stop: str | Sequence[str] | None = None
+    ) -> GenerationOutput:
+        """The baseline: the model's own ``generate(do_sample=False)`` on the same prompt.
+
+        Same arguments and output as :meth:`generate` (``stats.steps`` counts one
+        forward per token), so an application can compare against plain greedy
+        decoding without changing anything else.
+        """
+        stops = _check_stops(stop)
+        prompt_ids = self.encode_prompt(prompt)
+        self._check_lengths(len(prompt_ids), max_new_tokens)
+        extra: dict[str, Any] = {"stop_strings": stops, "tokenizer": self.tokenizer} if stops else {}
+        with self._lock, torch.inference_mode():
+            t0 = time.perf_counter()
+            x = torch.tensor([prompt_ids], device=self.device)  # [1, S]
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                      max_new_tokens=max_new_tokens, **extra)
+            generated = out[0, len(prompt_ids):].tolist()  # syncs the device
+            elapsed = time.perf_counter() - t0
+        text = self.tokenizer.decode(generated, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+        if cut >= 0:
+            text, finish = text[:cut], "stop"
+        elif generated and generated[-1] in self.eos_token_ids:
+            finish = "eos"
+        else:
+            finish = "length"
+        stats = GenerationStats(prompt_tokens=len(prompt_ids), new_tokens=len(generated), steps=len(generated),
+                                finish_reason=finish, time_s=elapsed)
+        return GenerationOutput(text=text, token_ids=generated, stats=stats)
 
     # ------------------------------------------------------------ the engine
     def _forward(self, ids: list[int], cache: Any, last_only: bool = False) -> torch.Tensor:

@@ -62,3 +62,22 @@ def test_abandoned_stream_releases_the_model(setup):
     next(iter(stream))
     stream.close()
     assert dec.generate(prompt, max_new_tokens=5).token_ids == want[:5]
+
+
+def test_generate_greedy_is_the_baseline_with_the_same_output_shape(setup, tokenizer):
+    """generate_greedy() is model.generate(do_sample=False); with the same stop it ends where ours ends."""
+    dec, prompt, want, text = setup
+    plain = dec.generate_greedy(prompt, max_new_tokens=40)
+    assert plain.token_ids == want
+    assert plain.stats.steps == plain.stats.new_tokens == 40
+    assert plain.finish_reason == "length" and plain.text == text
+    ends = _token_end_offsets(tokenizer, want)
+    stop = text[ends[11] - 3: ends[12]]  # ends inside token 12
+    assert text.find(stop) == ends[11] - 3
+    plain = dec.generate_greedy(prompt, max_new_tokens=40, stop=stop)
+    ours = dec.generate(prompt, max_new_tokens=40, stop=stop)
+    assert plain.finish_reason == ours.finish_reason == "stop"
+    assert plain.token_ids == ours.token_ids == want[:13]
+    assert plain.text == ours.text == text[: ends[11] - 3]
+    with pytest.raises(ValueError, match="stop strings"):
+        dec.generate_greedy(prompt, stop=[""])
