@@ -27,3 +27,10 @@ def real_decoder():
     from rag_accel import DEFAULT_MODEL, ReferenceDecoder
 
     return ReferenceDecoder.from_pretrained(DEFAULT_MODEL, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def e5():
+    from rag_accel.retrieval import OFFLINE_E5, Embedder
+
+    return Embedder(OFFLINE_E5)

@@ -13,11 +13,6 @@ PLANTED = "The zorblax lantern festival is held every March in the harbour town 
 
 
 @pytest.fixture(scope="session")
-def e5():
-    return Embedder(OFFLINE_E5)
-
-
-@pytest.fixture(scope="session")
 def minilm():
     return Embedder(OFFLINE_MINILM)
 

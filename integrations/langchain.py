@@ -1,0 +1,373 @@
+"""LangChain chat model over :class:`rag_accel.ReferenceDecoder`, and a RAG chain
+that hands the retrieved documents to it as copy sources.
+
+Install: ``pip install 'rag-accel[langchain]'``.
+
+Example:
+    >>> from integrations.langchain import ChatRagAccel, rag_chain  # doctest: +SKIP
+    >>> llm = ChatRagAccel(max_tokens=128)             # the offline default model, loaded on first use
+    >>> chain = rag_chain(retriever, llm)              # any LangChain retriever
+    >>> chain.invoke("what is a corporation?")         # answer text; docs were the references
+    >>> llm.bind(references=docs).invoke(messages)     # or bind references yourself
+
+The output is the model's greedy output, token for token; references only make
+it faster. ``response_metadata["rag_accel"]`` holds the acceleration stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from operator import itemgetter
+from typing import Any
+
+try:
+    from langchain_core.callbacks import (
+        AsyncCallbackManagerForLLMRun,
+        CallbackManagerForLLMRun,
+        CallbackManagerForRetrieverRun,
+    )
+    from langchain_core.documents import Document
+    from langchain_core.language_models import BaseChatModel
+    from langchain_core.messages import (
+        AIMessage,
+        AIMessageChunk,
+        BaseMessage,
+        ChatMessage,
+        HumanMessage,
+        SystemMessage,
+    )
+    from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+    from langchain_core.retrievers import BaseRetriever
+    from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "integrations.langchain needs langchain-core: pip install 'rag-accel[langchain]'"
+    ) from e
+
+from rag_accel import DecoderConfig
+from rag_accel.data import SYSTEM_PROMPT
+from rag_accel.models import DEFAULT_MODEL
+
+from ._shared import reference_texts, shared_decoder, stats_metadata
+
+CALL_OPTIONS = ("max_new_tokens", "max_tokens", "references", "decoder_config", "model", "temperature")
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+_DONE = object()
+
+
+class ChatRagAccel(BaseChatModel):
+    """A local Hugging Face chat model, decoded greedily and accelerated by
+    copying from references (the retrieved documents), the prompt and n-grams.
+
+    Args:
+        model: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default).
+        decoder: a ready :class:`rag_accel.ReferenceDecoder` to use instead of loading ``model``.
+        max_tokens: most new tokens per call (alias ``max_new_tokens``).
+        stop: stop strings; a per-call ``stop`` replaces them.
+        decoder_config: changes to :class:`rag_accel.DecoderConfig` (e.g. ``{"max_draft_tokens": 16}``).
+        accelerate: ``False`` runs the model's own ``generate(do_sample=False)``:
+            the same answers, for a side-by-side comparison.
+        temperature: ``0`` or ``None`` only: decoding is greedy.
+        timeout / max_retries: accepted for LangChain's standard parameters; a local
+            model neither times out nor retries.
+
+    Per-call options (``invoke(..., **kw)`` or ``bind(**kw)``): ``references``
+    (Documents, strings or token-id lists), ``max_tokens``/``max_new_tokens``,
+    ``decoder_config`` (DecoderConfig changes; ``config`` is LangChain's RunnableConfig),
+    ``model`` (must name this model),
+    ``temperature`` (0). Anything else is an error.
+
+    Loading is lazy (on the first call) and shared by instances with the same
+    model, device and dtype; concurrent calls are serialised on the model.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, arbitrary_types_allowed=True,
+                              protected_namespaces=())
+
+    model_name: str = Field(default=DEFAULT_MODEL, alias="model")
+    device: str | None = None
+    dtype: str | None = None
+    decoder: Any = Field(default=None, exclude=True)
+    max_new_tokens: int = Field(default=256, alias="max_tokens", ge=1)
+    stop: list[str] | None = None
+    decoder_config: dict[str, Any] | None = None
+    accelerate: bool = True
+    temperature: float | None = None
+    timeout: float | None = None
+    max_retries: int | None = None
+    streaming: bool = False
+
+    _decoder: Any = PrivateAttr(default=None)
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_only(cls, v: float | None) -> float | None:
+        if v not in (None, 0, 0.0):
+            raise ValueError(f"temperature={v}: ChatRagAccel decodes greedily (temperature 0 or None); "
+                             "sampling is not supported yet")
+        return v
+
+    @field_validator("decoder_config")
+    @classmethod
+    def _valid_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            DecoderConfig().replace(**v)  # unknown keys / bad values raise here, not on the first call
+        return v
+
+    @field_validator("decoder")
+    @classmethod
+    def _valid_decoder(cls, v: Any) -> Any:
+        from rag_accel import ReferenceDecoder
+
+        if v is not None and not isinstance(v, ReferenceDecoder):
+            raise TypeError(f"decoder must be a rag_accel.ReferenceDecoder, got {type(v).__name__}")
+        return v
+
+    # ----------------------------------------------------------- LangChain API
+    @property
+    def _llm_type(self) -> str:
+        return "rag-accel"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens,
+                "accelerate": self.accelerate, "decoder_config": self.decoder_config}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "rag_accel"
+        params["ls_model_name"] = kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name
+        params["ls_max_tokens"] = int(kwargs.get("max_tokens") or kwargs.get("max_new_tokens") or self.max_new_tokens)
+        params["ls_temperature"] = 0.0
+        if stop or self.stop:
+            params["ls_stop"] = list(stop if stop is not None else self.stop)
+        return params
+
+    def _get_invocation_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        # References are bulky and do not change the output (decoding is lossless): keep them out
+        # of traces and of the LLM-cache key, record only how many there were.
+        refs = kwargs.pop("references", None)
+        params = super()._get_invocation_params(stop=stop, **kwargs)
+        if refs is not None:
+            params["n_references"] = len(reference_texts(refs))
+        return params
+
+    def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
+        kwargs.pop("references", None)
+        return super()._get_llm_string(stop=stop, **kwargs)
+
+    # ------------------------------------------------------------ decoding
+    @property
+    def engine(self) -> Any:
+        """The :class:`rag_accel.ReferenceDecoder` (loaded on first use)."""
+        if self.decoder is not None:
+            return self.decoder
+        if self._decoder is None:
+            self._decoder = shared_decoder(self.model_name, self.device, self.dtype)
+        return self._decoder
+
+    def _call_args(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
+        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for ChatRagAccel; per-call options are {list(CALL_OPTIONS)}")
+        if kwargs.get("model") not in (None, self.model_name):
+            raise ValueError(f"model={kwargs['model']!r}: this ChatRagAccel runs {self.model_name!r}; "
+                             "make another instance for another model")
+        self._greedy_only(kwargs.get("temperature"))
+        max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
+        config = self.decoder_config
+        if kwargs.get("decoder_config") is not None:
+            if not isinstance(kwargs["decoder_config"], dict):
+                raise TypeError("decoder_config must be a dict of DecoderConfig changes, "
+                                f"got {type(kwargs['decoder_config']).__name__}")
+            config = {**(config or {}), **kwargs["decoder_config"]}
+        stops = stop if stop is not None else self.stop
+        return (to_chat_messages(messages), reference_texts(kwargs.get("references")),
+                {"max_new_tokens": max_new, "stop": stops or None}, config)
+
+    def _run(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
+        """(text pieces, a function returning the GenerationOutput once they are consumed)."""
+        chat, refs, opts, config = self._call_args(messages, stop, kwargs)
+        dec = self.engine
+        if not self.accelerate:
+            out = dec.generate_greedy(chat, **opts)
+            return iter([out.text] if out.text else []), lambda: out, lambda: None
+        stream = dec.stream(chat, refs, config=config, **opts)  # inputs are checked here
+        return iter(stream), lambda: stream.output, stream.close
+
+    def _message_fields(self, out: Any) -> dict[str, Any]:
+        s = out.stats
+        return {
+            "usage_metadata": {"input_tokens": s.prompt_tokens, "output_tokens": s.new_tokens,
+                               "total_tokens": s.prompt_tokens + s.new_tokens},
+            "response_metadata": {"model_name": self.model_name, "model_provider": "rag_accel",
+                                  "finish_reason": _FINISH.get(s.finish_reason, s.finish_reason),
+                                  "rag_accel": stats_metadata(s)},
+        }
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        pieces, output, _ = self._run(messages, stop, kwargs)
+        for _ in pieces:
+            pass
+        out = output()
+        message = AIMessage(content=out.text, **self._message_fields(out))
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        pieces, output, close = self._run(messages, stop, kwargs)
+        try:
+            for piece in pieces:
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=piece))
+                if run_manager:
+                    run_manager.on_llm_new_token(piece, chunk=chunk)
+                yield chunk
+        finally:
+            close()  # a consumer that stops early frees the model here, in this thread
+        yield ChatGenerationChunk(message=AIMessageChunk(content="", chunk_position="last",
+                                                         **self._message_fields(output())))
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        # The model runs in a worker thread; the event loop stays free.
+        return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
+            if run_manager:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+
+async def iterate_in_thread(make_iter: Any) -> AsyncIterator[Any]:
+    """Run a blocking iterator in one worker thread (the decoder's lock is held by
+    that thread for the whole generation) and hand its items to the event loop.
+    Stopping early closes the iterator in its own thread."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def produce() -> None:
+        it = None
+        try:
+            it = make_iter()
+            for item in it:
+                if cancelled.is_set():
+                    break
+                loop.call_soon_threadsafe(queue.put_nowait, (item, None))
+            loop.call_soon_threadsafe(queue.put_nowait, (_DONE, None))
+        except BaseException as e:  # handed to the consumer
+            loop.call_soon_threadsafe(queue.put_nowait, (_DONE, e))
+        finally:
+            if it is not None and hasattr(it, "close"):
+                it.close()
+
+    worker = loop.run_in_executor(None, produce)
+    try:
+        while True:
+            item, err = await queue.get()
+            if err is not None:
+                raise err
+            if item is _DONE:
+                break
+            yield item
+    finally:
+        cancelled.set()
+        await asyncio.shield(worker)
+
+
+def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """LangChain messages as chat-template messages; tool messages and non-text content are refused."""
+    out = []
+    for m in messages:
+        if isinstance(m, SystemMessage):
+            role = "system"
+        elif isinstance(m, HumanMessage):
+            role = "user"
+        elif isinstance(m, AIMessage):
+            if m.tool_calls:
+                raise NotImplementedError("ChatRagAccel has no tool calling: "
+                                          "an AIMessage with tool_calls cannot be rendered")
+            role = "assistant"
+        elif isinstance(m, ChatMessage):
+            role = m.role
+        else:
+            raise NotImplementedError(f"{type(m).__name__} is not supported by ChatRagAccel (no tool calling); "
+                                      "use system, human, AI or chat messages")
+        if isinstance(m.content, str):
+            text = m.content
+        else:
+            kinds = {b.get("type") for b in m.content if isinstance(b, dict)} - {"text"}
+            if kinds:
+                raise NotImplementedError(f"ChatRagAccel takes text only; got content blocks of type {sorted(kinds)}")
+            text = "".join(b if isinstance(b, str) else b.get("text", "") for b in m.content)
+        out.append({"role": role, "content": text})
+    return out
+
+
+# --------------------------------------------------------------------------- RAG chain
+def format_documents(docs: Sequence[Any]) -> str:
+    """Numbered passages, as :func:`rag_accel.data.rag_prompt` writes them."""
+    return "\n\n".join(f"Passage {i}: {d.page_content}" for i, d in enumerate(docs, 1))
+
+
+def default_rag_prompt() -> Any:
+    """System prompt, then the numbered passages and the question (the demo's prompt)."""
+    from langchain_core.prompts import ChatPromptTemplate
+
+    return ChatPromptTemplate.from_messages(
+        [("system", SYSTEM_PROMPT), ("human", "{context}\n\nQuestion: {question}")]
+    )
+
+
+def rag_chain(retriever: Any, llm: Any, prompt: Any = None, *, parser: Any = "str",
+              format_docs: Any = format_documents) -> Any:
+    """question -> retriever -> prompt -> ``llm`` with the retrieved documents bound as references.
+
+    Args:
+        retriever: any LangChain retriever (a Runnable from a question to Documents).
+        llm: a :class:`ChatRagAccel`, or one with options bound (``llm.bind(max_tokens=64)``).
+        prompt: a prompt with ``{context}`` and ``{question}`` (default :func:`default_rag_prompt`).
+        parser: ``"str"`` (answer text), ``None`` (the AIMessage, with the stats) or an output parser.
+        format_docs: Documents -> the ``{context}`` text.
+
+    The documents are bound per call (a dynamic bind inside the chain), so
+    ``invoke``, ``stream``, ``batch``, ``ainvoke`` and ``astream`` each use their
+    own question's documents.
+    """
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.runnables import RunnableLambda, RunnablePassthrough
+
+    prompt = prompt if prompt is not None else default_rag_prompt()
+    tail = StrOutputParser() if parser == "str" else parser
+
+    def answer(x: dict[str, Any]) -> Any:
+        step = prompt | llm.bind(references=x["docs"])
+        return step | tail if tail is not None else step
+
+    return (
+        {"question": RunnablePassthrough()}
+        | RunnablePassthrough.assign(docs=itemgetter("question") | retriever)
+        | RunnablePassthrough.assign(context=lambda x: format_docs(x["docs"]))
+        | RunnableLambda(answer)
+    )
+
+
+class VectorIndexRetriever(BaseRetriever):
+    """A LangChain retriever over a :class:`rag_accel.retrieval.VectorIndex` (FAISS + E5).
+
+    Documents carry ``metadata={"id": passage id, "score": inner product}``.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+    index: Any
+    k: int = Field(default=4, ge=1)
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        return [Document(page_content=h.text, metadata={"id": h.doc_id, "score": h.score})
+                for h in self.index.search(query, self.k)]

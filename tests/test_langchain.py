@@ -1,0 +1,222 @@
+"""LangChain adapter: the standard suites on the real offline model, a real RAG chain
+(E5 + FAISS over MS-MARCO) whose answers equal plain greedy, concurrency, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("langchain_core")
+pytest.importorskip("langchain_tests")
+
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
+from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
+from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
+
+from integrations.langchain import (  # noqa: E402
+    ChatRagAccel,
+    VectorIndexRetriever,
+    default_rag_prompt,
+    format_documents,
+    rag_chain,
+    to_chat_messages,
+)
+from rag_accel import DEFAULT_MODEL  # noqa: E402
+from rag_accel.data import load_msmarco_sample  # noqa: E402
+from rag_accel.retrieval import VectorIndex  # noqa: E402
+
+MAX_NEW = 40
+PARAMS = {"model": DEFAULT_MODEL, "device": "cpu", "dtype": "float32"}
+
+
+class _Declared:
+    """What the model does not do, declared (greedy local text model, no tools)."""
+
+    @property
+    def chat_model_class(self):
+        return ChatRagAccel
+
+    @property
+    def chat_model_params(self):
+        return dict(PARAMS)
+
+    has_tool_calling = False
+    has_tool_choice = False
+    has_structured_output = False
+    supports_json_mode = False
+    supports_image_inputs = False
+    supports_model_override = False  # one instance runs one model; model=<other> is an error
+    returns_usage_metadata = True
+
+
+class TestChatRagAccelStandardUnit(_Declared, ChatModelUnitTests):
+    @property
+    def standard_chat_model_params(self):
+        params = super().standard_chat_model_params
+        del params["api_key"]  # a local model has no API key; passing one is an error (extra="forbid")
+        return params
+
+
+class TestChatRagAccelStandardIntegration(_Declared, ChatModelIntegrationTests):
+    @property
+    def chat_model_params(self):
+        return {**PARAMS, "max_tokens": 24}  # keeps the suite's ~40 generations short on CPU
+
+
+# --------------------------------------------------------------------------- a real RAG chain
+@pytest.fixture(scope="module")
+def items():
+    return load_msmarco_sample(with_answers=True, limit=6)
+
+
+@pytest.fixture(scope="module")
+def retriever(e5, items):
+    index = VectorIndex(e5)
+    index.add([p for it in items for p in it.passages],
+              ids=[f"{it.id}/{j}" for it in items for j in range(len(it.passages))])
+    return VectorIndexRetriever(index=index, k=3)
+
+
+@pytest.fixture(scope="module")
+def llm(real_decoder):
+    return ChatRagAccel(decoder=real_decoder, max_tokens=MAX_NEW)
+
+
+def _greedy_answer(decoder, retriever, question):
+    """Plain greedy decoding (model.generate) of the prompt the chain builds."""
+    docs = retriever.invoke(question)
+    prompt = default_rag_prompt().invoke({"context": format_documents(docs), "question": question})
+    return decoder.generate_greedy(to_chat_messages(prompt.to_messages()), max_new_tokens=MAX_NEW).text
+
+
+@pytest.fixture(scope="module")
+def expected(real_decoder, retriever, items):
+    return {it.query: _greedy_answer(real_decoder, retriever, it.query) for it in items[:3]}
+
+
+def test_chain_invoke_equals_greedy_and_uses_the_retrieved_documents(llm, retriever, items, expected):
+    chain = rag_chain(retriever, llm, parser=None)
+    copied = 0
+    for it in items[:3]:
+        msg = chain.invoke(it.query)
+        assert isinstance(msg, AIMessage)
+        assert msg.content == expected[it.query]
+        stats = msg.response_metadata["rag_accel"]
+        assert msg.usage_metadata["output_tokens"] == stats["new_tokens"] > 0
+        copied += stats["by_drafter"].get("reference", {}).get("accepted", 0)
+    assert copied > 0  # the documents reached the decoder and were copied from
+
+
+def test_chain_stream_batch_ainvoke_astream_give_the_same_answers(llm, retriever, items, expected):
+    chain = rag_chain(retriever, llm)  # answer strings
+    questions = [it.query for it in items[:3]]
+    streamed = list(chain.stream(questions[0]))
+    assert len(streamed) > 1 and "".join(streamed) == expected[questions[0]]
+    assert chain.batch(questions, config={"max_concurrency": 3}) == [expected[q] for q in questions]
+
+    async def run():
+        a = await chain.ainvoke(questions[1])
+        pieces = [p async for p in chain.astream(questions[2])]
+        return a, pieces
+
+    a, pieces = asyncio.run(run())
+    assert a == expected[questions[1]]
+    assert len(pieces) > 1 and "".join(pieces) == expected[questions[2]]
+
+
+def test_last_stream_chunk_carries_usage_and_stats(llm, retriever, items):
+    docs = retriever.invoke(items[0].query)
+    chunks = list(llm.bind(references=docs).stream(items[0].query))
+    last = chunks[-1]
+    assert last.chunk_position == "last"
+    assert last.usage_metadata["output_tokens"] == last.response_metadata["rag_accel"]["new_tokens"]
+    assert last.response_metadata["model_name"] == DEFAULT_MODEL
+    assert last.response_metadata["finish_reason"] in ("stop", "length")
+
+
+def test_concurrent_calls_on_one_model_each_get_their_own_greedy_answer(llm, real_decoder, items):
+    """Threads and async tasks on one model: each output equals its own sequential greedy output."""
+    prompts = [[SystemMessage("Answer briefly."), HumanMessage(f"{it.query}\n\n{it.passages[0]}")] for it in items]
+    want = [real_decoder.generate_greedy(to_chat_messages(p), max_new_tokens=24).text for p in prompts]
+    refs = [[Document(page_content=p) for p in it.passages] for it in items]
+    # the references are deliberately crossed: item i gets item i+1's passages (a speed question only)
+    crossed = refs[1:] + refs[:1]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda i: llm.invoke(prompts[i], references=crossed[i], max_tokens=24).content,
+                            range(len(prompts))))
+    assert got == want
+
+    async def run():
+        async def one(i):
+            return "".join([c.content async for c in llm.astream(prompts[i], references=refs[i], max_tokens=24)])
+        return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+
+    assert asyncio.run(run()) == want
+
+
+def test_without_references_it_still_accelerates_from_the_prompt(llm, items):
+    it = items[1]
+    msg = llm.invoke([HumanMessage("Repeat this passage exactly:\n" + it.passages[0])], max_tokens=32)
+    stats = msg.response_metadata["rag_accel"]
+    assert "reference" not in stats["by_drafter"]
+    assert stats["tokens_per_step"] > 1.5  # copied through prompt lookup / n-grams
+
+
+def test_accelerate_false_is_plain_greedy_with_the_same_interface(real_decoder):
+    fast = ChatRagAccel(decoder=real_decoder, max_tokens=16)
+    plain = ChatRagAccel(decoder=real_decoder, max_tokens=16, accelerate=False)
+    a, b = fast.invoke("Name three colours."), plain.invoke("Name three colours.")
+    assert a.content == b.content
+    assert b.response_metadata["rag_accel"]["tokens_per_step"] == 1.0
+    assert "".join(c.content for c in plain.stream("Name three colours.")) == b.content
+
+
+def test_references_stay_out_of_traces_and_cache_key(llm):
+    docs = [Document(page_content="x" * 1000)]
+    params = llm._get_invocation_params(stop=None, references=docs)
+    assert "references" not in params and params["n_references"] == 1
+    assert "xxxx" not in llm._get_llm_string(stop=None, references=docs)
+
+
+def test_stop_at_construction_and_per_call(real_decoder):
+    llm = ChatRagAccel(decoder=real_decoder, max_tokens=24, stop=["assist"])
+    out = llm.invoke("Hello")
+    assert "assist" not in out.content and out.response_metadata["finish_reason"] == "stop"
+    per_call = llm.invoke("Hello", stop=["!"])  # a per-call stop replaces the constructor's
+    assert "!" not in per_call.content and per_call.content.startswith("Hello")
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    ({"top_p": 0.9}, ValueError, "unknown option"),
+    ({"temperature": 0.7}, ValueError, "greedily"),
+    ({"model": "gpt-4"}, ValueError, "another instance"),
+    ({"decoder_config": {"no_such_knob": 1}}, ValueError, "no_such_knob"),
+    ({"decoder_config": [1]}, TypeError, "decoder_config"),
+    ({"references": [object()]}, TypeError, "reference 0"),
+    ({"max_tokens": 0}, ValueError, "max_new_tokens"),
+])
+def test_bad_call_options_are_clear_errors(llm, kwargs, err, match):
+    with pytest.raises(err, match=match):
+        llm.invoke("Hello", **kwargs)
+    assert llm.invoke("Hi", max_tokens=4).content  # still usable afterwards
+
+
+def test_bad_construction_and_unsupported_messages(real_decoder):
+    with pytest.raises(ValueError, match="greedily"):
+        ChatRagAccel(temperature=0.5)
+    with pytest.raises(ValueError):
+        ChatRagAccel(decoder_config={"no_such_knob": 1})
+    with pytest.raises(ValueError):
+        ChatRagAccel(unknown_field=1)
+    with pytest.raises(TypeError, match="ReferenceDecoder"):
+        ChatRagAccel(decoder="not a decoder")
+    llm = ChatRagAccel(decoder=real_decoder)
+    with pytest.raises(NotImplementedError, match="tool"):
+        llm.invoke([HumanMessage("hi"), ToolMessage("42", tool_call_id="1")])
+    with pytest.raises(NotImplementedError, match="image"):
+        llm.invoke([HumanMessage([{"type": "image", "url": "http://x/y.png"}])])
+    with pytest.raises(ValueError, match="context window"):
+        llm.invoke("word " * 9000)
