@@ -10,8 +10,8 @@ import threading
 import time
 
 import pytest
-
 from helpers import hf_greedy
+
 from rag_accel.cache import ResponseCache
 from rag_accel.conversation import Conversation
 from rag_accel.data import load_msmarco_sample, rag_messages

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from helpers import hf_greedy, tiny_model
+
 from rag_accel import DecoderConfig, ReferenceDecoder
 from rag_accel.decoder import resolve_device
 

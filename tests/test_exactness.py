@@ -10,8 +10,8 @@ import random
 
 import pytest
 import torch
-
 from helpers import OracleDrafter, hf_greedy, tiny_model
+
 from rag_accel import DecoderConfig, ReferenceDecoder
 
 ARCHS = ["llama", "qwen2", "gpt2"]

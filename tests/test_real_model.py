@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import hf_greedy
+
 from rag_accel.bench import run_benchmark, summarize
 from rag_accel.data import load_msmarco_sample, rag_messages
 

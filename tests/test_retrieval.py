@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rag_accel.data import load_msmarco_sample
-from rag_accel.retrieval import OFFLINE_E5, OFFLINE_MINILM, Embedder, VectorIndex
+from rag_accel.retrieval import OFFLINE_MINILM, Embedder, VectorIndex
 from rag_accel.storage import CorruptFileError
 
 PLANTED = "The zorblax lantern festival is held every March in the harbour town of Quillport."

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import OracleDrafter, hf_greedy, tiny_model
+
 from rag_accel import DecoderConfig, ReferenceDecoder
 
 
