@@ -3,12 +3,13 @@ that hands the retrieved documents to it as copy sources.
 
 Install: ``pip install 'rag-accel[langchain]'``.
 
-Example:
-    >>> from integrations.langchain import ChatRagAccel, rag_chain  # doctest: +SKIP
-    >>> llm = ChatRagAccel(max_tokens=128)             # the offline default model, loaded on first use
-    >>> chain = rag_chain(retriever, llm)              # any LangChain retriever
-    >>> chain.invoke("what is a corporation?")         # answer text; docs were the references
-    >>> llm.bind(references=docs).invoke(messages)     # or bind references yourself
+Example::
+
+    from integrations.langchain import ChatRagAccel, rag_chain
+    llm = ChatRagAccel(max_tokens=128)             # the offline default model, loaded on first use
+    chain = rag_chain(retriever, llm)              # any LangChain retriever
+    chain.invoke("what is a corporation?")         # answer text; docs were the references
+    llm.bind(references=docs).invoke(messages)     # or bind references yourself
 
 The output is the model's greedy output, token for token; references only make
 it faster. ``response_metadata["rag_accel"]`` holds the acceleration stats.

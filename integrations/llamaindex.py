@@ -3,13 +3,14 @@ query engine retrieved.
 
 Install: ``pip install 'rag-accel[llamaindex]'``.
 
-Example:
-    >>> from integrations.llamaindex import RagAccelLLM, e5_embedding  # doctest: +SKIP
-    >>> llm = RagAccelLLM(max_new_tokens=128)
-    >>> index = VectorStoreIndex(nodes, storage_context=faiss_storage, embed_model=e5_embedding())
-    >>> index.as_query_engine(llm=llm).query("what is a corporation?")  # unchanged code: the
-    ...     # nodes retrieved for this query become the decoder's references
-    >>> RagAccelQueryEngine(retriever=index.as_retriever(), llm=llm).query(q)  # the explicit route
+Example::
+
+    from integrations.llamaindex import RagAccelLLM, e5_embedding
+    llm = RagAccelLLM(max_new_tokens=128)
+    index = VectorStoreIndex(nodes, storage_context=faiss_storage, embed_model=e5_embedding())
+    index.as_query_engine(llm=llm).query("what is a corporation?")  # unchanged code: the
+        # nodes retrieved for this query become the decoder's references
+    RagAccelQueryEngine(retriever=index.as_retriever(), llm=llm).query(q)  # the explicit route
 
 References reach the decoder in two ways:
 

@@ -1,0 +1,36 @@
+"""The example scripts run as written (on a small subset) and say their answers equal plain greedy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_quickstart():
+    out = _run("quickstart.py", "--queries", "1", "--max-new-tokens", "16")
+    assert "tokens/step" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["langchain_rag.py", "llamaindex_rag.py"])
+def test_framework_examples(script):
+    pytest.importorskip("langchain_core" if "langchain" in script else "llama_index.core")
+    out = _run(script, "--questions", "2", "--corpus-items", "6", "--max-new-tokens", "24")
+    assert out.count("Q: ") == 2
+    assert out.count("same answer: True") == 2, out
+    assert "tokens/step" in out
