@@ -74,11 +74,30 @@ def cache_section(path: Path) -> str:
     return "\n".join(lines)
 
 
+def integrations_section(path: Path) -> str:
+    r = json.loads(path.read_text())
+    env = r["environment"]
+    lines = [f"**Framework adapters end to end** ({env['model']}, {env['dtype']}, {env['device']}, {env['date']}; "
+             f"{r['items']} MS-MARCO questions, top-{r['k']} of {r['corpus_passages']} passages, "
+             f"{r['max_new_tokens']} new tokens; [json]({path.relative_to(ROOT)})): the LangChain chain and the "
+             "LlamaIndex query engine against the same chain / engine with `accelerate=False` (the model's own "
+             "`generate(do_sample=False)`); the whole call is timed, retrieval included.", "",
+             "| framework | speed-up (geo-mean) | worst question | tokens/step | identical answers |",
+             "|---|---|---|---|---|"]
+    for name, v in r["results"].items():
+        s = v["summary"]
+        lines.append(f"| {name} | {s['speedup_geomean']:.2f}x | {s['speedup_worst']:.2f}x | "
+                     f"{s['tokens_per_step']:.2f} | {s['identical_rate']:.0%} |")
+    lines += ["", f"Reproduce: `{r['command']}`"]
+    return "\n".join(lines)
+
+
 def main() -> None:
     res = ROOT / "benchmarks" / "results"
     parts = [engine_section(p) for p in sorted(res.glob("bench_*.json"))]
     parts += [propose_section(p) for p in sorted(res.glob("propose_*.json"))]
     parts += [retrieval_section(p) for p in sorted(res.glob("retrieval_*.json"))]
+    parts += [integrations_section(p) for p in sorted(res.glob("integrations_*.json"))]
     parts += [cache_section(p) for p in sorted(res.glob("cache_multiturn_*.json"))]
     readme = ROOT / "README.md"
     text = readme.read_text()

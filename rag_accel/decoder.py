@@ -56,6 +56,9 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0  # drafting + choosing the length (host side)
     calibration_s: float = 0.0  # one-off measurement of the cost curve, if this call did it
+    # Per forward pass: (drafter whose draft was verified, "" for none; tokens that step produced:
+    # accepted draft tokens + the model's own next one). The last entry may exceed what a stop kept.
+    trace: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:
@@ -81,6 +84,17 @@ class GenerationOutput:
     @property
     def finish_reason(self) -> str:
         return self.stats.finish_reason
+
+    def steps(self) -> list[tuple[str, list[int]]]:
+        """The output split by forward pass: (drafter whose draft was verified, ``""`` for a
+        plain step; the tokens that pass produced). Joined, the tokens are ``token_ids``."""
+        out, i = [], 0
+        for source, n in self.stats.trace:
+            if i >= len(self.token_ids):
+                break
+            out.append((source, self.token_ids[i:i + n]))
+            i += n
+        return out
 
 
 class GenerationStream:
@@ -451,6 +465,7 @@ class ReferenceDecoder:
             new_tokens = [int(self._forward(prompt_ids, cache, last_only=True)[-1].argmax())]
             stats.prefill_s = time.perf_counter() - t0
             stats.steps = 1
+            stats.trace.append(("", 1))
             candidates: list[Draft] = []
             plain_s: float | None = None  # running time of a plain (one-token) step in this request
             while True:
@@ -516,6 +531,7 @@ class ReferenceDecoder:
                 n_acc = leading_matches(sent, preds)
                 new_tokens = sent[:n_acc] + [preds[n_acc]]
                 policy.record(n_send, n_acc)
+                stats.trace.append((draft.source if n_send else "", len(new_tokens)))
 
                 # 4. Roll the cache back to the accepted tokens (the new last token is not cached yet).
                 rollback_cache(cache, n_send - n_acc)

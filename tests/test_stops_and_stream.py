@@ -81,3 +81,31 @@ def test_generate_greedy_is_the_baseline_with_the_same_output_shape(setup, token
     assert plain.text == ours.text == text[: ends[11] - 3]
     with pytest.raises(ValueError, match="stop strings"):
         dec.generate_greedy(prompt, stop=[""])
+
+
+def test_steps_split_the_output_by_forward_pass(setup):
+    dec, prompt, want, text = setup
+    out = dec.generate(prompt, max_new_tokens=40,
+                       drafters=[OracleDrafter(want, len(prompt), "mix", dec.vocab_size, seed=3)])
+    steps = out.steps()
+    assert [t for _, tokens in steps for t in tokens] == out.token_ids == want
+    assert len(steps) == out.stats.steps
+    assert steps[0] == ("", want[:1])  # prefill produces one token
+    assert {s for s, _ in steps[1:]} <= {"oracle", ""}
+    assert sum(len(t) - 1 for s, t in steps[1:]) == out.stats.accepted  # each step: accepted + 1 own token
+
+
+def test_copy_spans_locate_copied_runs_and_render(setup, tokenizer):
+    from rag_accel import ReferenceDrafter
+    from rag_accel.viz import copy_spans, steps_html
+
+    dec, prompt, want, text = setup
+    refs = [[7, 8, 9, 10], want[10:35]]  # the second one holds a stretch of the answer
+    out = dec.generate(prompt, max_new_tokens=40, drafters=[ReferenceDrafter(refs, min_match=2)])
+    assert out.token_ids == want
+    spans = copy_spans(out, refs)
+    copied = [s for s in spans if s.copied]
+    assert copied and all(s.source == "reference" and s.passage == 1 for s in copied)
+    assert [t for s in spans for t in s.tokens] == want
+    page = steps_html(out, tokenizer, [tokenizer.decode(r) for r in refs])
+    assert 'title="' in page and 'id="passage-2"' in page and "tokens/step" in page
