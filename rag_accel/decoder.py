@@ -20,6 +20,7 @@ import torch
 from .config import DecoderConfig
 from .drafters import Draft, Drafter, DrafterChain, build_drafters
 from .policy import AcceptanceStats, DraftLengthPolicy, leading_matches
+from .sampling import Sampling, accept_point_mass, probabilities
 from .stopping import IncrementalDetokenizer, StopStringMatcher
 
 # Generation-config settings that change greedy outputs and that this decoder
@@ -340,6 +341,11 @@ class ReferenceDecoder:
         stop: str | Sequence[str] | None = None,
         config: DecoderConfig | Mapping[str, Any] | None = None,
         drafters: Sequence[Drafter] | None = None,
+        do_sample: bool = False,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
     ) -> GenerationStream:
         """Stream the greedy output as text pieces.
 
@@ -352,6 +358,12 @@ class ReferenceDecoder:
                 token ids end with the token that completed it).
             config: per-call :class:`DecoderConfig` or a dict of changes to it.
             drafters: use these drafters instead of the configured chain.
+            do_sample: sample instead of greedy decoding; drafts are then verified by
+                speculative sampling with a point-mass draft (see :mod:`rag_accel.sampling`),
+                so the output is distributed as the model's own sampling.
+            temperature / top_k / top_p: as in ``generate(do_sample=True)``; unset ones come
+                from the model's generation config, as there.
+            seed: makes a sampled output reproducible.
 
         Inputs are checked here, before any iteration.
         """
@@ -366,7 +378,28 @@ class ReferenceDecoder:
         prompt_ids = self.encode_prompt(prompt)
         self._check_lengths(len(prompt_ids), max_new_tokens)
         ref_ids = self.encode_references(references, cfg.max_reference_tokens)
-        return GenerationStream(self._decode(prompt_ids, ref_ids, max_new_tokens, stops, cfg, drafters))
+        sampling = self._sampling(do_sample, temperature, top_k, top_p, seed)
+        return GenerationStream(self._decode(prompt_ids, ref_ids, max_new_tokens, stops, cfg, drafters, sampling))
+
+    def _sampling(self, do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampling | None:
+        if not do_sample:
+            given = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                                       ("seed", seed)) if v is not None}
+            if given:
+                raise ValueError(f"{sorted(given)} only apply to sampling: pass do_sample=True "
+                                 "(greedy decoding is the default)")
+            return None
+        gen_cfg = getattr(self.model, "generation_config", None)
+
+        def given_or_model(value: Any, name: str, fallback: Any) -> Any:
+            if value is not None:
+                return value
+            model_value = getattr(gen_cfg, name, None)
+            return fallback if model_value is None else model_value
+
+        return Sampling(temperature=given_or_model(temperature, "temperature", 1.0),
+                        top_k=given_or_model(top_k, "top_k", None), top_p=given_or_model(top_p, "top_p", None),
+                        seed=seed)
 
     def generate_greedy(
         self, prompt: Any, *, max_new_tokens: int = 256, stop: str | Sequence[str] | None = None
@@ -438,6 +471,7 @@ class ReferenceDecoder:
         stops: list[str],
         cfg: DecoderConfig,
         custom_drafters: Sequence[Drafter] | None,
+        sampling: Sampling | None = None,
     ) -> Iterator[str]:
         with self._lock:
             t_start = time.perf_counter()
@@ -460,9 +494,18 @@ class ReferenceDecoder:
             emitted = 0  # characters of matcher.text already yielded
             cache = self._new_cache()
 
-            # Prefill: the whole prompt in one forward; its argmax is the first new token.
+            warpers = sampling.warpers() if sampling is not None else []
+            generator = None
+            if sampling is not None and sampling.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+
+            # Prefill: the whole prompt in one forward; its argmax (or a sample) is the first new token.
             t0 = time.perf_counter()
-            new_tokens = [int(self._forward(prompt_ids, cache, last_only=True)[-1].argmax())]
+            last = self._forward(prompt_ids, cache, last_only=True)[-1:]  # [1, V]
+            if sampling is None:
+                new_tokens = [int(last[0].argmax())]
+            else:
+                new_tokens = [accept_point_mass(probabilities(last, warpers), [], generator)[1]]
             stats.prefill_s = time.perf_counter() - t0
             stats.steps = 1
             stats.trace.append(("", 1))
@@ -517,7 +560,12 @@ class ReferenceDecoder:
                 stats.draft_s += t1 - t0
 
                 # 2. Verify: one forward over [last token + draft] on top of the cache.
-                preds = self._forward([context[-1]] + sent, cache).argmax(-1).tolist()  # [1 + n_send]
+                logits = self._forward([context[-1]] + sent, cache)  # [1 + n_send, V]
+                if sampling is None:
+                    preds = logits.argmax(-1).tolist()  # [1 + n_send]
+                else:  # speculative sampling with a point-mass draft
+                    n_acc, nxt = accept_point_mass(probabilities(logits, warpers), sent, generator)
+                    preds = sent[:n_acc] + [nxt]
                 stats.steps += 1
                 dt = time.perf_counter() - t1  # .tolist() synchronised the device
                 if n_send == 0:  # track the plain-step time; learn how far the curve is off at this length

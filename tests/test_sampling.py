@@ -1,0 +1,164 @@
+"""Lossless sampling with copy drafts: the accelerated sampler's output distribution equals
+the model's own sampling distribution, for drafts that are always right, always wrong or mixed.
+
+Statistical test: the first two sampled tokens of N seeded runs against the exact joint
+distribution computed from the model (chi-square goodness of fit, cells with expected
+count < 5 pooled). Each test fails by chance with probability ALPHA = 1e-3 over the choice
+of seeds; with the fixed seeds here the outcome is deterministic."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from helpers import tiny_model
+from rag_accel import DecoderConfig, Draft, ReferenceDecoder
+from rag_accel.sampling import Sampling, accept_point_mass, probabilities
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+N, ALPHA = 2000, 1e-3
+SETTINGS = dict(temperature=2.0, top_k=8)  # a spread-out but finite support: <= 64 cells for two tokens
+
+
+@pytest.fixture(scope="module")
+def setup(tokenizer):
+    model = tiny_model("llama", len(tokenizer), seed=5)
+    with torch.no_grad():  # a random init is nearly uniform over the top k; sharpen it so the test has power
+        model.lm_head.weight.mul_(100)
+    dec = ReferenceDecoder(model, tokenizer, DecoderConfig(adaptive=False, max_draft_tokens=4))
+    prompt = tokenizer("The quick brown fox")["input_ids"]
+    return model, dec, prompt
+
+
+def _dist(model, ids, warpers):
+    with torch.inference_mode():
+        return probabilities(model(torch.tensor([ids])).logits[0, -1:], warpers)[0]
+
+
+def exact_joint(model, prompt, sampling):
+    """P(t1, t2) for the first two sampled tokens, over the (top-k) support."""
+    w = sampling.warpers()
+    p1 = _dist(model, prompt, w)
+    out = {}
+    for t1 in torch.nonzero(p1).flatten().tolist():
+        p2 = _dist(model, prompt + [t1], w)
+        for t2 in torch.nonzero(p2).flatten().tolist():
+            out[(t1, t2)] = float(p1[t1] * p2[t2])
+    return out
+
+
+class ModelDrafter:
+    """Drafts from the model itself: 'right' = its most likely continuation (often accepted),
+    'wrong' = a token outside the top-k support (probability 0: always rejected),
+    'mix' = random tokens from the support or outside it."""
+
+    name = "oracle"
+
+    def __init__(self, model, mode, seed=0):
+        self.model, self.mode, self.rng = model, mode, random.Random(seed)
+
+    def _logits(self, ids):
+        with torch.inference_mode():
+            return self.model(torch.tensor([ids])).logits[0, -1]
+
+    def propose(self, context, max_len):
+        ids, draft = list(context), []
+        for _ in range(max_len):
+            logits = self._logits(ids)
+            if self.mode == "right" or (self.mode == "mix" and self.rng.random() < 0.5):
+                tok = int(logits.argmax())
+            elif self.mode == "wrong":
+                tok = int(logits.argmin())
+            else:
+                tok = int(torch.topk(logits, 16).indices[self.rng.randrange(16)])  # half of these are off-support
+            draft.append(tok)
+            ids.append(tok)
+        return Draft(draft, 1, self.name)
+
+    def update(self, context, num_new):
+        pass
+
+
+def sample_counts(dec, prompt, drafters_for):
+    counts = {}
+    for i in range(N):
+        out = dec.generate(prompt, max_new_tokens=3, do_sample=True, seed=i, drafters=drafters_for(i), **SETTINGS)
+        key = tuple(out.token_ids[:2])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def chi_square_p(counts, joint):
+    assert set(counts) <= set(joint), "sampled a pair outside the support"
+    keys = sorted(joint, key=joint.get, reverse=True)
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for k in keys:
+        e = joint[k] * N
+        if e >= 5:
+            obs.append(counts.get(k, 0))
+            exp.append(e)
+        else:
+            pool_o += counts.get(k, 0)
+            pool_e += e
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    scale = sum(obs) / sum(exp)  # joint sums to 1 up to float error
+    return scipy_stats.chisquare(obs, [e * scale for e in exp]).pvalue
+
+
+@pytest.fixture(scope="module")
+def joint(setup):
+    model, dec, prompt = setup
+    return exact_joint(model, prompt, Sampling(**SETTINGS))
+
+
+@pytest.mark.parametrize("mode", ["none", "right", "wrong", "mix"])
+def test_sampled_distribution_equals_the_models(setup, joint, mode):
+    model, dec, prompt = setup
+    if mode == "none":
+        counts = sample_counts(dec, prompt, lambda i: [])
+    else:
+        counts = sample_counts(dec, prompt, lambda i: [ModelDrafter(model, mode, seed=i)])
+    assert chi_square_p(counts, joint) > ALPHA
+
+
+def test_the_check_has_power(setup, joint):
+    """The same counts tested against a nearby wrong distribution (temperature 1.6 instead of 2) fail."""
+    model, dec, prompt = setup
+    counts = sample_counts(dec, prompt, lambda i: [ModelDrafter(model, "mix", seed=i)])
+    wrong = exact_joint(model, prompt, Sampling(temperature=1.6, top_k=8))
+    assert set(counts) <= set(wrong)
+    assert chi_square_p(counts, wrong) < 1e-6
+
+
+def test_right_drafts_are_accepted_and_seeded_runs_repeat(setup):
+    model, dec, prompt = setup
+    outs = [dec.generate(prompt, max_new_tokens=24, do_sample=True, seed=7, drafters=[ModelDrafter(model, "right")],
+                         **SETTINGS) for _ in range(2)]
+    assert outs[0].token_ids == outs[1].token_ids and len(outs[0].token_ids) == 24
+    assert outs[0].stats.accepted > 0
+    plain = [dec.generate(prompt, max_new_tokens=24, do_sample=True, seed=s, **SETTINGS).token_ids for s in (1, 2)]
+    assert plain[0] != plain[1]  # different seeds, different samples (at temperature 2 over 24 tokens)
+
+
+def test_point_mass_kernel():
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    g = torch.Generator().manual_seed(0)
+    results = [accept_point_mass(p, [0], g) for _ in range(4000)]
+    accepted = sum(a for a, _ in results)
+    assert 1800 < accepted < 2200  # accepted with probability p(0) = 0.5
+    assert all(t == 2 for a, t in results if a == 1)  # after acceptance: sampled from the next row
+    assert all(t == 1 for a, t in results if a == 0)  # after rejection: p without token 0 -> token 1
+
+
+def test_sampling_arguments_are_checked(setup):
+    model, dec, prompt = setup
+    with pytest.raises(ValueError, match="do_sample=True"):
+        dec.generate(prompt, max_new_tokens=2, temperature=0.7)
+    for bad in (dict(temperature=0), dict(top_k=0), dict(top_p=1.5), dict(seed="x")):
+        with pytest.raises(ValueError):
+            dec.generate(prompt, max_new_tokens=2, do_sample=True, **bad)
