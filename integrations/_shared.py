@@ -47,6 +47,21 @@ def reference_texts(references: Any) -> list[Any]:
     return out
 
 
+def sampling_options(temperature: Any, top_p: Any, top_k: Any, seed: Any, accelerate: bool) -> dict[str, Any]:
+    """Decoder options for a call: greedy for temperature 0/None, otherwise lossless sampling."""
+    if temperature is not None and not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy decoding), got {temperature}")
+    extra = {k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("seed", seed)) if v is not None}
+    if not temperature:
+        if extra:
+            raise ValueError(f"{sorted(extra)} apply to sampling: set temperature > 0 "
+                             "(temperature 0 or None decodes greedily)")
+        return {}
+    if not accelerate:
+        raise ValueError("accelerate=False is the plain greedy baseline; it does not sample")
+    return {"do_sample": True, "temperature": temperature, **extra}
+
+
 def stats_metadata(stats: Any) -> dict[str, Any]:
     """The acceleration stats a framework message carries (JSON-friendly)."""
     return {

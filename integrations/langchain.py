@@ -50,9 +50,10 @@ from rag_accel import DecoderConfig
 from rag_accel.data import SYSTEM_PROMPT
 from rag_accel.models import DEFAULT_MODEL
 
-from ._shared import iterate_in_thread, reference_texts, shared_decoder, stats_metadata
+from ._shared import iterate_in_thread, reference_texts, sampling_options, shared_decoder, stats_metadata
 
-CALL_OPTIONS = ("max_new_tokens", "max_tokens", "references", "decoder_config", "model", "temperature")
+CALL_OPTIONS = ("max_new_tokens", "max_tokens", "references", "decoder_config", "model", "temperature", "top_p",
+                "top_k", "seed")
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -68,7 +69,9 @@ class ChatRagAccel(BaseChatModel):
         decoder_config: changes to :class:`rag_accel.DecoderConfig` (e.g. ``{"max_draft_tokens": 16}``).
         accelerate: ``False`` runs the model's own ``generate(do_sample=False)``:
             the same answers, for a side-by-side comparison.
-        temperature: ``0`` or ``None`` only: decoding is greedy.
+        temperature: ``0`` or ``None`` (default): greedy decoding, the model's exact greedy output.
+            ``> 0``: lossless sampling (the model's own sampling distribution; drafts verified by
+            speculative sampling), with ``top_p``, ``top_k`` and ``seed`` (reproducible runs).
         timeout / max_retries: accepted for LangChain's standard parameters; a local
             model neither times out nor retries.
 
@@ -76,7 +79,7 @@ class ChatRagAccel(BaseChatModel):
     (Documents, strings or token-id lists), ``max_tokens``/``max_new_tokens``,
     ``decoder_config`` (DecoderConfig changes; ``config`` is LangChain's RunnableConfig),
     ``model`` (must name this model),
-    ``temperature`` (0). Anything else is an error.
+    ``temperature``, ``top_p``, ``top_k``, ``seed``. Anything else is an error.
 
     Loading is lazy (on the first call) and shared by instances with the same
     model, device and dtype; concurrent calls are serialised on the model.
@@ -94,6 +97,9 @@ class ChatRagAccel(BaseChatModel):
     decoder_config: dict[str, Any] | None = None
     accelerate: bool = True
     temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
     timeout: float | None = None
     max_retries: int | None = None
     streaming: bool = False
@@ -102,10 +108,9 @@ class ChatRagAccel(BaseChatModel):
 
     @field_validator("temperature")
     @classmethod
-    def _greedy_only(cls, v: float | None) -> float | None:
-        if v not in (None, 0, 0.0):
-            raise ValueError(f"temperature={v}: ChatRagAccel decodes greedily (temperature 0 or None); "
-                             "sampling is not supported yet")
+    def _valid_temperature(cls, v: float | None) -> float | None:
+        if v is not None and not v >= 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy decoding), got {v}")
         return v
 
     @field_validator("decoder_config")
@@ -139,7 +144,8 @@ class ChatRagAccel(BaseChatModel):
         params["ls_provider"] = "rag_accel"
         params["ls_model_name"] = kwargs["model"] if isinstance(kwargs.get("model"), str) else self.model_name
         params["ls_max_tokens"] = int(kwargs.get("max_tokens") or kwargs.get("max_new_tokens") or self.max_new_tokens)
-        params["ls_temperature"] = 0.0
+        temperature = kwargs.get("temperature", self.temperature)
+        params["ls_temperature"] = float(temperature or 0.0)
         if stop or self.stop:
             params["ls_stop"] = list(stop if stop is not None else self.stop)
         return params
@@ -174,7 +180,6 @@ class ChatRagAccel(BaseChatModel):
         if kwargs.get("model") not in (None, self.model_name):
             raise ValueError(f"model={kwargs['model']!r}: this ChatRagAccel runs {self.model_name!r}; "
                              "make another instance for another model")
-        self._greedy_only(kwargs.get("temperature"))
         max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
         config = self.decoder_config
         if kwargs.get("decoder_config") is not None:
@@ -183,8 +188,12 @@ class ChatRagAccel(BaseChatModel):
                                 f"got {type(kwargs['decoder_config']).__name__}")
             config = {**(config or {}), **kwargs["decoder_config"]}
         stops = stop if stop is not None else self.stop
-        return (to_chat_messages(messages), reference_texts(kwargs.get("references")),
-                {"max_new_tokens": max_new, "stop": stops or None}, config)
+        opts = {"max_new_tokens": max_new, "stop": stops or None, **self._sampling_options(kwargs)}
+        return to_chat_messages(messages), reference_texts(kwargs.get("references")), opts, config
+
+    def _sampling_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        values = {k: kwargs.get(k, getattr(self, k)) for k in ("temperature", "top_p", "top_k", "seed")}
+        return sampling_options(**values, accelerate=self.accelerate)
 
     def _run(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
         """(text pieces, a function returning the GenerationOutput once they are consumed)."""

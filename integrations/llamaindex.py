@@ -58,9 +58,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from rag_accel import DecoderConfig
 from rag_accel.models import DEFAULT_MODEL
 
-from ._shared import iterate_in_thread, reference_texts, shared_decoder, stats_metadata
+from ._shared import iterate_in_thread, reference_texts, sampling_options, shared_decoder, stats_metadata
 
-CALL_OPTIONS = ("references", "max_new_tokens", "stop", "decoder_config")
+CALL_OPTIONS = ("references", "max_new_tokens", "stop", "decoder_config", "temperature", "top_p", "top_k", "seed")
 
 
 # --------------------------------------------------------------------------- capturing retrievals
@@ -219,9 +219,12 @@ class RagAccelLLM(CustomLLM):
             when a call passes none (see the module docstring).
         accelerate: ``False`` runs the model's own ``generate(do_sample=False)``: the same
             answers, for a side-by-side comparison.
+        temperature: ``0``/``None`` (default): greedy. ``> 0``: lossless sampling (the model's own
+            sampling distribution), with ``top_p``, ``top_k`` and ``seed``.
 
     Per-call options: ``references`` (nodes, strings or token-id lists; ``[]`` for none),
-    ``max_new_tokens``, ``stop``, ``decoder_config``. Anything else is an error.
+    ``max_new_tokens``, ``stop``, ``decoder_config``, ``temperature``, ``top_p``, ``top_k``, ``seed``.
+    Anything else is an error.
     ``raw["usage"]`` has the token counts (also on the last streamed response),
     ``additional_kwargs["rag_accel"]`` the acceleration stats and the reference node ids.
     """
@@ -235,6 +238,10 @@ class RagAccelLLM(CustomLLM):
     decoder_config: dict[str, Any] | None = None
     capture_retrievals: bool = True
     accelerate: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
 
     _decoder: Any = PrivateAttr(default=None)
 
@@ -299,7 +306,9 @@ class RagAccelLLM(CustomLLM):
                                 f"got {type(kwargs['decoder_config']).__name__}")
             config = {**(config or {}), **kwargs["decoder_config"]}
         stop = kwargs.get("stop", self.stop)
-        opts = {"max_new_tokens": kwargs.get("max_new_tokens", self.max_new_tokens), "stop": stop or None}
+        sampling = {k: kwargs.get(k, getattr(self, k)) for k in ("temperature", "top_p", "top_k", "seed")}
+        opts = {"max_new_tokens": kwargs.get("max_new_tokens", self.max_new_tokens), "stop": stop or None,
+                **sampling_options(**sampling, accelerate=self.accelerate)}
         dec = self.engine
         if not self.accelerate:
             out = dec.generate_greedy(prompt, **opts)

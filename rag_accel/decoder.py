@@ -20,7 +20,7 @@ import torch
 from .config import DecoderConfig
 from .drafters import Draft, Drafter, DrafterChain, build_drafters
 from .policy import AcceptanceStats, DraftLengthPolicy, leading_matches
-from .sampling import Sampling, accept_point_mass, probabilities
+from .sampling import Sampling, probabilities, sample_positions
 from .stopping import IncrementalDetokenizer, StopStringMatcher
 
 # Generation-config settings that change greedy outputs and that this decoder
@@ -495,9 +495,9 @@ class ReferenceDecoder:
             cache = self._new_cache()
 
             warpers = sampling.warpers() if sampling is not None else []
-            generator = None
-            if sampling is not None and sampling.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+            if sampling is not None:  # one uniform per output position (see sampling.sample_positions)
+                generator = None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed)
+                uniforms = torch.rand(max_new_tokens + 1, generator=generator)  # [max_new_tokens + 1]
 
             # Prefill: the whole prompt in one forward; its argmax (or a sample) is the first new token.
             t0 = time.perf_counter()
@@ -505,7 +505,7 @@ class ReferenceDecoder:
             if sampling is None:
                 new_tokens = [int(last[0].argmax())]
             else:
-                new_tokens = [accept_point_mass(probabilities(last, warpers), [], generator)[1]]
+                new_tokens = sample_positions(probabilities(last, warpers), uniforms[:1])
             stats.prefill_s = time.perf_counter() - t0
             stats.steps = 1
             stats.trace.append(("", 1))
@@ -563,9 +563,9 @@ class ReferenceDecoder:
                 logits = self._forward([context[-1]] + sent, cache)  # [1 + n_send, V]
                 if sampling is None:
                     preds = logits.argmax(-1).tolist()  # [1 + n_send]
-                else:  # speculative sampling with a point-mass draft
-                    n_acc, nxt = accept_point_mass(probabilities(logits, warpers), sent, generator)
-                    preds = sent[:n_acc] + [nxt]
+                else:  # the sampled token at each position; the draft is verified against them
+                    pos = len(generated)
+                    preds = sample_positions(probabilities(logits, warpers), uniforms[pos:pos + 1 + n_send])
                 stats.steps += 1
                 dt = time.perf_counter() - t1  # .tolist() synchronised the device
                 if n_send == 0:  # track the plain-step time; learn how far the curve is off at this length

@@ -6,6 +6,11 @@ probability p(x); on rejection, sample from p with x removed and renormalised,
 and stop. If every draft token is accepted, the next token is sampled from p at
 the position after the draft. Each emitted token is then distributed exactly as
 p, whatever the draft (Leviathan et al. 2023 / Chen et al. 2023 with q = one-hot).
+
+:func:`sample_positions` implements this with one uniform per output position
+(inverse-CDF sampling, then the greedy-style longest matching prefix), which has
+exactly these acceptance and rejection laws and makes a seeded output independent
+of the drafts.
 """
 
 from __future__ import annotations
@@ -62,26 +67,22 @@ def probabilities(logits: torch.Tensor, warpers: Sequence) -> torch.Tensor:
     return torch.softmax(scores, dim=-1)
 
 
-def accept_point_mass(probs: torch.Tensor, draft: Sequence[int], generator: torch.Generator | None) -> tuple[int, int]:
-    """Verify ``draft`` against ``probs`` [len(draft) + 1, V]: (tokens accepted, next token).
+def sample_positions(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
+    """Inverse-CDF sampling, one token per row: ``probs`` [S, V], ``u`` [S] uniforms in [0, 1).
 
-    >>> p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
-    >>> accept_point_mass(p, [1, 2], None)      # certain tokens are always accepted
-    (2, 0)
-    >>> accept_point_mass(p, [0, 2], None)      # p(0) = 0 at the first position: rejected, resampled
-    (0, 1)
+    Each output position owns one uniform, drawn up front from the seed. Verifying a
+    draft against these tokens (accept the longest prefix equal to them, as in greedy
+    decoding) is point-mass speculative sampling with coupled randomness: a draft token
+    d is accepted with probability p(d), and on rejection the token is distributed as p
+    without d, renormalised. The output is also the same whatever the drafts were, so a
+    seed reproduces it even though the drafting policy learns between calls.
+
+    >>> p = torch.tensor([[0.0, 0.25, 0.75], [0.5, 0.0, 0.5]])
+    >>> sample_positions(p, torch.tensor([0.0, 0.6]))   # u = 0 never picks a zero-probability token
+    [1, 2]
+    >>> sample_positions(p, torch.tensor([0.2, 0.49]))
+    [1, 0]
     """
-    n = len(draft)
-    if n:
-        idx = torch.tensor(draft, device=probs.device)
-        p_draft = probs[torch.arange(n, device=probs.device), idx]  # [n]
-        u = torch.rand(n, generator=generator, device=probs.device)
-        accepted = int((u < p_draft).int().cumprod(0).sum())  # one host sync per step
-    else:
-        accepted = 0
-    dist = probs[accepted]
-    if accepted < n:  # rejected: sample from p without the drafted token
-        dist = dist.clone()
-        dist[draft[accepted]] = 0.0
-        dist = dist / dist.sum()
-    return accepted, int(torch.multinomial(dist, 1, generator=generator))
+    cdf = probs.cumsum(-1)  # [S, V]
+    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(-1)  # [S, 1], below the total mass
+    return torch.searchsorted(cdf, target, side="right").squeeze(-1).tolist()

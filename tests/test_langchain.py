@@ -191,8 +191,10 @@ def test_stop_at_construction_and_per_call(real_decoder):
 
 
 @pytest.mark.parametrize("kwargs, err, match", [
-    ({"top_p": 0.9}, ValueError, "unknown option"),
-    ({"temperature": 0.7}, ValueError, "greedily"),
+    ({"top_q": 0.9}, ValueError, "unknown option"),
+    ({"temperature": -0.7}, ValueError, "temperature"),
+    ({"top_p": 0.9}, ValueError, "set temperature > 0"),
+    ({"temperature": 0.7, "top_p": 2.0}, ValueError, "top_p"),
     ({"model": "gpt-4"}, ValueError, "another instance"),
     ({"decoder_config": {"no_such_knob": 1}}, ValueError, "no_such_knob"),
     ({"decoder_config": [1]}, TypeError, "decoder_config"),
@@ -206,8 +208,10 @@ def test_bad_call_options_are_clear_errors(llm, kwargs, err, match):
 
 
 def test_bad_construction_and_unsupported_messages(real_decoder):
-    with pytest.raises(ValueError, match="greedily"):
-        ChatRagAccel(temperature=0.5)
+    with pytest.raises(ValueError, match="temperature"):
+        ChatRagAccel(temperature=-0.5)
+    with pytest.raises(ValueError, match="baseline"):
+        ChatRagAccel(decoder=real_decoder, accelerate=False, temperature=0.7).invoke("hi")
     with pytest.raises(ValueError):
         ChatRagAccel(decoder_config={"no_such_knob": 1})
     with pytest.raises(ValueError):
@@ -221,3 +225,16 @@ def test_bad_construction_and_unsupported_messages(real_decoder):
         llm.invoke([HumanMessage([{"type": "image", "url": "http://x/y.png"}])])
     with pytest.raises(ValueError, match="context window"):
         llm.invoke("word " * 9000)
+
+
+def test_temperature_samples_losslessly_and_a_seed_repeats(llm, retriever, items):
+    """temperature > 0 samples (the decoder's speculative sampling, tested for its distribution in
+    test_sampling.py); with a seed the same call gives the same answer, also through the chain."""
+    chain = rag_chain(retriever, llm.bind(temperature=0.9, top_p=0.95, seed=3, max_tokens=24), parser=None)
+    a, b = chain.invoke(items[0].query), chain.invoke(items[0].query)
+    assert a.content == b.content and a.usage_metadata["output_tokens"] > 0
+    other = [chain.invoke(items[0].query, config={"configurable": {}}).content]
+    other += [rag_chain(retriever, llm.bind(temperature=0.9, top_p=0.95, seed=s, max_tokens=24)).invoke(items[0].query)
+              for s in (4, 5, 6)]
+    assert len(set(other)) > 1  # different seeds sample different answers
+    assert llm._get_ls_params(temperature=0.9)["ls_temperature"] == 0.9

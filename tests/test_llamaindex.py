@@ -219,7 +219,9 @@ def test_async_calls_do_not_block_the_event_loop(llm):
 
 def test_bad_input_is_a_clear_error(real_decoder, llm):
     with pytest.raises(ValueError, match="unknown option"):
-        llm.complete("hi", temperature=0.7)
+        llm.complete("hi", top_q=0.7)
+    with pytest.raises(ValueError, match="set temperature > 0"):
+        llm.complete("hi", seed=1)
     with pytest.raises(NotImplementedError, match="tool"):
         llm.chat([ChatMessage(role="tool", content="42")])
     with pytest.raises(TypeError, match="reference 0"):
@@ -231,3 +233,12 @@ def test_bad_input_is_a_clear_error(real_decoder, llm):
     with pytest.raises(TypeError, match="ReferenceDecoder"):
         RagAccelLLM(decoder=object())
     assert llm.complete("Hi", max_new_tokens=4).text  # still usable
+
+
+def test_temperature_samples_and_a_seed_repeats(index, llm, items):
+    engine = index.as_query_engine(llm=RagAccelLLM(decoder=llm.engine, max_new_tokens=24, temperature=0.9, seed=11),
+                                   similarity_top_k=3)
+    a, b = str(engine.query(items[0].query)), str(engine.query(items[0].query))
+    assert a == b and a
+    answers = {llm.complete(items[0].query, temperature=0.9, seed=s, max_new_tokens=24).text for s in (1, 2, 3)}
+    assert len(answers) > 1

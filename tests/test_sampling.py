@@ -12,10 +12,10 @@ import random
 
 import pytest
 import torch
-
 from helpers import tiny_model
+
 from rag_accel import DecoderConfig, Draft, ReferenceDecoder
-from rag_accel.sampling import Sampling, accept_point_mass, probabilities
+from rag_accel.sampling import Sampling, probabilities, sample_positions
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -145,14 +145,24 @@ def test_right_drafts_are_accepted_and_seeded_runs_repeat(setup):
     assert plain[0] != plain[1]  # different seeds, different samples (at temperature 2 over 24 tokens)
 
 
-def test_point_mass_kernel():
-    p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+def test_verification_has_the_point_mass_laws():
+    """Against the sampled tokens, a draft token d is accepted with probability p(d); after a
+    rejection the token follows p without d, renormalised."""
+    p = torch.tensor([[0.5, 0.3, 0.2]])
     g = torch.Generator().manual_seed(0)
-    results = [accept_point_mass(p, [0], g) for _ in range(4000)]
-    accepted = sum(a for a, _ in results)
-    assert 1800 < accepted < 2200  # accepted with probability p(0) = 0.5
-    assert all(t == 2 for a, t in results if a == 1)  # after acceptance: sampled from the next row
-    assert all(t == 1 for a, t in results if a == 0)  # after rejection: p without token 0 -> token 1
+    toks = [sample_positions(p, torch.rand(1, generator=g))[0] for _ in range(6000)]
+    accepted = sum(t == 0 for t in toks)  # draft d = 0
+    assert 2800 < accepted < 3200  # p(0) = 0.5, 6 sigma ~ 230
+    rejected = [t for t in toks if t != 0]
+    assert 0.53 < sum(t == 1 for t in rejected) / len(rejected) < 0.67  # 0.3 / 0.5 = 0.6
+
+
+def test_seeded_output_does_not_depend_on_the_drafts(setup):
+    model, dec, prompt = setup
+    outs = {mode: dec.generate(prompt, max_new_tokens=16, do_sample=True, seed=21, **SETTINGS,
+                               drafters=[] if mode == "none" else [ModelDrafter(model, mode, seed=2)]).token_ids
+            for mode in ("none", "right", "wrong", "mix")}
+    assert len(set(map(tuple, outs.values()))) == 1
 
 
 def test_sampling_arguments_are_checked(setup):
