@@ -26,6 +26,28 @@ def shared_decoder(model_name: str, device: str | None = None, dtype: str | None
         return _DECODERS[key]
 
 
+def check_decoder(decoder: Any) -> Any:
+    """A ready decoder given to an adapter must be a :class:`rag_accel.ReferenceDecoder` (or ``None``)."""
+    from rag_accel import ReferenceDecoder
+
+    if decoder is not None and not isinstance(decoder, ReferenceDecoder):
+        raise TypeError(f"decoder must be a rag_accel.ReferenceDecoder, got {type(decoder).__name__}")
+    return decoder
+
+
+def merged_decoder_config(base: dict[str, Any] | None, per_call: Any = None) -> dict[str, Any] | None:
+    """The adapter's ``decoder_config`` with a call's changes on top, checked against
+    :class:`rag_accel.DecoderConfig` (unknown keys raise here, not mid-generation)."""
+    from rag_accel import DecoderConfig
+
+    if per_call is not None and not isinstance(per_call, dict):
+        raise TypeError(f"decoder_config must be a dict of DecoderConfig changes, got {type(per_call).__name__}")
+    merged = {**(base or {}), **(per_call or {})} if per_call is not None else base
+    if merged is not None:
+        DecoderConfig().replace(**merged)
+    return merged
+
+
 def reference_texts(references: Any) -> list[Any]:
     """Copy sources as the decoder takes them (strings or token-id lists), from
     LangChain ``Document``s, LlamaIndex nodes / ``NodeWithScore``s, strings or

@@ -46,11 +46,18 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "integrations.langchain needs langchain-core: pip install 'rag-accel[langchain]'"
     ) from e
 
-from rag_accel import DecoderConfig
 from rag_accel.data import SYSTEM_PROMPT
 from rag_accel.models import DEFAULT_MODEL
 
-from ._shared import iterate_in_thread, reference_texts, sampling_options, shared_decoder, stats_metadata
+from ._shared import (
+    check_decoder,
+    iterate_in_thread,
+    merged_decoder_config,
+    reference_texts,
+    sampling_options,
+    shared_decoder,
+    stats_metadata,
+)
 
 CALL_OPTIONS = ("max_new_tokens", "max_tokens", "references", "decoder_config", "model", "temperature", "top_p",
                 "top_k", "seed")
@@ -116,18 +123,12 @@ class ChatRagAccel(BaseChatModel):
     @field_validator("decoder_config")
     @classmethod
     def _valid_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            DecoderConfig().replace(**v)  # unknown keys / bad values raise here, not on the first call
-        return v
+        return merged_decoder_config(v)
 
     @field_validator("decoder")
     @classmethod
     def _valid_decoder(cls, v: Any) -> Any:
-        from rag_accel import ReferenceDecoder
-
-        if v is not None and not isinstance(v, ReferenceDecoder):
-            raise TypeError(f"decoder must be a rag_accel.ReferenceDecoder, got {type(v).__name__}")
-        return v
+        return check_decoder(v)
 
     # ----------------------------------------------------------- LangChain API
     @property
@@ -181,12 +182,7 @@ class ChatRagAccel(BaseChatModel):
             raise ValueError(f"model={kwargs['model']!r}: this ChatRagAccel runs {self.model_name!r}; "
                              "make another instance for another model")
         max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
-        config = self.decoder_config
-        if kwargs.get("decoder_config") is not None:
-            if not isinstance(kwargs["decoder_config"], dict):
-                raise TypeError("decoder_config must be a dict of DecoderConfig changes, "
-                                f"got {type(kwargs['decoder_config']).__name__}")
-            config = {**(config or {}), **kwargs["decoder_config"]}
+        config = merged_decoder_config(self.decoder_config, kwargs.get("decoder_config"))
         stops = stop if stop is not None else self.stop
         opts = {"max_new_tokens": max_new, "stop": stops or None, **self._sampling_options(kwargs)}
         return to_chat_messages(messages), reference_texts(kwargs.get("references")), opts, config

@@ -55,10 +55,17 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("integrations.llamaindex needs llama-index-core: pip install 'rag-accel[llamaindex]'") from e
 
-from rag_accel import DecoderConfig
 from rag_accel.models import DEFAULT_MODEL
 
-from ._shared import iterate_in_thread, reference_texts, sampling_options, shared_decoder, stats_metadata
+from ._shared import (
+    check_decoder,
+    iterate_in_thread,
+    merged_decoder_config,
+    reference_texts,
+    sampling_options,
+    shared_decoder,
+    stats_metadata,
+)
 
 CALL_OPTIONS = ("references", "max_new_tokens", "stop", "decoder_config", "temperature", "top_p", "top_k", "seed")
 
@@ -253,18 +260,12 @@ class RagAccelLLM(CustomLLM):
     @field_validator("decoder_config")
     @classmethod
     def _valid_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            DecoderConfig().replace(**v)
-        return v
+        return merged_decoder_config(v)
 
     @field_validator("decoder")
     @classmethod
     def _valid_decoder(cls, v: Any) -> Any:
-        from rag_accel import ReferenceDecoder
-
-        if v is not None and not isinstance(v, ReferenceDecoder):
-            raise TypeError(f"decoder must be a rag_accel.ReferenceDecoder, got {type(v).__name__}")
-        return v
+        return check_decoder(v)
 
     @classmethod
     def class_name(cls) -> str:
@@ -299,12 +300,7 @@ class RagAccelLLM(CustomLLM):
                 refs = retrieval_capture().nodes_for(_active_span())
         ids = [getattr(getattr(r, "node", r), "node_id", None) for r in (refs or [])]
         ids = [i for i in ids if isinstance(i, str)]
-        config = self.decoder_config
-        if kwargs.get("decoder_config") is not None:
-            if not isinstance(kwargs["decoder_config"], dict):
-                raise TypeError("decoder_config must be a dict of DecoderConfig changes, "
-                                f"got {type(kwargs['decoder_config']).__name__}")
-            config = {**(config or {}), **kwargs["decoder_config"]}
+        config = merged_decoder_config(self.decoder_config, kwargs.get("decoder_config"))
         stop = kwargs.get("stop", self.stop)
         sampling = {k: kwargs.get(k, getattr(self, k)) for k in ("temperature", "top_p", "top_k", "seed")}
         opts = {"max_new_tokens": kwargs.get("max_new_tokens", self.max_new_tokens), "stop": stop or None,
