@@ -2,7 +2,8 @@
 
 Greedy outputs identical to ``model.generate(do_sample=False)``, faster, by
 copying drafts from the retrieved documents (LLMA), the prompt (prompt
-lookup) and n-gram tables (ANPD), each verified in one forward pass.
+lookup), n-gram tables (ANPD) or a small draft model, each verified in one
+forward pass.
 """
 
 from .config import DecoderConfig
@@ -17,6 +18,7 @@ from .drafters import (
     ReferenceDrafter,
     build_drafters,
 )
+from .draft_models import ModelDrafter, UniversalDrafter
 from .models import DEFAULT_MODEL
 
 __all__ = [
@@ -28,11 +30,13 @@ __all__ = [
     "GenerationOutput",
     "GenerationStats",
     "GenerationStream",
+    "ModelDrafter",
     "NO_DRAFT",
     "NgramDrafter",
     "PromptLookupDrafter",
     "ReferenceDecoder",
     "ReferenceDrafter",
+    "UniversalDrafter",
     "build_drafters",
 ]
 

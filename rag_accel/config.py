@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-DRAFTER_NAMES = ("reference", "prompt_lookup", "ngram")
+DRAFTER_NAMES = ("reference", "prompt_lookup", "ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,11 @@ class DecoderConfig:
         drafters: drafter names tried in order each step; the first non-empty
             draft is verified. Any of ``"reference"`` (LLMA copy from the
             references), ``"prompt_lookup"`` (copy from prompt + output so far)
-            and ``"ngram"`` (ANPD multi-level n-gram tables).
+            ``"ngram"`` (ANPD multi-level n-gram tables) and ``"draft_model"`` (the
+            decoder's draft model, if it has one; skipped otherwise). With
+            ``adaptive``, the draft model is asked only when no copy draft is
+            worth sending (references first), and its window is chosen from the
+            measured cost of a draft token and the learnt acceptance.
         max_draft_tokens: upper bound on the tokens verified in one step.
         adaptive: choose each draft's length from the measured verification
             cost curve and the acceptance observed so far (may choose 0: a plain
@@ -38,6 +42,8 @@ class DecoderConfig:
             that failed drafts may cost one request before the policy stops
             drafting (adaptive mode); bounds the worst case on items where
             nothing copies.
+        draft_confidence: a draft model stops drafting when its probability for
+            its next token falls below this (the first token is always drafted).
         max_reference_tokens: refuse references longer than this (tokens,
             all references together) instead of running out of memory.
     """
@@ -53,6 +59,7 @@ class DecoderConfig:
     ngram_max_n: int = 5
     cost_curve: tuple[float, ...] | None = None
     max_loss: float = 0.03
+    draft_confidence: float = 0.4
     max_reference_tokens: int = 4_000_000
 
     def __post_init__(self) -> None:
@@ -87,6 +94,8 @@ class DecoderConfig:
             raise ValueError(f"need 2 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n}, {self.ngram_max_n}")
         if not isinstance(self.max_loss, (int, float)) or not 0 <= self.max_loss:
             raise ValueError(f"max_loss must be a number >= 0, got {self.max_loss!r}")
+        if not isinstance(self.draft_confidence, (int, float)) or not 0 <= self.draft_confidence < 1:
+            raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
         if self.cost_curve is not None:

