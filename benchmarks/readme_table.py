@@ -18,7 +18,8 @@ def engine_section(path: Path) -> str:
     lines = [
         f"**{env['model'].split('/')[-1]}, {env['dtype']}, {env['device']} ({env['cpu_threads']} threads), "
         f"{r['items']} MS-MARCO items, {r['max_new_tokens']} new tokens"
-        f"{', target-forced: ' + r['target_forced'] if r.get('target_forced') else ''}, {env['date']}** "
+        f"{', target-forced: ' + r['target_forced'] if r.get('target_forced') else ''}"
+        f"{', draft model: ' + env['draft_model'] if env.get('draft_model') else ''}, {env['date']}** "
         f"([json]({path.relative_to(ROOT)}))",
         "",
         "| method | speed-up vs greedy (geo-mean) | worst item | tokens/step | tokens/s | identical to greedy |",
@@ -92,6 +93,22 @@ def integrations_section(path: Path) -> str:
     return "\n".join(lines)
 
 
+def coupling_section(path: Path) -> str:
+    r = json.loads(path.read_text())
+    return "\n".join([
+        f"**Draft-model acceptance under sampling** ({r['model']} with {r['draft_model']} as draft, {r['device']}, "
+        f"temperature {r['temperature']}, top-p {r['top_p']}, {r['positions']} positions of {r['items']} MS-MARCO "
+        f"answers, {r['date']}; [json]({path.relative_to(ROOT)}))",
+        "",
+        "| verification rule | acceptance per draft token |",
+        "|---|---|",
+        f"| accept/resample (Leviathan et al.), 1 - TV | {r['accept_resample_acceptance']:.3f} |",
+        f"| Gumbel coupling (ours: seeded output independent of the drafts) | {r['gumbel_coupling_acceptance']:.3f} |",
+        "",
+        f"Reproduce: `{r['command']}`",
+    ])
+
+
 def main() -> None:
     res = ROOT / "benchmarks" / "results"
     parts = [engine_section(p) for p in sorted(res.glob("bench_*.json"))]
@@ -99,6 +116,7 @@ def main() -> None:
     parts += [retrieval_section(p) for p in sorted(res.glob("retrieval_*.json"))]
     parts += [integrations_section(p) for p in sorted(res.glob("integrations_*.json"))]
     parts += [cache_section(p) for p in sorted(res.glob("cache_multiturn_*.json"))]
+    parts += [coupling_section(p) for p in sorted(res.glob("coupling_*.json"))]
     readme = ROOT / "README.md"
     text = readme.read_text()
     a, b = text.index(START) + len(START), text.index(END)

@@ -27,14 +27,19 @@ from .decoder import ReferenceDecoder
 from .drafters import ReferenceDrafter
 
 # name -> DecoderConfig changes
+COPY_DRAFTERS = ("reference", "prompt_lookup", "ngram")
 OUR_METHODS: dict[str, dict[str, Any]] = {
-    "ours": {},
+    "ours": {"drafters": COPY_DRAFTERS},
     "ours-fixed": {"adaptive": False, "max_draft_tokens": 10},
     "ours-ref": {"drafters": ("reference",)},
     "ours-pld": {"drafters": ("prompt_lookup",)},
     "ours-ngram": {"drafters": ("ngram",)},
+    # With a draft model (--draft-model): the draft model alone, and references first, then the draft model.
+    "ours-draft": {"drafters": ("draft_model",)},
+    "ours-hybrid": {"drafters": (*COPY_DRAFTERS, "draft_model")},
 }
-BASELINES = ("greedy", "hf-pld")
+BASELINES = ("greedy", "hf-pld", "hf-assisted")
+NEEDS_DRAFT_MODEL = ("ours-draft", "ours-hybrid", "hf-assisted")
 ALL_METHODS = (*BASELINES, *OUR_METHODS)
 
 
@@ -105,8 +110,16 @@ class TargetForcing:
 
 def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int) -> Callable[[list[int], RagItem], list[int]]:
     model = dec.model
+    if method in NEEDS_DRAFT_MODEL and dec.draft_model is None:
+        raise ValueError(f"method {method!r} needs a draft model (--draft-model)")
     if method in BASELINES:
-        extra = {"prompt_lookup_num_tokens": 10} if method == "hf-pld" else {}
+        extra: dict[str, Any] = {}
+        if method == "hf-pld":
+            extra = {"prompt_lookup_num_tokens": 10}
+        elif method == "hf-assisted":  # transformers' assisted generation with the same draft model
+            extra = {"assistant_model": dec.draft_model}
+            if dec._universal:
+                extra.update(tokenizer=dec.tokenizer, assistant_tokenizer=dec.draft_tokenizer)
 
         def run_hf(ids: list[int], item: RagItem) -> list[int]:
             x = torch.tensor([ids], device=dec.device)

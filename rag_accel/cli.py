@@ -26,10 +26,10 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _load_decoder(model: str, device: Optional[str], dtype: Optional[str]):
+def _load_decoder(model: str, device: Optional[str], dtype: Optional[str], draft_model: Optional[str] = None):
     from .decoder import ReferenceDecoder
 
-    return ReferenceDecoder.from_pretrained(model, device=device, dtype=dtype)
+    return ReferenceDecoder.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model)
 
 
 def _index_for(corpus_items, embedder_name: str, corpus_path: Path, progress: bool):
@@ -124,6 +124,9 @@ def bench(
         None, help="'human': force every method to decode the item's human answer; 'saved:FILE': force the "
                    "token ids saved by --save-outputs (e.g. SmolLM2's own answers)."),
     save_outputs: Optional[Path] = typer.Option(None, help="Write greedy's token ids per item (JSON) here."),
+    draft_model: Optional[str] = typer.Option(
+        None, help="A draft model for ours-draft, ours-hybrid and hf-assisted: a model path/name (its own "
+                   "tokenizer; a different one means universal drafting), or 'int8': an int8 copy of the model (CPU)."),
     out: Path = typer.Option(Path("benchmarks/results/bench"), help="Output prefix: .json, .md, .png"),
 ) -> None:
     """Run greedy, Hugging Face prompt lookup and our configurations side by side on the same items."""
@@ -141,7 +144,7 @@ def bench(
         sample = load_msmarco_sample(corpus, with_answers=True, limit=items)
         if not sample:
             raise CliError("no answered items in the corpus")
-        dec = _load_decoder(model, device, dtype)
+        dec = _load_decoder(model, device, dtype, draft_model)
         targets = None
         if target_forced is not None:
             if want_answers:
@@ -158,6 +161,8 @@ def bench(
         _fail(str(e))
     summary = summarize(runs)
     env = environment(dec, model)
+    if draft_model is not None:
+        env["draft_model"] = draft_model
     command = "rag-accel bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     table = markdown_table(summary)
     typer.echo(table)
@@ -170,6 +175,7 @@ def bench(
              f"tokens{', target-forced: ' + target_forced if target_forced else ''}, {env['date']}")
     out.with_suffix(".md").write_text("\n".join([
         f"# {title}", "", f"- command: `{command}`", f"- torch {env['torch']}, transformers {env['transformers']}",
+        *([f"- draft model: {draft_model}"] if draft_model else []),
         "", table, "", f"![per-item speed-up]({out.with_suffix('.png').name})", ""]))
     plot(runs, out.with_suffix(".png"), title)
     if save_outputs is not None:

@@ -32,7 +32,7 @@ def test_demo_two_queries():
 def test_bench_all_methods_writes_json_md_png(tmp_path):
     prefix = tmp_path / "b"
     code, out = run("bench", "--items", "3", "--max-new-tokens", "12", "--methods", ",".join(ALL_METHODS),
-                    "--out", str(prefix), "--save-outputs", str(tmp_path / "saved.json"))
+                    "--draft-model", "int8", "--out", str(prefix), "--save-outputs", str(tmp_path / "saved.json"))
     assert code == 0, out
     r = json.loads(prefix.with_suffix(".json").read_text())
     assert set(r["summary"]) == set(ALL_METHODS)
@@ -41,6 +41,7 @@ def test_bench_all_methods_writes_json_md_png(tmp_path):
                 "identical_rate"} <= set(s)
         assert s["identical_rate"] == 1.0
     assert {"device", "model", "dtype", "date"} <= set(r["environment"]) and r["command"].startswith("rag-accel bench")
+    assert r["environment"]["draft_model"] == "int8"
     assert len(r["runs"]) == 3 * len(ALL_METHODS)
     assert prefix.with_suffix(".png").stat().st_size > 1000 and "| ours |" in prefix.with_suffix(".md").read_text()
     saved = json.loads((tmp_path / "saved.json").read_text())["outputs"]
@@ -69,6 +70,7 @@ def test_target_forced_makes_every_method_decode_the_target(tmp_path):
     (["bench", "--methods", "greedy,warp-drive", "--items", "1"], "unknown method"),
     (["bench", "--model", "random:tiny", "--items", "1"], "only makes sense with --target-forced"),
     (["bench", "--items", "1", "--target-forced", "psychic"], "must be 'human' or 'saved:FILE'"),
+    (["bench", "--items", "1", "--methods", "greedy,ours-hybrid"], "needs a draft model (--draft-model)"),
     (["demo", "--corpus", "/no/such/corpus.jsonl"], "does not exist"),
 ])
 def test_bad_arguments_give_a_clear_message(args, msg):
