@@ -75,6 +75,10 @@ class ModelDrafter:
         self._noise: GumbelNoise | None = None
         self._first_position = 0  # context length at output position 0
         self._context: Sequence[int] | None = None
+        mc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.context_window: int | None = next(
+            (getattr(mc, k) for k in ("max_position_embeddings", "n_positions") if isinstance(getattr(mc, k, None), int)),
+            None)
         self.fed = 0  # ids fed by the last catch-up
         self.token_s: float | None = None  # measured time of one drafted token, last proposal
         self.sync_s = 0.0  # time of the last catch-up forward (over `fed` ids)
@@ -124,7 +128,13 @@ class ModelDrafter:
 
     def draft(self, ids: Sequence[int], max_len: int, stable: int, position: int | None = None) -> list[int]:
         """Up to ``max_len`` tokens after ``ids``; ``position``: output index of the first
-        one (for the sampling noise), ``None`` drafts greedily."""
+        one (for the sampling noise), ``None`` drafts greedily. Nothing once the context
+        outgrows the draft model's own context window (the target may have a longer one)."""
+        if self.context_window is not None:
+            max_len = min(max_len, self.context_window - len(ids))
+        if max_len <= 0:
+            self.token_s, self.fed, self.sync_s = None, 0, 0.0
+            return []
         with torch.inference_mode():
             t0 = time.perf_counter()
             logits = self._sync(ids, stable)

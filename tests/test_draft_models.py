@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from helpers import hf_greedy, permuted_pair, tiny_model, trained_bpe_tokenizer
 
 from rag_accel import DecoderConfig, ReferenceDecoder
@@ -56,6 +57,27 @@ def test_draft_model_cache_rolls_back_and_restarts_per_request(tokenizer):
     fresh = ModelDrafter(target, confidence=0.0)
     assert drafter.propose([1, 2, 3], 3).tokens == fresh.propose([1, 2, 3], 3).tokens
     assert d2.tokens == ModelDrafter(target, confidence=0.0).propose(list(context), 2).tokens
+
+
+def test_a_draft_model_with_a_shorter_context_window_stops_drafting(tokenizer):
+    """A GPT-2 draft with 48 positions for a target with 1024: drafting ends where the draft's window does."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    target = tiny_model("llama", len(tokenizer), seed=0)
+    torch.manual_seed(0)
+    short = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=48,
+                                                        vocab_size=len(tokenizer))).eval()
+    dec = ReferenceDecoder(target, tokenizer, FIXED, draft_model=short)
+    prompt = _prompts(1, len(tokenizer), seed=9)[0][:30]
+    out = dec.generate(prompt, max_new_tokens=40)
+    assert out.token_ids == hf_greedy(target, prompt, 40)
+    assert out.stats.drafted > 0
+    done = 0  # tokens generated before each step; the draft model drafts only while the context fits in 48
+    for source, n in out.stats.trace:
+        if source == "draft_model":
+            assert len(prompt) + done < 48
+        done += n
+    assert out.stats.trace[-1][0] == ""
 
 
 def test_confidence_stops_the_draft_early(tokenizer):
