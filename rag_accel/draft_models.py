@@ -140,6 +140,7 @@ class ModelDrafter:
             logits = self._sync(ids, stable)
             t1 = time.perf_counter()
             tokens: list[int] = []
+            forwards = 0
             sampled = self._noise is not None and position is not None and logits.shape[-1] == self._noise.vocab_size
             for i in range(max_len):
                 if sampled:
@@ -157,12 +158,13 @@ class ModelDrafter:
                 if i + 1 < max_len:
                     logits = self._forward([tok])
                     self._cached.append(tok)
+                    forwards += 1
         # Per drafted token, as one-token forwards cost it (the catch-up forward over new
         # context ids is excluded: after a long gap, e.g. the prompt, it costs far more).
         self.sync_s = t1 - t0
         loop = time.perf_counter() - t1
-        self.token_s = loop / (len(tokens) - 1) if len(tokens) > 1 else t1 - t0
-        if len(tokens) <= 1 and self.fed > 4:
+        self.token_s = loop / forwards if forwards else t1 - t0
+        if not forwards and self.fed > 4:
             self.token_s = None  # only a catch-up was timed
         return tokens
 
