@@ -210,8 +210,9 @@ class UniversalDrafter:
         self.draft_tokenizer, self.target_tokenizer, self.look_behind = draft_tokenizer, target_tokenizer, look_behind
         self._detok = IncrementalDetokenizer(target_tokenizer)
         self._seen = 0  # target context tokens turned into text
-        self._text = ""
-        self._a_ids: list[int] = []  # draft-vocabulary ids of _text
+        self._text = ""  # the tail of the context's text still needed for re-tokenising
+        self._text_start = 0  # absolute character index of _text[0]
+        self._a_ids: list[int] = []  # draft-vocabulary ids of the context's text
         self._a_starts: list[int] = []  # character where each of them starts
         self._stable = 0  # leading _a_ids unchanged since the inner drafter last saw them
         self._context: Sequence[int] | None = None
@@ -238,7 +239,7 @@ class UniversalDrafter:
     def _absorb(self, context: Sequence[int]) -> None:
         if context is not self._context:  # a new request: start over
             self._context, self._detok, self._seen, self._text = context, IncrementalDetokenizer(self.target_tokenizer), 0, ""
-            self._a_ids, self._a_starts, self._stable = [], [], 0
+            self._a_ids, self._a_starts, self._stable, self._text_start = [], [], 0, 0
             self.inner._context = None
         piece = "".join(self._detok.push(t) for t in context[self._seen:])
         self._seen = len(context)
@@ -246,12 +247,16 @@ class UniversalDrafter:
             return
         self._text += piece
         keep = max(0, len(self._a_ids) - self.look_behind)
-        base = self._a_starts[keep] if keep < len(self._a_starts) else 0
-        enc = self.draft_tokenizer(self._text[base:], add_special_tokens=False, return_offsets_mapping=True)
+        base = self._a_starts[keep] if keep < len(self._a_starts) else self._text_start  # absolute characters
+        enc = self.draft_tokenizer(self._text[base - self._text_start:], add_special_tokens=False,
+                                   return_offsets_mapping=True)
         del self._a_ids[keep:], self._a_starts[keep:]
         self._a_ids.extend(enc["input_ids"])
         self._a_starts.extend(base + s for s, _ in enc["offset_mapping"])
         self._stable = min(self._stable, keep)
+        # Text before the next look-behind's start is never re-read: drop it (O(window) per step, not O(context)).
+        cut = self._a_starts[max(0, len(self._a_ids) - self.look_behind)] if self._a_ids else self._text_start
+        self._text, self._text_start = self._text[cut - self._text_start:], cut
 
     def propose(self, context: Sequence[int], max_len: int) -> Draft:
         if max_len <= 0:
