@@ -140,6 +140,23 @@ def rollback_cache(cache: Any, remove: int) -> None:
         cache.crop(cache.get_seq_length() - remove)  # older: crop(max_length)
 
 
+def new_cache(model: Any) -> Any:
+    """An empty KV cache for ``model`` (``DynamicCache``, configured from the model where supported)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def context_window(model: Any) -> int | None:
+    """The most positions ``model`` takes, from its config (``None`` if it does not say)."""
+    mc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return next((getattr(mc, k) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                 if isinstance(getattr(mc, k, None), int)), None)
+
+
 def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
     if dtype is None or dtype == "auto":
         if device.type == "cuda":
@@ -199,12 +216,7 @@ class ReferenceDecoder:
                 f"tokenizer/model mismatch: the tokenizer has {n_tok} tokens but the model's embedding "
                 f"has {self.vocab_size} rows; load the tokenizer that belongs to this model"
             )
-        mc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.context_window: int | None = next(
-            (getattr(mc, k) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
-             if isinstance(getattr(mc, k, None), int)),
-            None,
-        )
+        self.context_window: int | None = context_window(model)
         # EOS as generate() sees it: the model's generation config (the tokenizer's only without one).
         gen_cfg = getattr(model, "generation_config", None)
         eos = gen_cfg.eos_token_id if gen_cfg is not None else tokenizer.eos_token_id
@@ -228,8 +240,9 @@ class ReferenceDecoder:
 
     def _check_draft_model(self, draft_model: Any, draft_tokenizer: Any) -> bool:
         """Validate the draft model; True when it needs the universal (different-tokenizer) drafter."""
-        if not hasattr(draft_model, "forward") or not hasattr(draft_model, "get_input_embeddings"):
-            raise TypeError(f"draft_model must be a Hugging Face causal LM, got {type(draft_model).__name__}")
+        from .draft_models import check_model
+
+        check_model(draft_model, "draft_model")
         if draft_tokenizer is not None and (not callable(draft_tokenizer)
                                             or not callable(getattr(draft_tokenizer, "decode", None))):
             raise TypeError(f"draft_tokenizer must be a Hugging Face tokenizer, got {type(draft_tokenizer).__name__}")
@@ -492,12 +505,7 @@ class ReferenceDecoder:
         return self.model(input_ids=input_ids, **kwargs).logits[0]  # [S or 1, V]
 
     def _new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        try:
-            return DynamicCache(config=self.model.config)
-        except TypeError:
-            return DynamicCache()
+        return new_cache(self.model)
 
     def cost_curve(self, max_draft: int) -> tuple[float, ...]:
         """Relative cost of verifying 0..max_draft draft tokens; measured once per length bound."""

@@ -30,22 +30,14 @@ from typing import Any
 
 import torch
 
+from .decoder import context_window, new_cache, rollback_cache
 from .drafters import NO_DRAFT, Draft
 from .policy import leading_matches
 from .sampling import GumbelNoise, warp
 from .stopping import IncrementalDetokenizer
 
 
-def _new_cache(model: Any) -> Any:
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:
-        return DynamicCache()
-
-
-def _check_model(model: Any, what: str) -> None:
+def check_model(model: Any, what: str) -> None:
     if not hasattr(model, "forward") or not hasattr(model, "config") or not hasattr(model, "get_input_embeddings"):
         raise TypeError(f"{what} must be a Hugging Face causal LM, got {type(model).__name__}")
 
@@ -62,12 +54,12 @@ class ModelDrafter:
     costly = True  # the decoder consults it only when no cheap draft is sent
 
     def __init__(self, model: Any, *, confidence: float = 0.4) -> None:
-        _check_model(model, "draft model")
+        check_model(model, "draft model")
         if not 0 <= confidence < 1:
             raise ValueError(f"confidence must be in [0, 1), got {confidence!r}")
         self.model, self.confidence = model, float(confidence)
         self.device = next(model.parameters()).device
-        self._cache = _new_cache(model)
+        self._cache = new_cache(model)
         self._cached: list[int] = []  # the ids whose keys/values are in the cache
         self._synced = 0  # leading ids of _cached known to equal the context
         self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -75,10 +67,7 @@ class ModelDrafter:
         self._noise: GumbelNoise | None = None
         self._first_position = 0  # context length at output position 0
         self._context: Sequence[int] | None = None
-        mc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.context_window: int | None = next(
-            (getattr(mc, k) for k in ("max_position_embeddings", "n_positions") if isinstance(getattr(mc, k, None), int)),
-            None)
+        self.context_window = context_window(model)
         self.fed = 0  # ids fed by the last catch-up
         self.token_s: float | None = None  # measured time of one drafted token, last proposal
         self.sync_s = 0.0  # time of the last catch-up forward (over `fed` ids)
@@ -98,7 +87,7 @@ class ModelDrafter:
         """A new request (the decoder passes one context list per request): forget the old cache."""
         if context is not self._context:
             self._context = context
-            self._cache = _new_cache(self.model)
+            self._cache = new_cache(self.model)
             self._cached, self._synced = [], 0
 
     def _forward(self, ids: Sequence[int]) -> torch.Tensor:
@@ -113,8 +102,6 @@ class ModelDrafter:
 
         ``stable``: leading ids known unchanged since the last call (the cache is
         compared from there on, so a sync costs O(new ids), not O(context))."""
-        from .decoder import rollback_cache
-
         start = min(stable, len(self._cached))
         common = start + leading_matches(self._cached[start:], ids[start:])
         common = min(common, len(ids) - 1)  # at least one id is fed: its logits are needed

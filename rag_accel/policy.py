@@ -140,14 +140,19 @@ class DraftLengthPolicy:
     def value(self, draft: Draft) -> tuple[float, int]:
         """Best expected tokens per unit of cost for this draft, and the length that achieves it."""
         n = min(len(draft.tokens), len(self.cost) - 1)
-        a0, a1 = self.rates(draft.source, draft.match_len)
-        cost = self.cost
-        best_value, best_len = 1.0 / cost[0], 0
+        best_value, best_len = self._best_length(*self.rates(draft.source, draft.match_len), n)
+        plain = 1.0 / self.cost[0]
+        return (best_value, best_len) if best_value > plain else (plain, 0)
+
+    def _best_length(self, a0: float, a1: float, n: int, per_token: float = 0.0,
+                     fixed: float = 0.0) -> tuple[float, int]:
+        """max over L = 1..n of E(L) / (cost[L] + L * per_token + fixed * E(L)), and the first L reaching it."""
+        best_value, best_len = 0.0, 0
         expected, p = 1.0, a0
         for length in range(1, n + 1):
             expected += p
             p *= a1
-            value = expected / cost[length]
+            value = expected / (self.cost[length] + length * per_token + fixed * expected)
             if value > best_value:
                 best_value, best_len = value, length
         return best_value, best_len
@@ -205,15 +210,8 @@ class DraftLengthPolicy:
             return min(4, max_len)
         if source not in self._overall:
             return max(1, min(max_len, round(1.0 / max(draft_cost, 1e-3))))
-        a0, a1 = self.rates(source, 0)
-        best_value, best_len = 0.0, 1
-        expected, p = 1.0, a0
-        for length in range(1, max_len + 1):
-            expected += p
-            p *= a1
-            value = expected / (self.cost[length] + length * draft_cost + catch_up * expected / max(1, remaining))
-            if value > best_value:
-                best_value, best_len = value, length
+        best_value, best_len = self._best_length(*self.rates(source, 0), max_len, draft_cost,
+                                                 catch_up / max(1, remaining))
         threshold = (1.0 + self.min_gain) / self.cost[0]
         if best_value > threshold or (probe and best_value > 0.8 * threshold):
             return best_len
