@@ -15,11 +15,13 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 def engine_section(path: Path) -> str:
     r = json.loads(path.read_text())
     env, s = r["environment"], r["summary"]
+    repeats = f", median of {r['repeats']} runs per item" if r.get("repeats", 1) > 1 else ""
     lines = [
         f"**{env['model'].split('/')[-1]}, {env['dtype']}, {env['device']} ({env['cpu_threads']} threads), "
         f"{r['items']} MS-MARCO items, {r['max_new_tokens']} new tokens"
         f"{', target-forced: ' + r['target_forced'] if r.get('target_forced') else ''}"
-        f"{', draft model: ' + env['draft_model'] if env.get('draft_model') else ''}, {env['date']}** "
+        f"{', draft model: ' + env['draft_model'] if env.get('draft_model') else ''}"
+        f"{repeats}, {env['date']}** "
         f"([json]({path.relative_to(ROOT)}))",
         "",
         "| method | speed-up vs greedy (geo-mean) | worst item | tokens/step | tokens/s | identical to greedy |",

@@ -1,7 +1,11 @@
 """Side-by-side benchmark: plain greedy, Hugging Face prompt lookup, and ours.
 
 All methods run in one process on the same items, interleaved item by item
-(the order rotates per item) after a warm-up, so machine noise hits all alike.
+(the order rotates per item and per repeat) after a warm-up, so machine noise
+hits all alike. With ``repeats > 1`` every item runs that many rounds of all
+methods and an item's latency is the median of its rounds: a single run of a
+few-second call varies by several percent on a busy machine, which would
+otherwise decide the "worst item".
 Forward passes are counted with a hook on the model, the same way for every
 method, so "tokens per step" is comparable.
 """
@@ -52,6 +56,7 @@ class Run:
     steps: int
     identical: bool
     token_ids: list[int] = field(repr=False, default_factory=list)
+    repeat: int = 0
 
 
 class _ForwardCounter:
@@ -146,9 +151,14 @@ def run_benchmark(
     max_new_tokens: int,
     progress: Callable[[str], None] | None = None,
     targets: dict[str, list[int]] | None = None,
+    repeats: int = 1,
 ) -> list[Run]:
-    """Run ``methods`` on ``items``; with ``targets`` (item id -> token ids) every method
-    is forced to decode that target (see :class:`TargetForcing`)."""
+    """Run ``methods`` on ``items``, ``repeats`` rounds per item; with ``targets``
+    (item id -> token ids) every method is forced to decode that target (see
+    :class:`TargetForcing`). Every run's output is compared with the item's first
+    greedy run."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if "greedy" not in methods:
         methods = ["greedy", *methods]
     runners = {m: _runner(dec, m, max_new_tokens) for m in methods}
@@ -170,25 +180,26 @@ def run_benchmark(
         for i, (item, ids) in enumerate(zip(items, prompts)):
             if forcing is not None:
                 forcing.set(len(ids), targets[item.id])
-            order = list(methods[i % len(methods):]) + list(methods[: i % len(methods)])
             greedy_ids: list[int] | None = None
             item_runs = []
-            for m in order:
-                counter.count = 0
-                t0 = time.perf_counter()
-                out_ids = runners[m](ids, item)
-                if dec.device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                item_runs.append(Run(m, item.id, dt, len(out_ids), counter.count, False, out_ids))
-                if m == "greedy":
-                    greedy_ids = out_ids
+            for rep in range(repeats):
+                k = (i * repeats + rep) % len(methods)
+                for m in list(methods[k:]) + list(methods[:k]):
+                    counter.count = 0
+                    t0 = time.perf_counter()
+                    out_ids = runners[m](ids, item)
+                    if dec.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                    item_runs.append(Run(m, item.id, dt, len(out_ids), counter.count, False, out_ids, rep))
+                    if m == "greedy" and greedy_ids is None:
+                        greedy_ids = out_ids
             for r in item_runs:
                 r.identical = r.token_ids == greedy_ids
-            runs.extend(sorted(item_runs, key=lambda r: list(methods).index(r.method)))
+            runs.extend(sorted(item_runs, key=lambda r: (r.repeat, list(methods).index(r.method))))
             if progress:
                 progress(f"item {i + 1}/{len(items)} " + " ".join(
-                    f"{r.method}={r.seconds:.2f}s" for r in item_runs))
+                    f"{m}={s:.2f}s" for (m, _), s in item_seconds(item_runs).items()))
     finally:
         counter.close()
         if forcing is not None:
@@ -196,22 +207,36 @@ def run_benchmark(
     return runs
 
 
+def item_seconds(runs: Sequence[Run]) -> dict[tuple[str, str], float]:
+    """(method, item) -> median latency over that item's repeats."""
+    times: dict[tuple[str, str], list[float]] = {}
+    for r in runs:
+        times.setdefault((r.method, r.item), []).append(r.seconds)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def summarize(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
+    """Per method: speed-ups per item (median latency of its repeats against greedy's), their
+    geometric mean and worst; tokens per step and tokens/s over all runs; identical-output rate
+    over all runs."""
+    seconds = item_seconds(runs)
     by_method: dict[str, list[Run]] = {}
     for r in runs:
         by_method.setdefault(r.method, []).append(r)
-    greedy = {r.item: r for r in by_method["greedy"]}
     out = {}
     for m, rs in by_method.items():
-        speedups = [greedy[r.item].seconds / r.seconds for r in rs]
+        items = list(dict.fromkeys(r.item for r in rs))
+        latency = [seconds[m, it] for it in items]
+        speedups = [seconds["greedy", it] / seconds[m, it] for it in items]
         out[m] = {
-            "items": len(rs),
-            "median_latency_s": statistics.median(r.seconds for r in rs),
+            "items": len(items),
+            "runs_per_item": len(rs) / len(items),
+            "median_latency_s": statistics.median(latency),
             "tokens_per_s": sum(r.new_tokens for r in rs) / sum(r.seconds for r in rs),
             "speedup_geomean": math.exp(sum(math.log(s) for s in speedups) / len(speedups)),
-            "speedup_total_time": sum(greedy[r.item].seconds for r in rs) / sum(r.seconds for r in rs),
+            "speedup_total_time": sum(seconds["greedy", it] for it in items) / sum(latency),
             "speedup_worst": min(speedups),
-            "worst_item": rs[speedups.index(min(speedups))].item,
+            "worst_item": items[speedups.index(min(speedups))],
             "tokens_per_step": sum(r.new_tokens for r in rs) / sum(r.steps for r in rs),
             "identical_rate": sum(r.identical for r in rs) / len(rs),
         }
@@ -255,11 +280,11 @@ def plot(runs: Sequence[Run], path: str | Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    greedy = {r.item: r.seconds for r in runs if r.method == "greedy"}
+    seconds = item_seconds(runs)
     methods = [m for m in dict.fromkeys(r.method for r in runs) if m != "greedy"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for i, m in enumerate(methods):
-        sp = [greedy[r.item] / r.seconds for r in runs if r.method == m]
+        sp = [seconds["greedy", it] / t for (mm, it), t in seconds.items() if mm == m]
         a.scatter([i + (j % 7 - 3) * 0.03 for j in range(len(sp))], sp, s=10, alpha=0.6)
         a.hlines(math.exp(sum(map(math.log, sp)) / len(sp)), i - 0.3, i + 0.3, colors="k")
         b.bar(i, sum(r.new_tokens for r in runs if r.method == m) / sum(r.steps for r in runs if r.method == m))

@@ -127,6 +127,8 @@ def bench(
     draft_model: Optional[str] = typer.Option(
         None, help="A draft model for ours-draft, ours-hybrid and hf-assisted: a model path/name (its own "
                    "tokenizer; a different one means universal drafting), or 'int8': an int8 copy of the model (CPU)."),
+    repeats: int = typer.Option(1, min=1, help="Rounds of all methods per item; an item's latency is the "
+                                "median of its rounds (less machine noise in per-item speed-ups)."),
     out: Path = typer.Option(Path("benchmarks/results/bench"), help="Output prefix: .json, .md, .png"),
 ) -> None:
     """Run greedy, Hugging Face prompt lookup and our configurations side by side on the same items."""
@@ -155,7 +157,7 @@ def bench(
                 targets = {k: v[:max_new_tokens] for k, v in saved["outputs"].items()}
             else:
                 raise CliError(f"--target-forced must be 'human' or 'saved:FILE', got {target_forced!r}")
-        runs = run_benchmark(dec, sample, method_list, max_new_tokens, targets=targets,
+        runs = run_benchmark(dec, sample, method_list, max_new_tokens, targets=targets, repeats=repeats,
                              progress=lambda s: typer.echo(s, err=True))
     except (FileNotFoundError, ValueError, TypeError, CliError, json.JSONDecodeError, KeyError) as e:
         _fail(str(e))
@@ -168,7 +170,7 @@ def bench(
     typer.echo(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"environment": env, "command": command, "items": len(sample), "max_new_tokens": max_new_tokens,
-              "target_forced": target_forced, "cost_curve": {str(k): v for k, v in dec._cost_curves.items()},
+              "repeats": repeats, "target_forced": target_forced, "cost_curve": {str(k): v for k, v in dec._cost_curves.items()},
               "summary": summary, "runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in runs]}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     title = (f"{env['model']} {env['dtype']} on {env['device']}, {len(sample)} MS-MARCO items, {max_new_tokens} "
@@ -176,6 +178,7 @@ def bench(
     out.with_suffix(".md").write_text("\n".join([
         f"# {title}", "", f"- command: `{command}`", f"- torch {env['torch']}, transformers {env['transformers']}",
         *([f"- draft model: {draft_model}"] if draft_model else []),
+        *([f"- per-item latency: median of {repeats} interleaved runs"] if repeats > 1 else []),
         "", table, "", f"![per-item speed-up]({out.with_suffix('.png').name})", ""]))
     plot(runs, out.with_suffix(".png"), title)
     if save_outputs is not None:

@@ -100,3 +100,38 @@ def test_bench_drafting_small(tmp_path):
     assert all(r["propose_search_us_median"] > 0 and r["hf_prompt_lookup_us_median"] > 0 for r in rows)
     code, out = run("bench-drafting", "--sizes", "ten")
     assert code == 2 and "--sizes must be positive integers" in out
+
+
+def test_summarize_takes_the_median_of_each_items_repeats():
+    from rag_accel.bench import Run, summarize
+
+    def runs(method, item, seconds):
+        return [Run(method, item, s, 10, 5, True, repeat=k) for k, s in enumerate(seconds)]
+
+    # One slow outlier per item and method must not decide the per-item speed-up.
+    rs = (runs("greedy", "a", [1.0, 1.2, 5.0]) + runs("ours", "a", [0.6, 0.6, 0.1])
+          + runs("greedy", "b", [2.0, 2.0, 2.0]) + runs("ours", "b", [4.0, 1.0, 4.0]))
+    s = summarize(rs)["ours"]
+    assert s["items"] == 2 and s["runs_per_item"] == 3
+    assert s["speedup_worst"] == pytest.approx(0.5) and s["worst_item"] == "b"
+    assert s["speedup_geomean"] == pytest.approx(1.0)  # sqrt(1.2/0.6 * 2/4)
+    assert s["median_latency_s"] == pytest.approx(2.3)  # median of the per-item medians 0.6 and 4.0
+    assert s["tokens_per_step"] == pytest.approx(2.0)
+
+
+def test_bench_repeats_runs_every_method_per_round(tmp_path):
+    from rag_accel.bench import run_benchmark
+    from rag_accel.data import load_msmarco_sample
+    from rag_accel.decoder import ReferenceDecoder
+    from rag_accel.models import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer("random:tiny", torch.device("cpu"), torch.float32)
+    dec = ReferenceDecoder(model, tok)
+    items = load_msmarco_sample(with_answers=True, limit=2)
+    targets = {it.id: tok(it.answers[0], add_special_tokens=False)["input_ids"][:20] for it in items}
+    runs = run_benchmark(dec, items, ["greedy", "ours"], 24, targets=targets, repeats=3)
+    assert sorted((r.item, r.method, r.repeat) for r in runs) == sorted(
+        (it.id, m, k) for it in items for m in ("greedy", "ours") for k in range(3))
+    assert all(r.identical for r in runs)
+    with pytest.raises(ValueError, match="repeats"):
+        run_benchmark(dec, items, ["greedy"], 4, repeats=0)
