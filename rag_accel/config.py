@@ -39,9 +39,8 @@ class DecoderConfig:
             ``1 + L`` tokens, index ``L`` (``cost_curve[0] == 1``). ``None``
             measures it once for the model at hand.
         max_loss: the largest fraction of plain greedy time (prefill included)
-            that failed drafts may cost one request, on top of one exploratory
-            plain step (adaptive mode): a draft is sent only if its complete
-            failure stays within it. Bounds the worst case on items where
+            that failed drafts may cost one request before the policy stops
+            drafting (adaptive mode); bounds the worst case on items where
             nothing copies.
         draft_confidence: a draft model stops drafting when its probability for
             its next token falls below this (the first token is always drafted).
