@@ -137,17 +137,9 @@ class DraftLengthPolicy:
             self.cost_scale = scale
             self.cost = [1.0] + [1.0 + (c - 1.0) * scale for c in self.base_cost[1:]]
 
-    def _affordable(self, n: int, room: float, per_token: float = 0.0) -> int:
-        """Longest length <= n whose failure (its extra verification cost, plus ``per_token``
-        drafting cost per token) loses at most ``room`` plain steps."""
-        while n > 0 and self.cost[n] - 1.0 + n * per_token > room:
-            n -= 1
-        return n
-
-    def value(self, draft: Draft, room: float = float("inf")) -> tuple[float, int]:
-        """Best expected tokens per unit of cost for this draft, and the length that achieves it,
-        among the lengths whose failure would lose at most ``room`` plain steps."""
-        n = self._affordable(min(len(draft.tokens), len(self.cost) - 1), room)
+    def value(self, draft: Draft) -> tuple[float, int]:
+        """Best expected tokens per unit of cost for this draft, and the length that achieves it."""
+        n = min(len(draft.tokens), len(self.cost) - 1)
         best_value, best_len = self._best_length(*self.rates(draft.source, draft.match_len), n)
         plain = 1.0 / self.cost[0]
         return (best_value, best_len) if best_value > plain else (plain, 0)
@@ -176,22 +168,19 @@ class DraftLengthPolicy:
         (the first draft on ties; non-adaptive: the first draft, whole).
 
         ``loss_budget``: plain steps this request may lose to failed drafts, on top
-        of :attr:`exploration`. A draft is sent only as long as its complete failure
-        keeps :attr:`debt` within both (shorter drafts may still fit); otherwise plain
-        steps until the budget (which grows with the tokens generated) catches up.
-        This bounds the worst case when the learnt rates are too optimistic for an
-        item: no request loses more than ``loss_budget + exploration``.
+        of :attr:`exploration`; once :attr:`debt` exceeds both, only plain steps
+        until the budget (which grows with the tokens generated) catches up. This
+        bounds the worst case when the learnt rates are too optimistic for an item.
         """
         if not drafts:
             return NO_DRAFT, 0
         if not self.adaptive:
             return drafts[0], self.choose(drafts[0])
-        room = loss_budget + self.exploration - self.debt
-        if room <= 0:
+        if self.debt > loss_budget + self.exploration:
             return NO_DRAFT, 0
         best, best_value, best_len = NO_DRAFT, (1.0 + self.min_gain) / self.cost[0], 0
         for d in drafts:
-            value, length = self.value(d, room)
+            value, length = self.value(d)
             if value > best_value:
                 best, best_value, best_len = d, value, length
         return best, best_len
@@ -213,12 +202,10 @@ class DraftLengthPolicy:
         of it is charged to the same loss budget as failed drafts.
         """
         max_len = min(max_len, len(self.cost) - 1)
-        if not self.adaptive:
-            return max(0, max_len)
-        # As for copy drafts: only a window whose failure (drafting + verifying) fits in the budget.
-        max_len = self._affordable(max_len, loss_budget + self.exploration - self.debt, draft_cost or 0.0)
-        if max_len <= 0:
+        if max_len <= 0 or (self.adaptive and self.debt > loss_budget + self.exploration):
             return 0
+        if not self.adaptive:
+            return max_len
         if draft_cost is None:
             return min(4, max_len)
         if source not in self._overall:
