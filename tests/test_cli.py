@@ -119,7 +119,7 @@ def test_summarize_takes_the_median_of_each_items_repeats():
     assert s["tokens_per_step"] == pytest.approx(2.0)
 
 
-def test_bench_repeats_runs_every_method_per_round(tmp_path):
+def test_bench_repeats_runs_every_method_per_round():
     from rag_accel.bench import run_benchmark
     from rag_accel.data import load_msmarco_sample
     from rag_accel.decoder import ReferenceDecoder
