@@ -688,7 +688,8 @@ class ReferenceDecoder:
                 # 3. Accept the longest draft prefix equal to the model's argmax, plus its next token.
                 n_acc = leading_matches(sent, preds)
                 new_tokens = sent[:n_acc] + [preds[n_acc]]
-                policy.record(n_send, n_acc)
+                # The loss budget is charged what the step really took (in this request's plain steps).
+                policy.record(n_send, n_acc, dt / plain_s if n_send and plain_s else None)
                 stats.trace.append((draft.source if n_send else "", len(new_tokens)))
 
                 # 4. Roll the cache back to the accepted tokens (the new last token is not cached yet).

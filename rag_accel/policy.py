@@ -221,10 +221,16 @@ class DraftLengthPolicy:
         """Account time spent drafting (in plain steps) against the loss budget."""
         self.debt += units
 
-    def record(self, sent: int, accepted: int) -> None:
-        """Account a verified draft: its cost against the tokens it bought beyond a plain step."""
+    def record(self, sent: int, accepted: int, timed_cost: float | None = None) -> None:
+        """Account a verified draft: its cost against the tokens it bought beyond a plain step.
+
+        ``timed_cost``: what the verify step really took, in plain steps of this request
+        (the decoder times every step); without it, the curve's ``cost[sent]``. The timed
+        cost keeps the loss budget a bound on real time where the curve is off: on long
+        contexts or a busy machine a failed draft can cost 1.5 plain steps, not 0.6.
+        """
         if sent:
-            self.debt += self.cost[sent] - 1.0 - accepted
+            self.debt += (self.cost[sent] if timed_cost is None else timed_cost) - 1.0 - accepted
 
     def observe(self, draft: Draft, new_tokens: Sequence[int]) -> None:
         """Learn from the tokens the step produced (accepted draft + the model's next token).

@@ -93,3 +93,19 @@ def test_loss_budget_stops_drafting_after_failed_drafts_and_reopens():
     assert p.select([good], loss_budget=0.5)[1] == 8  # the budget grows with the tokens generated
     p.record(8, 8)  # an accepted draft pays the debt back
     assert p.debt < 0 and p.select([good], loss_budget=0.0)[1] == 8
+
+
+def test_loss_budget_charges_the_timed_cost_when_the_decoder_gives_it():
+    # The curve says a failed 8-token draft loses 1.17 plain steps; timed, it took 2.6 steps.
+    modelled, timed = DraftLengthPolicy(CPU_CURVE), DraftLengthPolicy(CPU_CURVE)
+    modelled.record(8, 0)
+    timed.record(8, 0, timed_cost=2.6)
+    assert abs(modelled.debt - 1.17) < 1e-9 and abs(timed.debt - 1.6) < 1e-9
+    good = Draft([1] * 8, 8, "reference")
+    for p in (modelled, timed):
+        train(p, "reference", 8, right=True)
+    # Budget 0.5 + exploration 1.0: the modelled debt still fits, the real one does not.
+    assert modelled.select([good], loss_budget=0.5)[1] == 8
+    assert timed.select([good], loss_budget=0.5) == (Draft(), 0)
+    timed.record(8, 8, timed_cost=2.6)  # accepted tokens pay back against the timed cost too
+    assert abs(timed.debt - (1.6 + 1.6 - 8)) < 1e-9
