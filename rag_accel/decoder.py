@@ -678,10 +678,12 @@ class ReferenceDecoder:
                 dt = time.perf_counter() - t1  # .tolist() synchronised the device
                 step_s = dt / policy.cost[n_send]  # what a one-token step costs, as this step tells it
                 self._step_s = step_s if self._step_s is None else 0.9 * self._step_s + 0.1 * step_s
+                timed_cost = None  # this step's time in this request's plain steps
                 if n_send == 0:  # track the plain-step time; learn how far the curve is off at this length
                     plain_s = dt if plain_s is None else 0.8 * plain_s + 0.2 * dt
                 elif plain_s is not None and policy.adaptive:
-                    ratio = (dt / plain_s - 1.0) / max(policy.base_cost[n_send] - 1.0, 1e-3)
+                    timed_cost = dt / plain_s
+                    ratio = (timed_cost - 1.0) / max(policy.base_cost[n_send] - 1.0, 1e-3)
                     old = self._cost_scale.get(bucket, 1.0)
                     self._cost_scale[bucket] = min(4.0, max(0.25, 0.9 * old + 0.1 * ratio))
 
@@ -689,7 +691,7 @@ class ReferenceDecoder:
                 n_acc = leading_matches(sent, preds)
                 new_tokens = sent[:n_acc] + [preds[n_acc]]
                 # The loss budget is charged what the step really took (in this request's plain steps).
-                policy.record(n_send, n_acc, dt / plain_s if n_send and plain_s else None)
+                policy.record(n_send, n_acc, timed_cost)
                 stats.trace.append((draft.source if n_send else "", len(new_tokens)))
 
                 # 4. Roll the cache back to the accepted tokens (the new last token is not cached yet).

@@ -7,12 +7,15 @@ that are always right, always wrong, and a random mix; many prompts each.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 from helpers import OracleDrafter, hf_greedy, tiny_model
 
-from rag_accel import DecoderConfig, ReferenceDecoder
+import rag_accel.decoder as decoder_module
+from rag_accel import DecoderConfig, Draft, ReferenceDecoder
+from rag_accel.policy import DraftLengthPolicy
 
 ARCHS = ["llama", "qwen2", "gpt2"]
 N_PROMPTS = 6
@@ -63,6 +66,41 @@ def test_adaptive_policy_is_exact_too(tiny):
         want = hf_greedy(tiny.model, prompt, MAX_NEW)
         out = tiny.generate(prompt, references=[want[5:30]], max_new_tokens=MAX_NEW, config=cfg)
         assert out.token_ids == want
+
+
+def test_loss_budget_is_charged_the_timed_verify_cost(tiny, monkeypatch):
+    """The curve says verifying is free; the verify steps really take ~20 plain steps. The
+    budget must see the real time: one failed draft, then only plain steps (still exact)."""
+    sent = []
+
+    class Recording(DraftLengthPolicy):
+        def record(self, n, accepted, timed_cost=None):
+            if n:
+                sent.append(timed_cost)
+            super().record(n, accepted, timed_cost)
+
+    forward = tiny._forward
+
+    def slow_verify(ids, cache, last_only=False):
+        if len(ids) > 1 and not last_only:
+            time.sleep(0.05)
+        return forward(ids, cache, last_only)
+
+    class WrongAfterThree(OracleDrafter):  # plain steps first, so this request knows its plain-step time
+        def propose(self, context, max_len):
+            return Draft() if len(context) - self.prompt_len < 3 else super().propose(context, max_len)
+
+    monkeypatch.setattr(decoder_module, "DraftLengthPolicy", Recording)
+    monkeypatch.setattr(tiny, "_forward", slow_verify)
+    tiny.reset_learning()
+    cfg = DecoderConfig(cost_curve=(1.0,) * 9, max_draft_tokens=8)  # modelled loss of a failed draft: 0
+    prompt = _prompts(1, tiny.vocab_size, seed=7)[0]
+    want = hf_greedy(tiny.model, prompt, MAX_NEW)
+    out = tiny.generate(prompt, max_new_tokens=MAX_NEW, config=cfg,
+                        drafters=[WrongAfterThree(want, len(prompt), "wrong", tiny.vocab_size)])
+    assert out.token_ids == want
+    assert len(sent) == 1 and sent[0] > 5
+    tiny.reset_learning()
 
 
 def test_eos_inside_an_accepted_draft(tokenizer):
