@@ -46,6 +46,9 @@ class DecoderConfig:
             its next token falls below this (the first token is always drafted).
         max_reference_tokens: refuse references longer than this (tokens,
             all references together) instead of running out of memory.
+        pack_gqa: in verification forwards, let grouped-query attention read the
+            cached keys/values in place instead of copying them per query head
+            (see :mod:`rag_accel.attention`); ``False`` runs the model's own SDPA path.
     """
 
     drafters: tuple[str, ...] = DRAFTER_NAMES
@@ -61,6 +64,7 @@ class DecoderConfig:
     max_loss: float = 0.03
     draft_confidence: float = 0.4
     max_reference_tokens: int = 4_000_000
+    pack_gqa: bool = True
 
     def __post_init__(self) -> None:
         drafters = tuple(self.drafters)
@@ -96,8 +100,9 @@ class DecoderConfig:
             raise ValueError(f"max_loss must be a number >= 0, got {self.max_loss!r}")
         if not isinstance(self.draft_confidence, (int, float)) or not 0 <= self.draft_confidence < 1:
             raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence!r}")
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"adaptive must be a bool, got {self.adaptive!r}")
+        for name in ("adaptive", "pack_gqa"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cost_curve is not None:
             curve = tuple(float(c) for c in self.cost_curve)
             if len(curve) < self.max_draft_tokens + 1:

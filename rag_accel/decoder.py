@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .attention import install as install_packed_gqa
+from .attention import packed_gqa
 from .config import DecoderConfig
 from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
 from .policy import AcceptanceStats, DraftLengthPolicy, leading_matches
@@ -225,7 +227,8 @@ class ReferenceDecoder:
         )
         self._check_generation_config(gen_cfg)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._cost_curves: dict[int, tuple[float, ...]] = {}
+        install_packed_gqa()  # inert until a forward of ours asks for it (see _forward)
+        self._cost_curves: dict[tuple[int, bool], tuple[float, ...]] = {}  # (max_draft, pack_gqa) -> curve
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
         # Observed verify cost / measured curve, per context-length bucket (log2), learnt online.
         self._cost_scale: dict[int, float] = {}
@@ -497,23 +500,26 @@ class ReferenceDecoder:
         return GenerationOutput(text=text, token_ids=generated, stats=stats)
 
     # ------------------------------------------------------------ the engine
-    def _forward(self, ids: list[int], cache: Any, last_only: bool = False) -> torch.Tensor:
+    def _forward(self, ids: list[int], cache: Any, last_only: bool = False, pack_gqa: bool = False) -> torch.Tensor:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
         kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
         if last_only and self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        return self.model(input_ids=input_ids, **kwargs).logits[0]  # [S or 1, V]
+        with packed_gqa(pack_gqa):
+            return self.model(input_ids=input_ids, **kwargs).logits[0]  # [S or 1, V]
 
     def _new_cache(self) -> Any:
         return new_cache(self.model)
 
-    def cost_curve(self, max_draft: int) -> tuple[float, ...]:
-        """Relative cost of verifying 0..max_draft draft tokens; measured once per length bound."""
+    def cost_curve(self, max_draft: int, pack_gqa: bool | None = None) -> tuple[float, ...]:
+        """Relative cost of verifying 0..max_draft draft tokens; measured once per length bound
+        (and attention path, ``pack_gqa``, by default the decoder config's)."""
         if self.config.cost_curve is not None:
             return self.config.cost_curve
-        if max_draft not in self._cost_curves:
-            self._cost_curves[max_draft] = measure_cost_curve(self, max_draft)
-        return self._cost_curves[max_draft]
+        key = (max_draft, self.config.pack_gqa if pack_gqa is None else pack_gqa)
+        if key not in self._cost_curves:
+            self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1])
+        return self._cost_curves[key]
 
     def reset_learning(self) -> None:
         """Forget the acceptance rates learnt from earlier requests."""
@@ -574,8 +580,8 @@ class ReferenceDecoder:
             if cfg.cost_curve is not None:
                 curve = cfg.cost_curve
             elif cfg.adaptive:
-                had = cfg.max_draft_tokens in self._cost_curves
-                curve = self.cost_curve(cfg.max_draft_tokens)
+                had = (cfg.max_draft_tokens, cfg.pack_gqa) in self._cost_curves
+                curve = self.cost_curve(cfg.max_draft_tokens, cfg.pack_gqa)
                 if not had:
                     stats.calibration_s = time.perf_counter() - t_start
             else:
@@ -667,7 +673,7 @@ class ReferenceDecoder:
                 stats.draft_s += t1 - t0
 
                 # 2. Verify: one forward over [last token + draft] on top of the cache.
-                logits = self._forward([context[-1]] + sent, cache)  # [1 + n_send, V]
+                logits = self._forward([context[-1]] + sent, cache, pack_gqa=cfg.pack_gqa)  # [1 + n_send, V]
                 if sampling is None:
                     preds = logits.argmax(-1).tolist()  # [1 + n_send]
                 else:  # the sampled token at each position; the draft is verified against them
@@ -712,7 +718,7 @@ class ReferenceDecoder:
 
 
 def measure_cost_curve(
-    decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2
+    decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2, pack_gqa: bool = True
 ) -> tuple[float, ...]:
     """Time a forward over 1, 2, 4, ... tokens on a cached context, relative to 1 token.
 
@@ -737,7 +743,7 @@ def measure_cost_curve(
                 ids = torch.randint(0, decoder.vocab_size, (size,), generator=gen).tolist()
                 sync()
                 t0 = time.perf_counter()
-                decoder._forward(ids, cache)
+                decoder._forward(ids, cache, pack_gqa=pack_gqa)
                 sync()
                 if r:
                     samples[size].append(time.perf_counter() - t0)

@@ -1,0 +1,103 @@
+"""Grouped-query attention for verification forwards, without copying the cache.
+
+With more than one query token and a mask, transformers' SDPA path expands the
+cached keys and values of every layer to all query heads (``repeat_kv``) before
+calling the kernel: at ~1000 cached tokens that copy is most of a verify step's
+attention time on a CPU. Verification is exactly that case (a few query tokens on
+a long cache), so during the decoder's multi-token forwards the query heads that
+share a key/value head are instead packed into the query-length dimension, and
+the mask is tiled to match: the same dot products, no copy of the cache
+(transformers does the same for a single query token, ``pack_gqa``). On a CPU,
+whose SDPA kernel takes grouped heads and a mask together, the kernel is asked
+to do it (``enable_gqa``), which measured a little faster than packing; CUDA's
+fused kernels do not take both, so there the heads are packed.
+
+The override is one wrapper around the "sdpa" attention function, active only
+inside :func:`packed_gqa` (a context variable, so other threads and other
+callers of the same model are untouched) and only for the plain case; anything
+else (one query token, no mask, dropout, attention sinks, soft-capping, position
+bias, paged caches) goes to the original function unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("rag_accel_packed_gqa", default=False)
+_HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+_ORIGINAL: Callable[..., Any] | None = None
+# kwargs that change the computation: with any of them set, the original function runs
+_SPECIAL = ("softcap", "s_aux", "position_bias", "cache", "sinks")
+
+
+def pack_gqa_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scaling: float | None,
+    kernel_gqa: bool | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` [B, H, Q, D] over ``key``/``value`` [B, Hkv, K, D]
+    (H a multiple of Hkv, head ``h`` reading key/value head ``h // (H // Hkv)``)
+    under ``mask`` [B or 1, 1 or H, Q, K]; returns [B, Q, H, D] like transformers'
+    attention functions. ``kernel_gqa``: let the kernel group the heads (default:
+    on a CPU) instead of packing them."""
+    b, h, q, d = query.shape
+    if kernel_gqa is None:
+        kernel_gqa = query.device.type == "cpu" and _HAS_ENABLE_GQA
+    if kernel_gqa:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2).contiguous()
+    hkv = key.shape[1]
+    rep = h // hkv
+    packed = query.reshape(b, hkv, rep * q, d)  # rows of one key/value head: its rep query heads, Q each
+    if mask.shape[1] == 1:
+        mask = mask.repeat(1, 1, rep, 1)  # [B, 1, rep*Q, K]: every query head sees the same rows
+    else:
+        mask = mask.reshape(mask.shape[0], hkv, rep * q, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, h, q, d).transpose(1, 2).contiguous()
+
+
+def _wrapper(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+             **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    assert _ORIGINAL is not None
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (not _ACTIVE.get() or query.shape[2] == 1 or groups <= 1 or attention_mask is None or dropout
+            or attention_mask.ndim != 4 or query.shape[1] != key.shape[1] * groups
+            or any(kwargs.get(k) is not None for k in _SPECIAL) or kwargs.get("output_attentions")):
+        return _ORIGINAL(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    mask = attention_mask[:, :, :, : key.shape[2]]
+    return pack_gqa_attention(query, key, value, mask, scaling), None
+
+
+def install() -> bool:
+    """Wrap transformers' "sdpa" attention function once (idempotent). False where this
+    transformers has no attention registry (then nothing changes)."""
+    global _ORIGINAL
+    if _ORIGINAL is not None:
+        return True
+    try:
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:  # pragma: no cover - transformers without the registry
+        return False
+    original = AttentionInterface._global_mapping.get("sdpa")
+    if original is None:  # pragma: no cover
+        return False
+    _ORIGINAL = original
+    AttentionInterface.register("sdpa", _wrapper)
+    return True
+
+
+@contextlib.contextmanager
+def packed_gqa(enabled: bool = True) -> Iterator[None]:
+    """Within this block (this thread / task only), multi-token SDPA attention packs GQA heads."""
+    token = _ACTIVE.set(enabled)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
