@@ -43,13 +43,16 @@ def test_packed_attention_equals_copied_heads(kernel_gqa, bool_mask, heads, kv_h
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_per_head_mask_is_packed_with_its_heads():
+@pytest.mark.parametrize("kernel_gqa", [False, True])
+def test_per_head_mask_is_packed_with_its_heads(kernel_gqa):
+    if kernel_gqa and not attention._HAS_ENABLE_GQA:
+        pytest.skip("this torch has no enable_gqa")
     g = torch.Generator().manual_seed(7)
     query = torch.randn(1, 6, 4, 8, generator=g)
     key, value = torch.randn(1, 2, 9, 8, generator=g), torch.randn(1, 2, 9, 8, generator=g)
     mask = torch.rand(1, 6, 4, 9, generator=g) > 0.3
     mask[..., 0] = True  # every row attends somewhere
-    got = attention.pack_gqa_attention(query, key, value, mask, None, kernel_gqa=False)
+    got = attention.pack_gqa_attention(query, key, value, mask, None, kernel_gqa=kernel_gqa)
     torch.testing.assert_close(got, _reference(query, key, value, mask, None), rtol=1e-5, atol=1e-5)
 
 
