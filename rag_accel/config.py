@@ -49,6 +49,10 @@ class DecoderConfig:
         pack_gqa: in verification forwards, let grouped-query attention read the
             cached keys/values in place instead of copying them per query head
             (see :mod:`rag_accel.attention`); ``False`` runs the model's own SDPA path.
+        pool_misses: scale every drafter's learnt first-token rate by how this
+            request's drafts (sent or not) fared against those rates, pooled over
+            drafters (see :mod:`rag_accel.policy`): a request where the model does
+            not copy stops drafting after a few misses in all, not a few per drafter.
     """
 
     drafters: tuple[str, ...] = DRAFTER_NAMES
@@ -65,6 +69,7 @@ class DecoderConfig:
     draft_confidence: float = 0.4
     max_reference_tokens: int = 4_000_000
     pack_gqa: bool = True
+    pool_misses: bool = True
 
     def __post_init__(self) -> None:
         drafters = tuple(self.drafters)
@@ -100,7 +105,7 @@ class DecoderConfig:
             raise ValueError(f"max_loss must be a number >= 0, got {self.max_loss!r}")
         if not isinstance(self.draft_confidence, (int, float)) or not 0 <= self.draft_confidence < 1:
             raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence!r}")
-        for name in ("adaptive", "pack_gqa"):
+        for name in ("adaptive", "pack_gqa", "pool_misses"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cost_curve is not None:

@@ -586,7 +586,8 @@ class ReferenceDecoder:
                     stats.calibration_s = time.perf_counter() - t_start
             else:
                 curve = (1.0,) * (cfg.max_draft_tokens + 1)
-            policy = DraftLengthPolicy(curve, adaptive=cfg.adaptive, stats=self.acceptance)
+            policy = DraftLengthPolicy(curve, adaptive=cfg.adaptive, stats=self.acceptance,
+                                       request_prior=0.5 if cfg.pool_misses else None)
             context = list(prompt_ids)  # prompt + output so far; drafters index it incrementally
             if custom_drafters is not None:
                 chain = DrafterChain(custom_drafters)

@@ -13,6 +13,14 @@ stops costing time.
 Learning does not need the draft to be sent: the model's own next token tells
 whether the first unsent draft token was right (a free "shadow" check), so the
 rates recover when a drafter starts to be right again.
+
+Some requests defeat every drafter at once (the model paraphrases instead of
+copying), and each drafter and evidence bucket would otherwise have to fail on
+its own before the policy stops. So the policy also keeps, per request, the
+first-token hits of all drafts (sent or shadow) against the hits the learnt
+rates predicted for them, and scales every first-token rate down by that
+observed/expected ratio (never up: a request that copies well raises its own
+bucket rates already).
 """
 
 from __future__ import annotations
@@ -87,6 +95,11 @@ class DraftLengthPolicy:
         prior: prior acceptance rate for a drafter not seen yet.
         prior_weight: pseudo-observations behind the prior, and behind the
             drafter-wide rate when it is used as the prior of a bucket.
+        min_gain: a draft must beat a plain step by this fraction of its value.
+        exploration: plain steps any request may lose before its loss budget grows.
+        request_prior: pseudo-hits behind :meth:`request_factor` (smaller: it
+            falls faster after the first misses of a request); ``None``: no
+            request factor, each drafter and bucket learns on its own.
     """
 
     def __init__(
@@ -98,6 +111,7 @@ class DraftLengthPolicy:
         prior_weight: float = 2.0,
         min_gain: float = 0.1,
         exploration: float = 1.0,
+        request_prior: float | None = 0.5,
     ) -> None:
         self.base_cost = [float(c) / float(cost_curve[0]) for c in cost_curve]
         self.cost = list(self.base_cost)
@@ -110,11 +124,28 @@ class DraftLengthPolicy:
         self._overall = self.stats.overall
         self._buckets = self.stats.buckets
         self._local: dict[tuple[str, int], _Rates] = {}  # this request only
+        # This request's first-token hits, and the hits the rates predicted for the same drafts;
+        # request_prior pseudo-hits on both sides keep one early miss from closing the request.
+        self.request_prior = request_prior
+        self._hits = self._expected = 0.0
         # Time lost to drafts so far in this request, in plain-step units (negative: time won).
         self.debt = 0.0
 
     def rates(self, source: str, match_len: int) -> tuple[float, float]:
-        """Estimated (first-token, next-token) acceptance for a draft with this evidence."""
+        """Estimated (first-token, next-token) acceptance for a draft with this evidence,
+        the first-token rate scaled by :meth:`request_factor`."""
+        g0, g1 = self._learnt_rates(source, match_len)
+        return g0 * self.request_factor(), g1
+
+    def request_factor(self) -> float:
+        """This request's first-token hits over those the learnt rates predicted, pooled over
+        drafters and evidence, at most 1 (``1.0`` before anything is observed)."""
+        k = self.request_prior
+        if k is None:
+            return 1.0
+        return min(1.0, (self._hits + k) / (self._expected + k))
+
+    def _learnt_rates(self, source: str, match_len: int) -> tuple[float, float]:
         w = self.w
         o = self._overall.get(source)
         if o is None:
@@ -242,6 +273,8 @@ class DraftLengthPolicy:
         if known == 0:
             return
         m = leading_matches(draft.tokens[:known], new_tokens[:known])
+        self._expected += self._learnt_rates(draft.source, draft.match_len)[0]  # before learning from it
+        self._hits += m > 0
         key = (draft.source, _bucket(draft.match_len))
         for rates in (
             self._overall.setdefault(draft.source, _Rates()),

@@ -109,3 +109,49 @@ def test_loss_budget_charges_the_timed_cost_when_the_decoder_gives_it():
     assert timed.select([good], loss_budget=0.5) == (Draft(), 0)
     timed.record(8, 8, timed_cost=2.6)  # accepted tokens pay back against the timed cost too
     assert abs(timed.debt - (1.6 + 1.6 - 8)) < 1e-9
+
+
+def _request_after_misses(stats, request_prior=0.5):
+    """A request whose reference and prompt-lookup drafts miss (the model paraphrases)."""
+    p = DraftLengthPolicy(CPU_CURVE, stats=stats, request_prior=request_prior)
+    for source, match_len in (("reference", 2), ("prompt_lookup", 3), ("reference", 5), ("prompt_lookup", 2)):
+        p.observe(Draft([1, 2, 3, 4], match_len, source), [9])  # first token wrong (sent or shadow)
+    return p
+
+
+def test_misses_in_one_request_hold_back_every_drafter_in_it():
+    stats = AcceptanceStats()
+    earlier = DraftLengthPolicy(CPU_CURVE, stats=stats)
+    for source, match_len in (("reference", 2), ("reference", 5), ("prompt_lookup", 2), ("prompt_lookup", 3),
+                              ("ngram", 4)):
+        train(earlier, source, match_len, right=True, times=20)
+    ngram = Draft([1] * 8, 4, "ngram")
+    assert DraftLengthPolicy(CPU_CURVE, stats=stats).choose(ngram) == 8  # a new request trusts the learnt rates
+    p = _request_after_misses(stats)
+    assert p.request_factor() < 0.3
+    assert p.choose(ngram) == 0  # the n-gram drafter never missed here, but this request defeats drafters
+    # Without the pooled factor (a huge prior) the same misses leave the n-gram bucket untouched.
+    assert _request_after_misses(stats, request_prior=1e9).choose(ngram) == 8
+    # Shadow checks keep counting: once drafts start hitting again, the request opens up.
+    for _ in range(6):
+        p.observe(Draft([5, 6], 4, "ngram"), [5, 6])
+    assert p.choose(ngram) == 8
+    # The next request starts from the learnt rates alone.
+    assert DraftLengthPolicy(CPU_CURVE, stats=stats).request_factor() == 1.0
+
+
+def test_request_factor_never_raises_the_learnt_rates():
+    p = DraftLengthPolicy(CPU_CURVE)
+    assert p.request_factor() == 1.0
+    before = p.rates("reference", 8)
+    for _ in range(5):  # more hits than the prior 0.5 predicts
+        p.observe(Draft([1, 2], 8, "prompt_lookup"), [1, 2])
+    assert p.request_factor() == 1.0
+    assert p.rates("reference", 8) == before  # another drafter's bucket: unchanged, not raised
+
+
+def test_request_factor_can_be_turned_off():
+    p = DraftLengthPolicy(CPU_CURVE, request_prior=None)
+    for _ in range(5):
+        p.observe(Draft([1, 2], 2, "reference"), [9])
+    assert p.request_factor() == 1.0
