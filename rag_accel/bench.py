@@ -37,6 +37,7 @@ OUR_METHODS: dict[str, dict[str, Any]] = {
     "ours-fixed": {"adaptive": False, "max_draft_tokens": 10},
     "ours-nopack": {"drafters": COPY_DRAFTERS, "pack_gqa": False},  # the model's own attention path (A/B)
     "ours-nopool": {"drafters": COPY_DRAFTERS, "pool_misses": False},  # each drafter learns misses alone (A/B)
+    "ours-nohead": {"drafters": COPY_DRAFTERS, "fast_head": False},  # the model's own output projection (A/B)
     "ours-ref": {"drafters": ("reference",)},
     "ours-pld": {"drafters": ("prompt_lookup",)},
     "ours-ngram": {"drafters": ("ngram",)},

@@ -19,6 +19,8 @@ import torch
 
 from .attention import install as install_packed_gqa
 from .attention import packed_gqa
+from .lm_head import install as install_transposed_head
+from .lm_head import transposed_head
 from .config import DecoderConfig
 from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
 from .policy import AcceptanceStats, DraftLengthPolicy, leading_matches
@@ -228,6 +230,7 @@ class ReferenceDecoder:
         self._check_generation_config(gen_cfg)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         install_packed_gqa()  # inert until a forward of ours asks for it (see _forward)
+        install_transposed_head(model)  # likewise
         self._cost_curves: dict[tuple[int, bool], tuple[float, ...]] = {}  # (max_draft, pack_gqa) -> curve
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
         # Observed verify cost / measured curve, per context-length bucket (log2), learnt online.
@@ -500,12 +503,13 @@ class ReferenceDecoder:
         return GenerationOutput(text=text, token_ids=generated, stats=stats)
 
     # ------------------------------------------------------------ the engine
-    def _forward(self, ids: list[int], cache: Any, last_only: bool = False, pack_gqa: bool = False) -> torch.Tensor:
+    def _forward(self, ids: list[int], cache: Any, last_only: bool = False, pack_gqa: bool = False,
+                 fast_head: bool = True) -> torch.Tensor:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
         kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
         if last_only and self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        with packed_gqa(pack_gqa):
+        with packed_gqa(pack_gqa), transposed_head(fast_head):
             return self.model(input_ids=input_ids, **kwargs).logits[0]  # [S or 1, V]
 
     def _new_cache(self) -> Any:
@@ -607,7 +611,7 @@ class ReferenceDecoder:
 
             # Prefill: the whole prompt in one forward; its argmax (or a sample) is the first new token.
             t0 = time.perf_counter()
-            last = self._forward(prompt_ids, cache, last_only=True)[-1:]  # [1, V]
+            last = self._forward(prompt_ids, cache, last_only=True, fast_head=cfg.fast_head)[-1:]  # [1, V]
             if sampling is None:
                 new_tokens = [int(last[0].argmax())]
             else:  # one Gumbel noise vector per output position (see rag_accel.sampling)
@@ -674,7 +678,8 @@ class ReferenceDecoder:
                 stats.draft_s += t1 - t0
 
                 # 2. Verify: one forward over [last token + draft] on top of the cache.
-                logits = self._forward([context[-1]] + sent, cache, pack_gqa=cfg.pack_gqa)  # [1 + n_send, V]
+                logits = self._forward([context[-1]] + sent, cache, pack_gqa=cfg.pack_gqa,
+                                       fast_head=cfg.fast_head)  # [1 + n_send, V]
                 if sampling is None:
                     preds = logits.argmax(-1).tolist()  # [1 + n_send]
                 else:  # the sampled token at each position; the draft is verified against them

@@ -101,7 +101,7 @@ def test_config_validation(dec):
         DecoderConfig(max_draft_tokens=0)
     with pytest.raises(ValueError, match="cost_curve needs"):
         DecoderConfig(max_draft_tokens=4, cost_curve=(1.0, 1.1))
-    for name in ("adaptive", "pack_gqa", "pool_misses"):
+    for name in ("adaptive", "pack_gqa", "pool_misses", "fast_head"):
         with pytest.raises(ValueError, match=f"{name} must be a bool, got 'yes'"):
             DecoderConfig(**{name: "yes"})
     with pytest.raises(ValueError, match="stop strings must be non-empty"):
