@@ -34,6 +34,8 @@ def engine_section(path: Path) -> str:
     if png.is_file():
         lines += ["", f"![per-item speed-up and tokens per step]({png.relative_to(ROOT)})"]
     lines += ["", f"Reproduce: `{r['command']}`"]
+    if r.get("note"):
+        lines += ["", f"Note: {r['note']}"]
     return "\n".join(lines)
 
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 from helpers import OracleDrafter, hf_greedy, tiny_model
 
-import rag_accel.lm_head as lm_head
-from rag_accel import DecoderConfig, ReferenceDecoder
+from rag_accel import DecoderConfig, ReferenceDecoder, lm_head
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (1, 2, 64), (1, 3, 64), (2, 5, 64), (17, 64)])
