@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,24 +44,25 @@ def transposed_linear(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return out.reshape(*hidden.shape[:-1], weight.shape[0])
 
 
+def forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """``forward`` of a wrapped output projection: the fast layout inside :func:`transposed_head`."""
+    w = self.weight
+    if (_ACTIVE.get() and w.device.type == "cpu" and w.dtype == torch.float32 and hidden.dtype == torch.float32
+            and not torch.is_grad_enabled() and hidden.numel() // hidden.shape[-1] <= MAX_ROWS):
+        return transposed_linear(hidden, w)
+    return torch.nn.Linear.forward(self, hidden)
+
+
 def install(model: Any) -> bool:
-    """Wrap the output projection of ``model`` (idempotent). Returns whether it applies."""
+    """Wrap the output projection of ``model`` (idempotent). Returns whether it applies.
+
+    The wrapper is a method bound to the module, so ``copy.deepcopy`` and pickling
+    of the model carry it over to the copy's own weight."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not torch.nn.Linear or head.bias is not None:
         return False
-    if getattr(head, "_rag_accel_transposed", False):
-        return True
-    original = head.forward
-
-    def forward(hidden: torch.Tensor) -> torch.Tensor:
-        w = head.weight
-        if (_ACTIVE.get() and w.device.type == "cpu" and w.dtype == torch.float32 and hidden.dtype == torch.float32
-                and not torch.is_grad_enabled() and hidden.numel() // hidden.shape[-1] <= MAX_ROWS):
-            return transposed_linear(hidden, w)
-        return original(hidden)
-
-    head.forward = forward
-    head._rag_accel_transposed = True
+    if "forward" not in vars(head):
+        head.forward = types.MethodType(forward, head)
     return True
 
 

@@ -79,3 +79,17 @@ def test_other_heads_are_left_alone():
 
     assert not lm_head.install(WithBias())
     assert not lm_head.install(object())
+
+
+def test_a_copied_model_projects_with_its_own_weight(tokenizer):
+    import copy
+
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    assert lm_head.install(model)
+    twin = copy.deepcopy(model)
+    assert twin.get_output_embeddings().forward.__self__ is twin.get_output_embeddings()
+    with torch.no_grad():
+        twin.get_output_embeddings().weight.mul_(2.0)
+        x = torch.arange(3, 8)[None]
+        with lm_head.transposed_head():
+            torch.testing.assert_close(twin(x).logits, 2.0 * model(x).logits, rtol=1e-5, atol=1e-5)
