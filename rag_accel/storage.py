@@ -13,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,33 @@ def save_container(path: str | Path, kind: str, meta: dict[str, Any], parts: dic
             os.close(dfd)
     except OSError:
         pass
+
+
+def save_folder(target: str | Path, write: Callable[[Path], None], *, what: str, marker: str) -> Path:
+    """Make the folder ``target`` by calling ``write(tmp)`` on a temporary folder beside it, then renaming
+    it into place: a half-written folder is never seen as ``target``, and a failed write (a full disk, say)
+    leaves nothing behind and raises an ``OSError`` that names ``what``, the folder and the way out.
+    ``marker`` is a file that exists in a finished folder: a concurrent writer that got there first wins."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        try:
+            write(tmp)
+        except Exception as e:
+            # safetensors reports a full disk as its own error type ("I/O error: No space left on device")
+            if not (isinstance(e, OSError) or "I/O error" in str(e)):
+                raise
+            raise OSError(f"could not save {what} under {target.parent}: {e}; free some space there "
+                          "or set RAG_ACCEL_HOME to a folder with room") from e
+        try:
+            tmp.rename(target)  # atomic: a half-written copy is never seen as the cache
+        except OSError:
+            if not (target / marker).is_file():  # not a concurrent writer that won the race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def load_container(path: str | Path, kind: str) -> tuple[dict[str, Any], dict[str, bytes]]:

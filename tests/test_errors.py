@@ -142,3 +142,77 @@ def test_concurrent_calls_each_get_their_own_answer(dec):
         t.join()
     assert not errors
     assert got == want
+
+
+# --- caches on a full disk -------------------------------------------------------------------------------------
+# The model caches (~550 MB and ~470 MB) are written through storage.save_folder; a full disk once failed CI with
+# a bare "No space left on device" from inside safetensors.
+
+def _leftovers(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_save_folder_writes_atomically(tmp_path):
+    from rag_accel.storage import save_folder
+
+    def write(folder):
+        (folder / "weights.bin").write_bytes(b"w" * 100)
+        (folder / "config.json").write_text("{}")
+
+    out = save_folder(tmp_path / "model", write, what="the model", marker="config.json")
+    assert out == tmp_path / "model" and (out / "weights.bin").read_bytes() == b"w" * 100
+    assert _leftovers(tmp_path) == ["model"]  # no temporary folder left beside it
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full for a real ENOSPC")
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path):
+    from rag_accel.storage import save_folder
+
+    def write(folder):
+        (folder / "weights.bin").write_bytes(b"w" * 100)  # half written ...
+        with open("/dev/full", "wb") as f:  # ... then the disk is full: a real ENOSPC from the kernel
+            f.write(b"x")
+            f.flush()
+
+    with pytest.raises(OSError, match=r"could not save the model \(about 1 MB\) under .*No space left on device.*"
+                                      r"RAG_ACCEL_HOME"):
+        save_folder(tmp_path / "model", write, what="the model (about 1 MB)", marker="config.json")
+    assert _leftovers(tmp_path) == []  # neither the target nor a half-written temporary folder
+
+
+def test_safetensors_io_errors_are_named_too(tmp_path):
+    from safetensors import SafetensorError
+
+    from rag_accel.storage import save_folder
+
+    def write(folder):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(OSError, match="could not save the model under .*No space left on device") as info:
+        save_folder(tmp_path / "model", write, what="the model", marker="config.json")
+    assert isinstance(info.value.__cause__, SafetensorError)
+    assert _leftovers(tmp_path) == []
+
+
+def test_other_errors_while_saving_pass_through(tmp_path):
+    from rag_accel.storage import save_folder
+
+    def write(folder):
+        raise ValueError("weights are not contiguous")
+
+    with pytest.raises(ValueError, match="not contiguous"):
+        save_folder(tmp_path / "model", write, what="the model", marker="config.json")
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_concurrent_writer_that_finished_first_wins(tmp_path):
+    from rag_accel.storage import save_folder
+
+    def write(folder):
+        (folder / "config.json").write_text("mine")
+        (tmp_path / "model").mkdir()  # another process renames its finished copy into place meanwhile
+        (tmp_path / "model" / "config.json").write_text("theirs")
+
+    assert save_folder(tmp_path / "model", write, what="the model", marker="config.json") == tmp_path / "model"
+    assert (tmp_path / "model" / "config.json").read_text() == "theirs"
+    assert _leftovers(tmp_path) == ["model"]
