@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ._context import scoped
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("rag_accel_packed_gqa", default=False)
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -93,11 +95,6 @@ def install() -> bool:
     return True
 
 
-@contextlib.contextmanager
-def packed_gqa(enabled: bool = True) -> Iterator[None]:
+def packed_gqa(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within this block (this thread / task only), multi-token SDPA attention packs GQA heads."""
-    token = _ACTIVE.set(enabled)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return scoped(_ACTIVE, enabled)

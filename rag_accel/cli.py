@@ -170,7 +170,9 @@ def bench(
     typer.echo(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"environment": env, "command": command, "items": len(sample), "max_new_tokens": max_new_tokens,
-              "repeats": repeats, "target_forced": target_forced, "cost_curve": {(str(n) if packed else f"{n}-unpacked"): v for (n, packed), v in dec._cost_curves.items()},
+              "repeats": repeats, "target_forced": target_forced, "cost_curve": {
+                  f"{n}{'' if packed else '-unpacked'}{'' if head else '-nohead'}": v
+                  for (n, packed, head), v in dec._cost_curves.items()},
               "summary": summary, "runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in runs]}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     title = (f"{env['model']} {env['dtype']} on {env['device']}, {len(sample)} MS-MARCO items, {max_new_tokens} "

@@ -231,7 +231,8 @@ class ReferenceDecoder:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         install_packed_gqa()  # inert until a forward of ours asks for it (see _forward)
         install_transposed_head(model)  # likewise
-        self._cost_curves: dict[tuple[int, bool], tuple[float, ...]] = {}  # (max_draft, pack_gqa) -> curve
+        # (max_draft, pack_gqa, fast_head) -> curve: each forward path is timed as it runs
+        self._cost_curves: dict[tuple[int, bool, bool], tuple[float, ...]] = {}
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
         # Observed verify cost / measured curve, per context-length bucket (log2), learnt online.
         self._cost_scale: dict[int, float] = {}
@@ -515,14 +516,16 @@ class ReferenceDecoder:
     def _new_cache(self) -> Any:
         return new_cache(self.model)
 
-    def cost_curve(self, max_draft: int, pack_gqa: bool | None = None) -> tuple[float, ...]:
+    def cost_curve(self, max_draft: int, pack_gqa: bool | None = None,
+                   fast_head: bool | None = None) -> tuple[float, ...]:
         """Relative cost of verifying 0..max_draft draft tokens; measured once per length bound
-        (and attention path, ``pack_gqa``, by default the decoder config's)."""
+        and forward path (``pack_gqa``, ``fast_head``: by default the decoder config's)."""
         if self.config.cost_curve is not None:
             return self.config.cost_curve
-        key = (max_draft, self.config.pack_gqa if pack_gqa is None else pack_gqa)
+        key = (max_draft, self.config.pack_gqa if pack_gqa is None else pack_gqa,
+               self.config.fast_head if fast_head is None else fast_head)
         if key not in self._cost_curves:
-            self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1])
+            self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_head=key[2])
         return self._cost_curves[key]
 
     def reset_learning(self) -> None:
@@ -584,9 +587,9 @@ class ReferenceDecoder:
             if cfg.cost_curve is not None:
                 curve = cfg.cost_curve
             elif cfg.adaptive:
-                had = (cfg.max_draft_tokens, cfg.pack_gqa) in self._cost_curves
-                curve = self.cost_curve(cfg.max_draft_tokens, cfg.pack_gqa)
-                if not had:
+                had = len(self._cost_curves)
+                curve = self.cost_curve(cfg.max_draft_tokens, cfg.pack_gqa, cfg.fast_head)
+                if len(self._cost_curves) > had:  # measured for this request
                     stats.calibration_s = time.perf_counter() - t_start
             else:
                 curve = (1.0,) * (cfg.max_draft_tokens + 1)
@@ -724,7 +727,8 @@ class ReferenceDecoder:
 
 
 def measure_cost_curve(
-    decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2, pack_gqa: bool = True
+    decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2, pack_gqa: bool = True,
+    fast_head: bool = True,
 ) -> tuple[float, ...]:
     """Time a forward over 1, 2, 4, ... tokens on a cached context, relative to 1 token.
 
@@ -742,14 +746,14 @@ def measure_cost_curve(
     samples: dict[int, list[float]] = {s: [] for s in sizes}
     with torch.inference_mode():
         cache = decoder._new_cache()
-        decoder._forward(ctx, cache, last_only=True)
+        decoder._forward(ctx, cache, last_only=True, fast_head=fast_head)
         # Round-robin over sizes, the first round a warm-up, so drift hits all sizes alike.
         for r in range(repeats + 1):
             for size in sizes:
                 ids = torch.randint(0, decoder.vocab_size, (size,), generator=gen).tolist()
                 sync()
                 t0 = time.perf_counter()
-                decoder._forward(ids, cache, pack_gqa=pack_gqa)
+                decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_head=fast_head)
                 sync()
                 if r:
                     samples[size].append(time.perf_counter() - t0)

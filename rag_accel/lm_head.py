@@ -24,10 +24,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from ._context import scoped
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("rag_accel_transposed_head", default=False)
 MAX_ROWS = 16  # measured faster up to here; a 17-row step was level
@@ -66,11 +67,6 @@ def install(model: Any) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def transposed_head(enabled: bool = True) -> Iterator[None]:
+def transposed_head(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within this block (this thread / context only) wrapped output projections take the fast layout."""
-    token = _ACTIVE.set(enabled)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return scoped(_ACTIVE, enabled)

@@ -93,3 +93,23 @@ def test_a_copied_model_projects_with_its_own_weight(tokenizer):
         x = torch.arange(3, 8)[None]
         with lm_head.transposed_head():
             torch.testing.assert_close(twin(x).logits, 2.0 * model(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_each_forward_path_is_timed_on_its_own(tokenizer, monkeypatch):
+    """The adaptive policy's cost curve is measured on the path a request runs: a request with
+    ``fast_head=False`` does not inherit the (cheaper) curve of the transposed projection."""
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    dec = ReferenceDecoder(model, tokenizer, DecoderConfig(max_draft_tokens=4))
+    count = _Count(monkeypatch)
+    prompt = list(range(5, 25))
+    first = dec.generate(prompt, max_new_tokens=3)
+    fast_key = (4, dec.config.pack_gqa, True)
+    assert first.stats.calibration_s > 0 and set(dec._cost_curves) == {fast_key}
+    assert {2, 4, 5} <= set(count.rows)  # the curve's multi-token forwards ran through the transposed head
+    assert dec.generate(prompt, max_new_tokens=3).stats.calibration_s == 0  # measured once
+    count.rows.clear()
+    plain = dec.generate(prompt, max_new_tokens=3, config={"fast_head": False})
+    assert plain.stats.calibration_s > 0
+    assert set(dec._cost_curves) == {fast_key, (4, dec.config.pack_gqa, False)}
+    assert count.rows == []  # timed, and decoded, on the model's own projection
+    assert plain.token_ids == first.token_ids == hf_greedy(model, prompt, 3)
