@@ -79,7 +79,8 @@ def _plain(module: Any) -> bool:
 
 
 def install(model: Any) -> bool:
-    """Wrap the plain linears of ``model`` (idempotent). Returns whether the output projection is one.
+    """Wrap the plain linears of ``model`` (idempotent; the layers' own only on a CPU in float32).
+    Returns whether the output projection is one.
 
     The wrappers are methods bound to their modules, so ``copy.deepcopy`` and
     pickling of the model carry them over to the copy's own weights."""
@@ -87,8 +88,13 @@ def install(model: Any) -> bool:
         return False
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for module in model.modules():
-        if _plain(module) and "forward" not in vars(module):
-            module.forward = types.MethodType(head_forward if module is head else inner_forward, module)
+        if not _plain(module) or "forward" in vars(module):
+            continue
+        if module is head:
+            module.forward = types.MethodType(head_forward, module)
+        elif module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+            # the layers' projections only where the layout can apply: a GPU model pays no wrapper call
+            module.forward = types.MethodType(inner_forward, module)
     return _plain(head)
 
 

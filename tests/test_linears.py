@@ -111,6 +111,9 @@ def test_other_modules_are_left_alone():
     assert "forward" not in vars(m.biased) and "forward" not in vars(m.head)
     assert vars(m.plain)["forward"].__func__ is linears.inner_forward
     assert not linears.install(object())
+    half = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False).to(torch.bfloat16))
+    linears.install(half)
+    assert "forward" not in vars(half[0])  # the layers' projections are wrapped only on a CPU in float32
 
 
 def test_a_copied_model_projects_with_its_own_weights(tokenizer):
@@ -148,3 +151,24 @@ def test_each_forward_path_is_timed_on_its_own(tokenizer, monkeypatch):
     assert plain_inner.stats.calibration_s > 0 and count.inner == []
     assert set(dec._cost_curves) == {(4, pack, True, True), (4, pack, False, True), (4, pack, True, False)}
     assert plain_head.token_ids == plain_inner.token_ids == first.token_ids == hf_greedy(model, prompt, 3)
+
+
+def test_forwards_outside_2_to_4_tokens_skip_the_layers_row_checks(tokenizer, monkeypatch):
+    """The decoder decides per forward, so one-token steps (most of a decode) pay no per-module check."""
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    dec = ReferenceDecoder(model, tokenizer, DecoderConfig(adaptive=False, max_draft_tokens=6))
+    head_weight = model.get_output_embeddings().weight
+    checked, real = [], linears._fast
+
+    def counting(weight, hidden, rows):
+        if weight is not head_weight:
+            checked.append(hidden.numel() // hidden.shape[-1])
+        return real(weight, hidden, rows)
+
+    monkeypatch.setattr(linears, "_fast", counting)
+    prompt = list(range(5, 45))
+    out = dec.generate(prompt, max_new_tokens=12, drafters=[])  # no drafts: the prefill, then one-token steps
+    assert out.token_ids == hf_greedy(model, prompt, 12) and checked == []
+    with linears.transposed_linears(), torch.no_grad():
+        model(torch.arange(3, 6)[None])
+    assert checked == [3] * 14
