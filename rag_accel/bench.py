@@ -38,7 +38,6 @@ OUR_METHODS: dict[str, dict[str, Any]] = {
     "ours-nopack": {"drafters": COPY_DRAFTERS, "pack_gqa": False},  # the model's own attention path (A/B)
     "ours-nopool": {"drafters": COPY_DRAFTERS, "pool_misses": False},  # each drafter learns misses alone (A/B)
     "ours-nohead": {"drafters": COPY_DRAFTERS, "fast_head": False},  # the model's own output projection (A/B)
-    "ours-nolinears": {"drafters": COPY_DRAFTERS, "fast_linears": False},  # the layers' own projections (A/B)
     "ours-ref": {"drafters": ("reference",)},
     "ours-pld": {"drafters": ("prompt_lookup",)},
     "ours-ngram": {"drafters": ("ngram",)},

@@ -171,8 +171,8 @@ def bench(
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"environment": env, "command": command, "items": len(sample), "max_new_tokens": max_new_tokens,
               "repeats": repeats, "target_forced": target_forced, "cost_curve": {
-                  f"{n}{'' if packed else '-unpacked'}{'' if head else '-nohead'}{'' if inner else '-nolinears'}": v
-                  for (n, packed, head, inner), v in dec._cost_curves.items()},
+                  f"{n}{'' if packed else '-unpacked'}{'' if head else '-nohead'}": v
+                  for (n, packed, head), v in dec._cost_curves.items()},
               "summary": summary, "runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in runs]}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     title = (f"{env['model']} {env['dtype']} on {env['device']}, {len(sample)} MS-MARCO items, {max_new_tokens} "

@@ -54,11 +54,9 @@ class DecoderConfig:
             drafters (see :mod:`rag_accel.policy`): a request where the model does
             not copy stops drafting after a few misses in all, not a few per drafter.
         fast_head: on a CPU in float32, compute the output projection of the
-            decoder's forwards as ``weight @ hidden.T`` (see :mod:`rag_accel.linears`):
+            decoder's forwards as ``weight @ hidden.T`` (see :mod:`rag_accel.lm_head`):
             MKL runs it at full memory speed where ``hidden @ weight.T`` with 1-16
             rows does not; ``False`` runs the model's own ``nn.Linear``.
-        fast_linears: likewise for the attention and MLP projections inside the
-            layers, in forwards of 2-4 tokens (the short verify steps).
     """
 
     drafters: tuple[str, ...] = DRAFTER_NAMES
@@ -77,7 +75,6 @@ class DecoderConfig:
     pack_gqa: bool = True
     pool_misses: bool = True
     fast_head: bool = True
-    fast_linears: bool = True
 
     def __post_init__(self) -> None:
         drafters = tuple(self.drafters)
@@ -113,7 +110,7 @@ class DecoderConfig:
             raise ValueError(f"max_loss must be a number >= 0, got {self.max_loss!r}")
         if not isinstance(self.draft_confidence, (int, float)) or not 0 <= self.draft_confidence < 1:
             raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence!r}")
-        for name in ("adaptive", "pack_gqa", "pool_misses", "fast_head", "fast_linears"):
+        for name in ("adaptive", "pack_gqa", "pool_misses", "fast_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cost_curve is not None:

@@ -19,9 +19,8 @@ import torch
 
 from .attention import install as install_packed_gqa
 from .attention import packed_gqa
-from .linears import INNER_ROWS
-from .linears import install as install_transposed_linears
-from .linears import transposed_linears
+from .lm_head import install as install_transposed_head
+from .lm_head import transposed_head
 from .config import DecoderConfig
 from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
 from .policy import AcceptanceStats, DraftLengthPolicy, leading_matches
@@ -231,9 +230,9 @@ class ReferenceDecoder:
         self._check_generation_config(gen_cfg)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         install_packed_gqa()  # inert until a forward of ours asks for it (see _forward)
-        install_transposed_linears(model)  # likewise
-        # (max_draft, pack_gqa, fast_head, fast_linears) -> curve: each forward path is timed as it runs
-        self._cost_curves: dict[tuple[int, bool, bool, bool], tuple[float, ...]] = {}
+        install_transposed_head(model)  # likewise
+        # (max_draft, pack_gqa, fast_head) -> curve: each forward path is timed as it runs
+        self._cost_curves: dict[tuple[int, bool, bool], tuple[float, ...]] = {}
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
         # Observed verify cost / measured curve, per context-length bucket (log2), learnt online.
         self._cost_scale: dict[int, float] = {}
@@ -506,32 +505,27 @@ class ReferenceDecoder:
 
     # ------------------------------------------------------------ the engine
     def _forward(self, ids: list[int], cache: Any, last_only: bool = False, pack_gqa: bool = False,
-                 fast_head: bool = True, fast_linears: bool = True) -> torch.Tensor:
+                 fast_head: bool = True) -> torch.Tensor:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
         kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
         if last_only and self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        # Decided once per forward: a per-module row check cost ~1 ms per one-token step (210 linears in SmolLM2).
-        inner = fast_linears and len(ids) in INNER_ROWS
-        with packed_gqa(pack_gqa), transposed_linears(fast_head, inner):
+        with packed_gqa(pack_gqa), transposed_head(fast_head):
             return self.model(input_ids=input_ids, **kwargs).logits[0]  # [S or 1, V]
 
     def _new_cache(self) -> Any:
         return new_cache(self.model)
 
-    def cost_curve(self, max_draft: int, pack_gqa: bool | None = None, fast_head: bool | None = None,
-                   fast_linears: bool | None = None) -> tuple[float, ...]:
-        """Relative cost of verifying 0..max_draft draft tokens; measured once per length bound and
-        forward path (``pack_gqa``, ``fast_head``, ``fast_linears``: by default the decoder config's)."""
+    def cost_curve(self, max_draft: int, pack_gqa: bool | None = None,
+                   fast_head: bool | None = None) -> tuple[float, ...]:
+        """Relative cost of verifying 0..max_draft draft tokens; measured once per length bound
+        and forward path (``pack_gqa``, ``fast_head``: by default the decoder config's)."""
         if self.config.cost_curve is not None:
             return self.config.cost_curve
-        cfg = self.config
-        key = (max_draft, cfg.pack_gqa if pack_gqa is None else pack_gqa,
-               cfg.fast_head if fast_head is None else fast_head,
-               cfg.fast_linears if fast_linears is None else fast_linears)
+        key = (max_draft, self.config.pack_gqa if pack_gqa is None else pack_gqa,
+               self.config.fast_head if fast_head is None else fast_head)
         if key not in self._cost_curves:
-            self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_head=key[2],
-                                                        fast_linears=key[3])
+            self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_head=key[2])
         return self._cost_curves[key]
 
     def reset_learning(self) -> None:
@@ -594,7 +588,7 @@ class ReferenceDecoder:
                 curve = cfg.cost_curve
             elif cfg.adaptive:
                 had = len(self._cost_curves)
-                curve = self.cost_curve(cfg.max_draft_tokens, cfg.pack_gqa, cfg.fast_head, cfg.fast_linears)
+                curve = self.cost_curve(cfg.max_draft_tokens, cfg.pack_gqa, cfg.fast_head)
                 if len(self._cost_curves) > had:  # measured for this request
                     stats.calibration_s = time.perf_counter() - t_start
             else:
@@ -620,8 +614,7 @@ class ReferenceDecoder:
 
             # Prefill: the whole prompt in one forward; its argmax (or a sample) is the first new token.
             t0 = time.perf_counter()
-            last = self._forward(prompt_ids, cache, last_only=True, fast_head=cfg.fast_head,
-                                 fast_linears=cfg.fast_linears)[-1:]  # [1, V]
+            last = self._forward(prompt_ids, cache, last_only=True, fast_head=cfg.fast_head)[-1:]  # [1, V]
             if sampling is None:
                 new_tokens = [int(last[0].argmax())]
             else:  # one Gumbel noise vector per output position (see rag_accel.sampling)
@@ -689,7 +682,7 @@ class ReferenceDecoder:
 
                 # 2. Verify: one forward over [last token + draft] on top of the cache.
                 logits = self._forward([context[-1]] + sent, cache, pack_gqa=cfg.pack_gqa,
-                                       fast_head=cfg.fast_head, fast_linears=cfg.fast_linears)  # [1 + n_send, V]
+                                       fast_head=cfg.fast_head)  # [1 + n_send, V]
                 if sampling is None:
                     preds = logits.argmax(-1).tolist()  # [1 + n_send]
                 else:  # the sampled token at each position; the draft is verified against them
@@ -735,7 +728,7 @@ class ReferenceDecoder:
 
 def measure_cost_curve(
     decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2, pack_gqa: bool = True,
-    fast_head: bool = True, fast_linears: bool = True,
+    fast_head: bool = True,
 ) -> tuple[float, ...]:
     """Time a forward over 1, 2, 4, ... tokens on a cached context, relative to 1 token.
 
@@ -753,14 +746,14 @@ def measure_cost_curve(
     samples: dict[int, list[float]] = {s: [] for s in sizes}
     with torch.inference_mode():
         cache = decoder._new_cache()
-        decoder._forward(ctx, cache, last_only=True, fast_head=fast_head, fast_linears=fast_linears)
+        decoder._forward(ctx, cache, last_only=True, fast_head=fast_head)
         # Round-robin over sizes, the first round a warm-up, so drift hits all sizes alike.
         for r in range(repeats + 1):
             for size in sizes:
                 ids = torch.randint(0, decoder.vocab_size, (size,), generator=gen).tolist()
                 sync()
                 t0 = time.perf_counter()
-                decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_head=fast_head, fast_linears=fast_linears)
+                decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_head=fast_head)
                 sync()
                 if r:
                     samples[size].append(time.perf_counter() - t0)

@@ -81,10 +81,10 @@ def test_loss_budget_is_charged_the_timed_verify_cost(tiny, monkeypatch):
 
     forward = tiny._forward
 
-    def slow_verify(ids, cache, last_only=False, **paths):
+    def slow_verify(ids, cache, last_only=False, pack_gqa=False, fast_head=True):
         if len(ids) > 1 and not last_only:
             time.sleep(0.05)
-        return forward(ids, cache, last_only, **paths)
+        return forward(ids, cache, last_only, pack_gqa, fast_head)
 
     class WrongAfterThree(OracleDrafter):  # plain steps first, so this request knows its plain-step time
         def propose(self, context, max_len):
