@@ -19,10 +19,10 @@ import torch
 
 from .attention import install as install_packed_gqa
 from .attention import packed_gqa
-from .lm_head import install as install_transposed_head
-from .lm_head import transposed_head
 from .config import DecoderConfig
 from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
+from .lm_head import install as install_transposed_head
+from .lm_head import transposed_head
 from .policy import AcceptanceStats, DraftLengthPolicy, leading_matches
 from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
 from .stopping import IncrementalDetokenizer, StopStringMatcher
