@@ -7,12 +7,10 @@ it; drafts only decide how many of those argmaxes one forward pass computes.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -21,11 +19,17 @@ from .attention import install as install_packed_gqa
 from .attention import packed_gqa
 from .config import DecoderConfig
 from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
+from .inputs import check_lengths, check_stops, encode_prompt, encode_references
+from .kv import context_window, new_cache, rollback_cache
 from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
+from .outputs import GenerationOutput, GenerationStats, GenerationStream
 from .policy import AcceptanceStats, DraftLengthPolicy, leading_matches
 from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
 from .stopping import IncrementalDetokenizer, StopStringMatcher
+
+__all__ = ["GenerationOutput", "GenerationStats", "GenerationStream", "ReferenceDecoder", "context_window",
+           "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
 
 # Generation-config settings that change greedy outputs and that this decoder
 # does not apply (yet): refuse rather than silently differ from generate().
@@ -43,122 +47,6 @@ _UNSUPPORTED_GENERATION_SETTINGS = {
     "min_length": 0,
     "renormalize_logits": False,
 }
-
-
-@dataclass
-class GenerationStats:
-    """What one call did. ``steps`` counts model forward passes, prefill included,
-    so plain greedy decoding has ``tokens_per_step == 1``."""
-
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    steps: int = 0
-    drafted: int = 0  # draft tokens sent for verification
-    accepted: int = 0  # of those, accepted
-    by_drafter: dict[str, dict[str, int]] = field(default_factory=dict)
-    finish_reason: str = ""  # "eos" | "stop" | "length"
-    time_s: float = 0.0
-    prefill_s: float = 0.0
-    draft_s: float = 0.0  # drafting + choosing the length (host side)
-    calibration_s: float = 0.0  # one-off measurement of the cost curve, if this call did it
-    # Per forward pass: (drafter whose draft was verified, "" for none; tokens that step produced:
-    # accepted draft tokens + the model's own next one). The last entry may exceed what a stop kept.
-    trace: list[tuple[str, int]] = field(default_factory=list)
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.new_tokens / self.steps if self.steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["tokens_per_step"] = self.tokens_per_step
-        d["acceptance_rate"] = self.acceptance_rate
-        return d
-
-
-@dataclass
-class GenerationOutput:
-    text: str
-    token_ids: list[int]
-    stats: GenerationStats
-
-    @property
-    def finish_reason(self) -> str:
-        return self.stats.finish_reason
-
-    def steps(self) -> list[tuple[str, list[int]]]:
-        """The output split by forward pass: (drafter whose draft was verified, ``""`` for a
-        plain step; the tokens that pass produced). Joined, the tokens are ``token_ids``."""
-        out, i = [], 0
-        for source, n in self.stats.trace:
-            if i >= len(self.token_ids):
-                break
-            out.append((source, self.token_ids[i:i + n]))
-            i += n
-        return out
-
-
-class GenerationStream:
-    """Iterate to get text pieces; ``.output`` holds the full result once the
-    iteration has ended."""
-
-    def __init__(self, gen: Iterator[str]) -> None:
-        self._gen = gen
-        self.output: GenerationOutput | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        result = yield from self._gen
-        if result is not None:  # iterating an exhausted stream again keeps the output
-            self.output = result
-
-    def close(self) -> None:
-        self._gen.close()
-
-
-def _check_stops(stop: str | Sequence[str] | None) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    for s in stops:
-        if not isinstance(s, str) or not s:
-            raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-    return stops
-
-
-@functools.cache
-def _crop_takes_count(cache_type: type) -> bool:
-    return "tokens_to_remove" in inspect.signature(cache_type.crop).parameters
-
-
-def rollback_cache(cache: Any, remove: int) -> None:
-    """Drop the last ``remove`` positions from a KV cache (``DynamicCache.crop``)."""
-    if remove <= 0:
-        return
-    if not hasattr(cache, "crop"):
-        raise NotImplementedError(f"{type(cache).__name__} cannot be rolled back (no crop())")
-    if _crop_takes_count(type(cache)):
-        cache.crop(-remove)  # transformers >= 5: negative = tokens to remove
-    else:
-        cache.crop(cache.get_seq_length() - remove)  # older: crop(max_length)
-
-
-def new_cache(model: Any) -> Any:
-    """An empty KV cache for ``model`` (``DynamicCache``, configured from the model where supported)."""
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:
-        return DynamicCache()
-
-
-def context_window(model: Any) -> int | None:
-    """The most positions ``model`` takes, from its config (``None`` if it does not say)."""
-    mc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return next((getattr(mc, k) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
-                 if isinstance(getattr(mc, k, None), int)), None)
 
 
 def _resolve_dtype(dtype: Any, device: torch.device) -> torch.dtype:
@@ -321,77 +209,16 @@ class ReferenceDecoder:
 
     # ------------------------------------------------------------ input checks
     def encode_prompt(self, prompt: Any) -> list[int]:
-        """Prompt as token ids: a string (encoded as is), chat messages (the
-        tokenizer's chat template, with the generation prompt), or token ids."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, torch.Tensor):
-            ids = prompt.reshape(-1).tolist()
-        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            for i, m in enumerate(prompt):
-                if "role" not in m or "content" not in m:
-                    raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
-            if getattr(self.tokenizer, "chat_template", None) is None:
-                raise ValueError("chat messages given but the tokenizer has no chat template; pass a string")
-            text = self.tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise TypeError(
-                "prompt must be a string, a list of chat messages ({'role', 'content'}) or a list of token ids, "
-                f"got {type(prompt).__name__}"
-            )
-        if len(ids) == 0:
-            raise ValueError("empty prompt: nothing to condition on (give at least one token)")
-        self._check_ids(ids, "prompt")
-        return ids
+        """Prompt as token ids (see :func:`rag_accel.inputs.encode_prompt`)."""
+        return encode_prompt(self.tokenizer, prompt, self.vocab_size)
 
     def encode_references(self, references: Any, max_tokens: int | None = None) -> list[list[int]]:
-        """References as token-id lists: strings are encoded without special tokens."""
-        if references is None:
-            return []
-        if isinstance(references, str):
-            references = [references]
-        if not isinstance(references, Sequence):
-            raise TypeError(
-                f"references must be a list of strings or token-id lists, got {type(references).__name__}"
-            )
-        out: list[list[int]] = []
-        for i, ref in enumerate(references):
-            if isinstance(ref, str):
-                out.append(self.tokenizer(ref, add_special_tokens=False)["input_ids"] if ref else [])
-            elif isinstance(ref, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in ref):
-                self._check_ids(ref, f"reference {i}")
-                out.append(list(ref))
-            else:
-                hint = " (pass its .page_content / .text)" if hasattr(ref, "page_content") or hasattr(ref, "text") else ""
-                raise TypeError(
-                    f"reference {i} must be a string or a list of token ids, got {type(ref).__name__}{hint}"
-                )
-        total = sum(len(r) for r in out)
+        """References as token-id lists (see :func:`rag_accel.inputs.encode_references`)."""
         limit = self.config.max_reference_tokens if max_tokens is None else max_tokens
-        if total > limit:
-            raise ValueError(
-                f"references hold {total} tokens, more than max_reference_tokens={limit}; "
-                "pass fewer or raise the limit in DecoderConfig"
-            )
-        return out
-
-    def _check_ids(self, ids: Sequence[int], what: str) -> None:
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{what} has token id {bad}, outside the model's vocabulary [0, {self.vocab_size})")
+        return encode_references(self.tokenizer, references, self.vocab_size, limit)
 
     def _check_lengths(self, prompt_len: int, max_new_tokens: int) -> None:
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if self.context_window is not None and prompt_len + max_new_tokens > self.context_window:
-            raise ValueError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens} "
-                f"exceeds the model's context window of {self.context_window} tokens; "
-                "shorten the prompt/references or lower max_new_tokens"
-            )
+        check_lengths(prompt_len, max_new_tokens, self.context_window)
 
     # ----------------------------------------------------------------- public
     def generate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
@@ -444,7 +271,7 @@ class ReferenceDecoder:
             cfg = config
         elif config is not None:
             raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
-        stops = _check_stops(stop)
+        stops = check_stops(stop)
         prompt_ids = self.encode_prompt(prompt)
         self._check_lengths(len(prompt_ids), max_new_tokens)
         ref_ids = self.encode_references(references, cfg.max_reference_tokens)
@@ -480,7 +307,7 @@ class ReferenceDecoder:
         forward per token), so an application can compare against plain greedy
         decoding without changing anything else.
         """
-        stops = _check_stops(stop)
+        stops = check_stops(stop)
         prompt_ids = self.encode_prompt(prompt)
         self._check_lengths(len(prompt_ids), max_new_tokens)
         extra: dict[str, Any] = {"stop_strings": stops, "tokenizer": self.tokenizer} if stops else {}

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .decoder import context_window, new_cache, rollback_cache
+from .kv import context_window, new_cache, rollback_cache
 from .drafters import NO_DRAFT, Draft
 from .policy import leading_matches
 from .sampling import GumbelNoise, warp

@@ -1,0 +1,44 @@
+"""The Hugging Face KV cache as the decode loops use it: make one, roll it back, know the window.
+
+Shared by the decoder and the draft-model drafters (which run their own small model).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+
+@functools.cache
+def _crop_takes_count(cache_type: type) -> bool:
+    return "tokens_to_remove" in inspect.signature(cache_type.crop).parameters
+
+
+def rollback_cache(cache: Any, remove: int) -> None:
+    """Drop the last ``remove`` positions from a KV cache (``DynamicCache.crop``)."""
+    if remove <= 0:
+        return
+    if not hasattr(cache, "crop"):
+        raise NotImplementedError(f"{type(cache).__name__} cannot be rolled back (no crop())")
+    if _crop_takes_count(type(cache)):
+        cache.crop(-remove)  # transformers >= 5: negative = tokens to remove
+    else:
+        cache.crop(cache.get_seq_length() - remove)  # older: crop(max_length)
+
+
+def new_cache(model: Any) -> Any:
+    """An empty KV cache for ``model`` (``DynamicCache``, configured from the model where supported)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def context_window(model: Any) -> int | None:
+    """The most positions ``model`` takes, from its config (``None`` if it does not say)."""
+    mc = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return next((getattr(mc, k) for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                 if isinstance(getattr(mc, k, None), int)), None)

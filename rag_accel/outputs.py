@@ -1,0 +1,81 @@
+"""What a generation call returns, whichever engine ran it: text, token ids and stats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    """What one call did. ``steps`` counts model forward passes, prefill included,
+    so plain greedy decoding has ``tokens_per_step == 1``."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0  # draft tokens sent for verification
+    accepted: int = 0  # of those, accepted
+    by_drafter: dict[str, dict[str, int]] = field(default_factory=dict)
+    finish_reason: str = ""  # "eos" | "stop" | "length"
+    time_s: float = 0.0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # drafting + choosing the length (host side)
+    calibration_s: float = 0.0  # one-off measurement of the cost curve, if this call did it
+    # Per forward pass: (drafter whose draft was verified, "" for none; tokens that step produced:
+    # accepted draft tokens + the model's own next one). The last entry may exceed what a stop kept.
+    trace: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tokens_per_step"] = self.tokens_per_step
+        d["acceptance_rate"] = self.acceptance_rate
+        return d
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+    def steps(self) -> list[tuple[str, list[int]]]:
+        """The output split by forward pass: (drafter whose draft was verified, ``""`` for a
+        plain step; the tokens that pass produced). Joined, the tokens are ``token_ids``."""
+        out, i = [], 0
+        for source, n in self.stats.trace:
+            if i >= len(self.token_ids):
+                break
+            out.append((source, self.token_ids[i:i + n]))
+            i += n
+        return out
+
+
+class GenerationStream:
+    """Iterate to get text pieces; ``.output`` holds the full result once the
+    iteration has ended."""
+
+    def __init__(self, gen: Iterator[str]) -> None:
+        self._gen = gen
+        self.output: GenerationOutput | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        result = yield from self._gen
+        if result is not None:  # iterating an exhausted stream again keeps the output
+            self.output = result
+
+    def close(self) -> None:
+        self._gen.close()
