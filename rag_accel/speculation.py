@@ -1,0 +1,176 @@
+"""One request's drafting, shared by the engines: which draft to verify, how much of it, and what it cost.
+
+Every verify step of a request, on any engine, goes through the same verbs:
+
+1. :meth:`RequestDrafting.learn`: the context grew by the tokens the last step
+   produced; the drafters index them and every candidate draft learns from them.
+2. :meth:`RequestDrafting.choose`: propose candidates, and pick the draft and the
+   number of its tokens worth verifying (0: a plain step).
+3. (the engine verifies them in one forward pass)
+4. :meth:`RequestDrafting.account`: charge what the step really took and how many
+   tokens it bought; learn how far the measured cost curve is off.
+
+The Hugging Face decoder (:mod:`rag_accel.decoder`) calls these once per step of
+its one request; the vLLM proposer once per row of its batch. What is learnt
+across requests lives in :class:`StepCosts` and the policy's
+:class:`~rag_accel.policy.AcceptanceStats`, one of each per engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from .config import DecoderConfig
+from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
+from .policy import AcceptanceStats, DraftLengthPolicy
+
+
+class StepCosts:
+    """What steps really cost, learnt across requests from timing them (one per decoder or engine).
+
+    ``scale[b]``: the extra cost of a multi-token verify step beyond a one-token one, observed
+    over what the measured curve says, per context-length bucket ``b = len(context).bit_length()``
+    (longer contexts make multi-token steps dearer than the one-off measurement).
+    ``step_s``: running time of a one-token step. ``draft_token_s`` / ``catchup_token_s``: a
+    draft model's time per drafted token, and per context token it catches up on.
+    """
+
+    def __init__(self) -> None:
+        self.scale: dict[int, float] = {}
+        self.step_s: float | None = None
+        self.draft_token_s: float | None = None
+        self.catchup_token_s: float | None = None
+
+    def scale_at(self, context_len: int) -> float:
+        return self.scale.get(context_len.bit_length(), 1.0)
+
+    def learn_step(self, policy: DraftLengthPolicy, n_send: int, seconds: float,
+                   plain_s: float | None, context_len: int) -> float | None:
+        """Learn from one verify step that took ``seconds`` for ``n_send`` draft tokens;
+        returns its cost in this request's plain steps (``None`` before a plain step was timed)."""
+        step_s = seconds / policy.cost[n_send]  # a one-token step's time, as this step tells it
+        self.step_s = step_s if self.step_s is None else 0.9 * self.step_s + 0.1 * step_s
+        if n_send == 0 or plain_s is None or not policy.adaptive:
+            return None
+        timed_cost = seconds / plain_s
+        ratio = (timed_cost - 1.0) / max(policy.base_cost[n_send] - 1.0, 1e-3)
+        bucket = context_len.bit_length()
+        old = self.scale.get(bucket, 1.0)
+        self.scale[bucket] = min(4.0, max(0.25, 0.9 * old + 0.1 * ratio))
+        return timed_cost
+
+    def learn_draft_model(self, drafter: object) -> None:
+        """Learn a draft model's cost per drafted token and per caught-up context token."""
+        fed = getattr(drafter, "fed", 0)
+        if fed > 4:  # a catch-up over many ids: learn its cost per id
+            per_id = drafter.sync_s / fed  # type: ignore[attr-defined]
+            self.catchup_token_s = per_id if self.catchup_token_s is None else 0.8 * self.catchup_token_s + 0.2 * per_id
+        per_token = getattr(drafter, "token_s", None)
+        if per_token is not None:
+            self.draft_token_s = per_token if self.draft_token_s is None else 0.8 * self.draft_token_s + 0.2 * per_token
+
+
+class RequestDrafting:
+    """One request's drafters, draft-length policy and step timing.
+
+    Args:
+        chain: the request's drafters (see :func:`rag_accel.drafters.build_drafters`).
+        policy: the request's :class:`~rag_accel.policy.DraftLengthPolicy`.
+        costs: the engine's :class:`StepCosts`, shared by its requests.
+        max_draft_tokens: most draft tokens one step verifies.
+        max_loss: the fraction of this request's plain-greedy time that failed drafts may cost.
+        probe_every: steps without asking the draft model before one probe ask.
+    """
+
+    def __init__(self, chain: DrafterChain, policy: DraftLengthPolicy, costs: StepCosts,
+                 max_draft_tokens: int, max_loss: float, probe_every: int = 32) -> None:
+        self.chain, self.policy, self.costs = chain, policy, costs
+        self.max_draft_tokens, self.max_loss, self.probe_every = max_draft_tokens, max_loss, probe_every
+        self.candidates: list[Draft] = []  # the last step's drafts, sent or not: they learn from its tokens
+        self.prefill_s = 0.0  # the request's prefill time, for the loss budget
+        self.plain_s: float | None = None  # running time of this request's plain (one-token) steps
+        self._since_model = 0  # steps since a draft model was last asked
+
+    @classmethod
+    def from_config(cls, config: DecoderConfig, context: Sequence[int], references: Sequence[Sequence[int]],
+                    cost_curve: Sequence[float], acceptance: AcceptanceStats, costs: StepCosts, *,
+                    drafters: Sequence[Drafter] | None = None,
+                    draft_model: Callable[[], Drafter] | None = None) -> RequestDrafting:
+        """A request's drafting as ``config`` says: its drafters (``drafters`` instead, if given;
+        ``draft_model`` makes a draft-model drafter) over ``context`` (the prompt; drafters index it
+        and keep a reference to the list, which the engine extends) and ``references``."""
+        chain = (DrafterChain(drafters) if drafters is not None
+                 else build_drafters(config, context, references, draft_model))
+        policy = DraftLengthPolicy(cost_curve, adaptive=config.adaptive, stats=acceptance,
+                                   request_prior=0.5 if config.pool_misses else None)
+        return cls(chain, policy, costs, config.max_draft_tokens, config.max_loss)
+
+    # 1. learn
+    def learn(self, context: Sequence[int], new_tokens: Sequence[int]) -> None:
+        """``context`` (prompt + output) now ends with ``new_tokens``, the last step's output."""
+        self.chain.update(context, len(new_tokens))
+        for d in self.candidates:  # every candidate learns, sent or not
+            self.policy.observe(d, new_tokens)
+
+    # 2. choose
+    def choose(self, context: Sequence[int], n_generated: int, remaining: int) -> tuple[Draft, int]:
+        """The draft to verify next and how many of its tokens to send (0: a plain step).
+        ``remaining``: tokens the request may still produce (a step always adds one of its own)."""
+        max_len = min(self.max_draft_tokens, remaining - 1)
+        policy = self.policy
+        if policy.adaptive:
+            self.candidates = self.chain.candidates(context, max_len)
+        else:
+            self.candidates = [d for d in [self.chain.propose(context, max_len)] if d.tokens]
+        policy.scale_cost(self.costs.scale_at(len(context)))
+        budget = self.loss_budget(n_generated)
+        draft, n_send = policy.select(self.candidates, budget)
+        if n_send == 0 and self.chain.costly and policy.adaptive:  # references first, then the draft model
+            draft, n_send = self._ask_draft_models(context, max_len, budget, remaining)
+        return draft, n_send
+
+    def loss_budget(self, n_generated: int) -> float:
+        """Plain steps failed drafts may still cost: ``max_loss`` of the plain-greedy time so far."""
+        if not self.plain_s:
+            return 0.0
+        return self.max_loss * (self.prefill_s / self.plain_s + n_generated)
+
+    def _ask_draft_models(self, context: Sequence[int], max_len: int, loss_budget: float,
+                          remaining: int) -> tuple[Draft, int]:
+        """No copy draft is worth sending: ask the draft model(s), if the cost model says it pays
+        (or for one probe after ``probe_every`` steps without asking, if it nearly pays).
+        Drafting time is charged to the loss budget."""
+        costs, policy = self.costs, self.policy
+        draft_cost = costs.draft_token_s / costs.step_s if costs.draft_token_s is not None and costs.step_s else None
+        for drafter in self.chain.costly:
+            catch_up = 0.0
+            if costs.catchup_token_s is not None and costs.step_s and hasattr(drafter, "behind"):
+                catch_up = drafter.behind(context) * costs.catchup_token_s / costs.step_s
+            window = policy.model_window(drafter.name, draft_cost, max_len, loss_budget,
+                                         probe=self._since_model >= self.probe_every, catch_up=catch_up,
+                                         remaining=remaining)
+            if window == 0:
+                continue
+            t0 = time.perf_counter()
+            draft = drafter.propose(context, window)
+            dt = time.perf_counter() - t0
+            costs.learn_draft_model(drafter)
+            if costs.step_s:
+                policy.charge(dt / costs.step_s)  # all of it, catch-up included
+            self._since_model = 0
+            if draft.tokens:
+                self.candidates.append(draft)  # learns from the step like the others
+                return draft, len(draft.tokens)
+            return NO_DRAFT, 0
+        self._since_model += 1
+        return NO_DRAFT, 0
+
+    # 4. account
+    def account(self, n_send: int, n_accepted: int, seconds: float, context_len: int) -> None:
+        """The verify step of ``n_send`` draft tokens took ``seconds`` and accepted ``n_accepted``."""
+        timed_cost = self.costs.learn_step(self.policy, n_send, seconds, self.plain_s, context_len)
+        if n_send == 0:
+            self.plain_s = seconds if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds
+        # The loss budget is charged what the step really took (in this request's plain steps).
+        self.policy.record(n_send, n_accepted, timed_cost)
