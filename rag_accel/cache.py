@@ -20,6 +20,7 @@ model's own greedy answer whatever the cache returns).
 from __future__ import annotations
 
 import json
+import reprlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,18 @@ from pathlib import Path
 import numpy as np
 
 from .retrieval import Embedder
-from .storage import CorruptFileError, load_container, save_container
+from .storage import (
+    Format,
+    corrupt,
+    faiss_part,
+    json_part,
+    load_container,
+    save_container,
+)
+
+_ID = range(2**63)  # FAISS ids are int64
+_FORMAT = Format("response-cache", {"dim": range(1, 2**31), "embedder": str, "count": _ID, "next_id": _ID,
+                                    "clock": _ID, "max_entries": range(1, 2**63)}, ("faiss", "entries"))
 
 
 @dataclass(frozen=True)
@@ -125,21 +137,38 @@ class ResponseCache:
                     "next_id": self._next_id, "clock": self._clock, "max_entries": self.max_entries}
             parts = {"faiss": faiss.serialize_index(self._index).tobytes(),
                      "entries": json.dumps({str(k): v for k, v in self._entries.items()}).encode()}
-            save_container(target, "response-cache", meta, parts)
+            save_container(target, _FORMAT, meta, parts)
 
     def _load(self) -> None:
         import faiss
 
-        meta, parts = load_container(self.path, "response-cache")
+        meta, parts = load_container(self.path, _FORMAT)
         if meta["dim"] != self.embedder.dim:
             raise ValueError(f"cache {self.path} holds {meta['dim']}-dimensional query vectors "
                              f"(embedder {meta['embedder']!r}); the embedder given makes {self.embedder.dim}")
-        try:
-            index = faiss.deserialize_index(np.frombuffer(parts["faiss"], dtype=np.uint8))
-            entries = {int(k): v for k, v in json.loads(parts["entries"]).items()}
-        except Exception as e:
-            raise CorruptFileError(f"{self.path}: cannot read the stored cache ({e})") from e
-        if index.ntotal != len(entries):
-            raise CorruptFileError(f"{self.path}: {index.ntotal} vectors but {len(entries)} entries")
+        index = faiss_part(self.path, parts["faiss"], "IndexIDMap2", meta["dim"], meta["count"])
+        entries = _read_entries(self.path, parts["entries"], meta)
+        ids = faiss.vector_to_array(index.id_map).tolist()
+        if type(faiss.downcast_index(index.index)).__name__ != "IndexFlatIP" or sorted(ids) != sorted(entries):
+            raise corrupt(self.path, "the FAISS index does not hold one inner-product vector per entry id")
         self._index, self._entries = index, entries
         self._next_id, self._clock = meta["next_id"], meta["clock"]
+
+
+def _read_entries(path: Path, blob: bytes, meta: dict) -> dict[int, list]:
+    """The stored entries (id -> [query, answer, last use]), checked against the header's counters."""
+    raw = json_part(path, blob, "entry list")
+    if type(raw) is not dict or len(raw) != meta["count"] or meta["count"] > meta["max_entries"]:
+        raise corrupt(path, f"the entry list is not an object of {meta['count']} entries "
+                            f"(at most max_entries, {meta['max_entries']})")
+    entries = {}
+    for key, value in raw.items():
+        eid = int(key) if key.isascii() and key.isdigit() and str(int(key)) == key else -1
+        if not (0 <= eid < meta["next_id"] and type(value) is list and len(value) == 3
+                and type(value[0]) is str and type(value[1]) is str
+                and type(value[2]) is int and 0 <= value[2] <= meta["clock"]):
+            raise corrupt(path, f"entry {reprlib.repr(key)}: {reprlib.repr(value)} is not [query, answer, last use] "
+                                f"with an id below next_id ({meta['next_id']}) and a last use up to the clock "
+                                f"({meta['clock']})")
+        entries[eid] = value
+    return entries

@@ -29,11 +29,25 @@ from typing import Any
 import numpy as np
 
 from .models import cache_home
-from .storage import CorruptFileError, load_container, save_container
+from .storage import (
+    Format,
+    check_fields,
+    corrupt,
+    faiss_part,
+    json_part,
+    load_container,
+    save_container,
+)
 
 OFFLINE_E5 = "multilingual-e5-small"
 OFFLINE_MINILM = "all-minilm-l6-v2"
 DEFAULT_EMBEDDER = OFFLINE_E5
+
+_FAISS_TYPES = {"flat": "IndexFlatIP", "hnsw": "IndexHNSWFlat", "ivf": "IndexIVFFlat"}  # FAISS class per kind
+_POSITIVE = range(1, 2**31)
+_FORMAT = Format("vector-index", {"dim": _POSITIVE, "embedder": str, "kind": tuple(_FAISS_TYPES),
+                                  "count": range(2**63), "nlist": _POSITIVE, "nprobe": _POSITIVE, "m": _POSITIVE},
+                 ("faiss", "docs"))
 
 
 def resolve_embedder(name_or_path: str) -> str:
@@ -126,7 +140,7 @@ class VectorIndex:
         nlist / nprobe: IVF lists and lists searched; m: HNSW neighbours.
     """
 
-    KINDS = ("flat", "hnsw", "ivf")
+    KINDS = tuple(_FAISS_TYPES)
 
     def __init__(self, embedder: Embedder, kind: str = "flat", *, nlist: int = 256, nprobe: int = 16,
                  m: int = 32) -> None:
@@ -196,29 +210,37 @@ class VectorIndex:
 
         with self._lock:
             meta = {"dim": self.embedder.dim, "embedder": self.embedder.name, "kind": self.kind,
-                    "count": len(self.ids), "nprobe": self.nprobe}
+                    "count": len(self.ids), "nlist": self.nlist, "nprobe": self.nprobe, "m": self.m}
             parts = {"faiss": faiss.serialize_index(self.index).tobytes(),
                      "docs": json.dumps({"ids": self.ids, "texts": self.texts}).encode()}
-        save_container(path, "vector-index", meta, parts)
+        save_container(path, _FORMAT, meta, parts)
 
     @classmethod
     def load(cls, path: str | Path, embedder: Embedder) -> VectorIndex:
         """Load a saved index; a missing, corrupted or mismatched file is a clear error."""
         import faiss
 
-        meta, parts = load_container(path, "vector-index")
+        meta, parts = load_container(path, _FORMAT)
         if meta["dim"] != embedder.dim:
             raise ValueError(f"index {path} holds {meta['dim']}-dimensional vectors (embedder {meta['embedder']!r}) "
                              f"but the embedder given ({embedder.name!r}) makes {embedder.dim}-dimensional ones")
-        self = cls(embedder, meta["kind"], nprobe=meta.get("nprobe", 16))
-        try:
-            self.index = faiss.deserialize_index(np.frombuffer(parts["faiss"], dtype=np.uint8))
-            docs = json.loads(parts["docs"])
-        except Exception as e:  # checksum passed, so this is a foreign or incompatible payload
-            raise CorruptFileError(f"{path}: cannot read the stored index ({e})") from e
+        index = faiss_part(path, parts["faiss"], _FAISS_TYPES[meta["kind"]], meta["dim"], meta["count"])
+        if meta["kind"] == "ivf" and faiss.extract_index_ivf(index).nlist != meta["nlist"]:
+            raise corrupt(path, f"the FAISS index has {faiss.extract_index_ivf(index).nlist} lists, "
+                                f"the header says {meta['nlist']}")
+        ids, texts = _read_docs(path, parts["docs"], meta["count"])
+        self = cls(embedder, meta["kind"], nlist=meta["nlist"], nprobe=meta["nprobe"], m=meta["m"])
+        self.index, self.ids, self.texts = index, ids, texts
         if self.kind == "ivf":
             faiss.extract_index_ivf(self.index).nprobe = self.nprobe
-        self.ids, self.texts = docs["ids"], docs["texts"]
-        if self.index.ntotal != len(self.ids) or len(self.ids) != meta["count"]:
-            raise CorruptFileError(f"{path}: {self.index.ntotal} vectors but {len(self.ids)} documents")
         return self
+
+
+def _read_docs(path: str | Path, blob: bytes, count: int) -> tuple[list[str], list[str]]:
+    """The stored document ids and texts, checked to be ``count`` strings each."""
+    docs = json_part(path, blob, "document list")
+    check_fields(path, docs, {"ids": list, "texts": list}, "the document list")
+    for key in ("ids", "texts"):
+        if len(docs[key]) != count or not all(type(x) is str for x in docs[key]):
+            raise corrupt(path, f"the document {key} are not {count} strings")
+    return docs["ids"], docs["texts"]
