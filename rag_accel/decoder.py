@@ -11,6 +11,7 @@ import inspect
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,15 +19,16 @@ import torch
 from .attention import install as install_packed_gqa
 from .attention import packed_gqa
 from .config import DecoderConfig
-from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
+from .drafters import Draft, Drafter
 from .inputs import check_lengths, check_stops, encode_prompt, encode_references
 from .kv import context_window, new_cache, rollback_cache
 from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
 from .outputs import GenerationOutput, GenerationStats, GenerationStream
-from .policy import AcceptanceStats, DraftLengthPolicy, leading_matches
+from .policy import AcceptanceStats, leading_matches
 from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
-from .stopping import IncrementalDetokenizer, StopStringMatcher
+from .speculation import RequestDrafting, StepCosts
+from .stopping import OutputText
 
 __all__ = ["GenerationOutput", "GenerationStats", "GenerationStream", "ReferenceDecoder", "context_window",
            "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
@@ -122,12 +124,10 @@ class ReferenceDecoder:
         # (max_draft, pack_gqa, fast_head) -> curve: each forward path is timed as it runs
         self._cost_curves: dict[tuple[int, bool, bool], tuple[float, ...]] = {}
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
-        # Observed verify cost / measured curve, per context-length bucket (log2), learnt online.
-        self._cost_scale: dict[int, float] = {}
-        self._lock = threading.RLock()  # re-entrant: a generate() inside a stream loop of the same thread
-        self._step_s: float | None = None  # running time of a one-token verify step (seconds)
-        self._draft_token_s: float | None = None  # running time of one draft-model token (seconds)
-        self._catchup_token_s: float | None = None  # draft model's catch-up time per context id (seconds)
+        self.clock = time.perf_counter  # what the step timing reads (a test may inject its own)
+        self.step_costs = StepCosts()  # what verify steps and draft-model tokens really cost, learnt online
+        # Serialises the model's use: held for one step of a call, never across a stream's yield (see _decode).
+        self._lock = threading.RLock()
         self.draft_model, self.draft_tokenizer = draft_model, draft_tokenizer
         self._universal = False
         if draft_model is not None:
@@ -271,6 +271,9 @@ class ReferenceDecoder:
             cfg = config
         elif config is not None:
             raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
+        if drafters is None and cfg.drafters == ("draft_model",) and self.draft_model is None:
+            raise ValueError("drafters=('draft_model',) but this decoder has no draft model; "
+                             "pass draft_model= to ReferenceDecoder / from_pretrained")
         stops = check_stops(stop)
         prompt_ids = self.encode_prompt(prompt)
         self._check_lengths(len(prompt_ids), max_new_tokens)
@@ -360,197 +363,123 @@ class ReferenceDecoder:
         with self._lock:
             self.acceptance = AcceptanceStats()
 
-    def _ask_draft_models(self, chain: DrafterChain, policy: DraftLengthPolicy, context: list[int], max_len: int,
-                          loss_budget: float, since_model: int, candidates: list[Draft], remaining: int,
-                          probe_every: int = 32) -> tuple[Draft, int, int]:
-        """No copy draft is worth sending: ask the draft model(s), if the cost model says it pays
-        (or for one probe after ``probe_every`` steps without asking, if it nearly pays).
-        Drafting time is charged to the loss budget. Returns the draft,
-        how many of its tokens to send, and the updated steps-since-asked counter."""
-        draft_cost = (self._draft_token_s / self._step_s
-                      if self._draft_token_s is not None and self._step_s else None)
-        for drafter in chain.costly:
-            catch_up = 0.0
-            if self._catchup_token_s is not None and self._step_s and hasattr(drafter, "behind"):
-                catch_up = drafter.behind(context) * self._catchup_token_s / self._step_s
-            window = policy.model_window(drafter.name, draft_cost, max_len, loss_budget,
-                                         probe=since_model >= probe_every, catch_up=catch_up, remaining=remaining)
-            if window == 0:
-                continue
-            t0 = time.perf_counter()
-            draft = drafter.propose(context, window)
-            dt = time.perf_counter() - t0
-            fed = getattr(drafter, "fed", 0)
-            if fed > 4:  # a catch-up over many ids: learn its cost per id
-                per_id = drafter.sync_s / fed
-                self._catchup_token_s = (per_id if self._catchup_token_s is None
-                                         else 0.8 * self._catchup_token_s + 0.2 * per_id)
-            per_token = getattr(drafter, "token_s", None)
-            if per_token is not None:
-                self._draft_token_s = (per_token if self._draft_token_s is None
-                                       else 0.8 * self._draft_token_s + 0.2 * per_token)
-            if self._step_s:
-                policy.charge(dt / self._step_s)  # all of it, catch-up included
-            if draft.tokens:
-                candidates.append(draft)  # learns from the step like the others
-                return draft, len(draft.tokens), 0
-            return NO_DRAFT, 0, 0
-        return NO_DRAFT, 0, since_model + 1
+    # ------------------------------------------------------------ the loop
+    def _decode(self, prompt_ids: list[int], ref_ids: list[list[int]], max_new_tokens: int, stops: list[str],
+                cfg: DecoderConfig, custom_drafters: Sequence[Drafter] | None,
+                sampling: Sampling | None) -> Iterator[str]:
+        """The decode loop: prefill, then per step 1. draft, 2. verify, 3. accept, 4. roll back;
+        then emit what the step produced.
 
-    @torch.inference_mode()
-    def _decode(
-        self,
-        prompt_ids: list[int],
-        ref_ids: list[list[int]],
-        max_new_tokens: int,
-        stops: list[str],
-        cfg: DecoderConfig,
-        custom_drafters: Sequence[Drafter] | None,
-        sampling: Sampling | None = None,
-    ) -> Iterator[str]:
-        with self._lock:
-            t_start = time.perf_counter()
-            stats = GenerationStats(prompt_tokens=len(prompt_ids))
-            if cfg.cost_curve is not None:
-                curve = cfg.cost_curve
-            elif cfg.adaptive:
-                had = len(self._cost_curves)
-                curve = self.cost_curve(cfg.max_draft_tokens, cfg.pack_gqa, cfg.fast_head)
-                if len(self._cost_curves) > had:  # measured for this request
-                    stats.calibration_s = time.perf_counter() - t_start
-            else:
-                curve = (1.0,) * (cfg.max_draft_tokens + 1)
-            policy = DraftLengthPolicy(curve, adaptive=cfg.adaptive, stats=self.acceptance,
-                                       request_prior=0.5 if cfg.pool_misses else None)
-            context = list(prompt_ids)  # prompt + output so far; drafters index it incrementally
-            if custom_drafters is not None:
-                chain = DrafterChain(custom_drafters)
-            else:
-                if "draft_model" in cfg.drafters and len(cfg.drafters) == 1 and self.draft_model is None:
-                    raise ValueError("drafters=('draft_model',) but this decoder has no draft model; "
-                                     "pass draft_model= to ReferenceDecoder / from_pretrained")
-                chain = build_drafters(cfg, context, ref_ids,
-                                       (lambda: self._new_draft_drafter(cfg)) if self.draft_model is not None else None)
-            detok = IncrementalDetokenizer(self.tokenizer)
-            matcher = StopStringMatcher(stops)
-            generated: list[int] = []
-            emitted = 0  # characters of matcher.text already yielded
-            cache = self._new_cache()
+        The model lock is held for one step at a time and never across a ``yield``: a stream may
+        be iterated from any thread (``run_in_executor(None, next, it)``), and one that is dropped
+        half-read holds nothing. Calls on one decoder take turns step by step.
+        """
+        t_start = self.clock()
+        with self._lock, torch.inference_mode():
+            req = self._start(prompt_ids, ref_ids, max_new_tokens, stops, cfg, custom_drafters, sampling)
+            new_tokens = self._prefill(req)
+        while True:
+            n_kept, piece = req.out.push(new_tokens)  # emit, up to EOS / a stop string / max_new_tokens
+            req.context.extend(new_tokens[:n_kept])
+            if piece:
+                yield piece
+            if req.out.finish is not None:
+                break
+            with self._lock, torch.inference_mode():
+                t0 = self.clock()
+                req.drafting.learn(req.context, new_tokens)
+                draft, sent = self._draft(req)  # 1.
+                t1 = self.clock()
+                req.stats.draft_s += t1 - t0
+                preds = self._verify(req, sent)  # 2.
+                seconds = self.clock() - t1  # the predictions' .tolist() synchronised the device
+                new_tokens = self._accept(req, draft, sent, preds, seconds)  # 3. and 4.
+        stats = req.stats
+        stats.new_tokens, stats.finish_reason = len(req.out.token_ids), req.out.finish
+        stats.time_s = self.clock() - t_start
+        return GenerationOutput(text=req.out.text, token_ids=req.out.token_ids, stats=stats)
 
-            warpers = sampling.warpers() if sampling is not None else []
+    def _start(self, prompt_ids: list[int], ref_ids: list[list[int]], max_new_tokens: int, stops: list[str],
+               cfg: DecoderConfig, custom_drafters: Sequence[Drafter] | None,
+               sampling: Sampling | None) -> _Request:
+        """A request's state: its cost curve (measured on a first call), drafters, policy, cache."""
+        t0 = self.clock()
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        if cfg.cost_curve is not None:
+            curve = cfg.cost_curve
+        elif cfg.adaptive:
+            had = len(self._cost_curves)
+            curve = self.cost_curve(cfg.max_draft_tokens, cfg.pack_gqa, cfg.fast_head)
+            if len(self._cost_curves) > had:  # measured for this request
+                stats.calibration_s = self.clock() - t0
+        else:
+            curve = (1.0,) * (cfg.max_draft_tokens + 1)
+        context = list(prompt_ids)  # prompt + output so far; drafters index it incrementally
+        draft_model = (lambda: self._new_draft_drafter(cfg)) if self.draft_model is not None else None
+        drafting = RequestDrafting.from_config(cfg, context, ref_ids, curve, self.acceptance, self.step_costs,
+                                               drafters=custom_drafters, draft_model=draft_model)
+        out = OutputText(self.tokenizer, stops, self.eos_token_ids, max_new_tokens)
+        return _Request(context, self._new_cache(), drafting, out, stats, cfg, sampling)
 
-            # Prefill: the whole prompt in one forward; its argmax (or a sample) is the first new token.
-            t0 = time.perf_counter()
-            last = self._forward(prompt_ids, cache, last_only=True, fast_head=cfg.fast_head)[-1:]  # [1, V]
-            if sampling is None:
-                new_tokens = [int(last[0].argmax())]
-            else:  # one Gumbel noise vector per output position (see rag_accel.sampling)
-                noise = GumbelNoise(last.shape[-1], sampling.seed, self.device)
-                for d in chain.costly:
-                    d.bind_sampling(warpers, noise, len(prompt_ids))
-                new_tokens = gumbel_argmax(warp(last, warpers), noise.rows(0, 1)).tolist()
-            stats.prefill_s = time.perf_counter() - t0
-            stats.steps = 1
-            stats.trace.append(("", 1))
-            candidates: list[Draft] = []
-            plain_s: float | None = None  # running time of a plain (one-token) step in this request
-            since_model = 0  # steps since a draft model was last asked (for its periodic probe)
-            while True:
-                # Emit the new tokens, honouring EOS / stop strings / max_new_tokens.
-                finish, text_end, n_kept = None, None, 0
-                for tok in new_tokens:
-                    generated.append(tok)
-                    n_kept += 1
-                    stop_at, safe = matcher.feed(detok.push(tok))
-                    if stop_at is not None:
-                        finish, text_end = "stop", stop_at
-                    elif tok in self.eos_token_ids:
-                        finish = "eos"
-                    elif len(generated) >= max_new_tokens:
-                        finish = "length"
-                    if finish:
-                        break
-                context.extend(new_tokens[:n_kept])
-                if finish is None:
-                    piece = matcher.text[emitted:safe]
-                else:
-                    if finish != "stop":  # a held-back partial character may still complete a stop string
-                        stop_at, _ = matcher.feed(detok.flush())
-                        finish, text_end = ("stop", stop_at) if stop_at is not None else (finish, len(matcher.text))
-                    piece = matcher.text[emitted:text_end]
-                if piece:
-                    emitted += len(piece)
-                    yield piece
-                if finish is not None:
-                    break
+    def _prefill(self, req: _Request) -> list[int]:
+        """The whole prompt in one forward; its argmax (or a sample) is the first new token."""
+        t0 = self.clock()
+        last = self._forward(req.context, req.cache, last_only=True, fast_head=req.cfg.fast_head)[-1:]  # [1, V]
+        if req.sampling is None:
+            new_tokens = [int(last[0].argmax())]
+        else:  # one Gumbel noise vector per output position (see rag_accel.sampling)
+            req.noise = GumbelNoise(last.shape[-1], req.sampling.seed, self.device)
+            req.warpers = req.sampling.warpers()
+            for d in req.drafting.chain.costly:
+                d.bind_sampling(req.warpers, req.noise, len(req.context))
+            new_tokens = gumbel_argmax(warp(last, req.warpers), req.noise.rows(0, 1)).tolist()
+        req.stats.prefill_s = req.drafting.prefill_s = self.clock() - t0
+        req.stats.steps = 1
+        req.stats.trace.append(("", 1))
+        return new_tokens
 
-                # 1. Learn from the step and draft the next one.
-                t0 = time.perf_counter()
-                chain.update(context, n_kept)
-                for d in candidates:  # every candidate learns, sent or not
-                    policy.observe(d, new_tokens)
-                remaining = max_new_tokens - len(generated)
-                if policy.adaptive:
-                    candidates = chain.candidates(context, min(cfg.max_draft_tokens, remaining - 1))
-                else:
-                    candidates = [d for d in [chain.propose(context, min(cfg.max_draft_tokens, remaining - 1))] if d.tokens]
-                # Failed drafts may cost at most max_loss of the plain-greedy time so far.
-                bucket = len(context).bit_length()
-                policy.scale_cost(self._cost_scale.get(bucket, 1.0))
-                plain_units = stats.prefill_s / plain_s + len(generated) if plain_s else 0.0
-                draft, n_send = policy.select(candidates, cfg.max_loss * plain_units)
-                if n_send == 0 and chain.costly and policy.adaptive:  # references first, then the draft model
-                    draft, n_send, since_model = self._ask_draft_models(
-                        chain, policy, context, min(cfg.max_draft_tokens, remaining - 1),
-                        cfg.max_loss * plain_units, since_model, candidates, remaining)
-                sent = draft.tokens[:n_send]
-                t1 = time.perf_counter()
-                stats.draft_s += t1 - t0
+    def _draft(self, req: _Request) -> tuple[Draft, list[int]]:
+        """1. The draft to verify and the tokens of it worth sending (none: a plain step)."""
+        n_generated = len(req.out.token_ids)
+        draft, n_send = req.drafting.choose(req.context, n_generated, req.out.max_new_tokens - n_generated)
+        return draft, draft.tokens[:n_send]
 
-                # 2. Verify: one forward over [last token + draft] on top of the cache.
-                logits = self._forward([context[-1]] + sent, cache, pack_gqa=cfg.pack_gqa,
-                                       fast_head=cfg.fast_head)  # [1 + n_send, V]
-                if sampling is None:
-                    preds = logits.argmax(-1).tolist()  # [1 + n_send]
-                else:  # the sampled token at each position; the draft is verified against them
-                    pos = len(generated)
-                    noise.forget_before(pos)
-                    preds = gumbel_argmax(warp(logits, warpers), noise.rows(pos, pos + 1 + n_send)).tolist()
-                stats.steps += 1
-                dt = time.perf_counter() - t1  # .tolist() synchronised the device
-                step_s = dt / policy.cost[n_send]  # what a one-token step costs, as this step tells it
-                self._step_s = step_s if self._step_s is None else 0.9 * self._step_s + 0.1 * step_s
-                timed_cost = None  # this step's time in this request's plain steps
-                if n_send == 0:  # track the plain-step time; learn how far the curve is off at this length
-                    plain_s = dt if plain_s is None else 0.8 * plain_s + 0.2 * dt
-                elif plain_s is not None and policy.adaptive:
-                    timed_cost = dt / plain_s
-                    ratio = (timed_cost - 1.0) / max(policy.base_cost[n_send] - 1.0, 1e-3)
-                    old = self._cost_scale.get(bucket, 1.0)
-                    self._cost_scale[bucket] = min(4.0, max(0.25, 0.9 * old + 0.1 * ratio))
+    def _verify(self, req: _Request, sent: list[int]) -> list[int]:
+        """2. One forward over [last token + draft] on top of the cache: the model's token at each
+        position (its argmax, or its sample for that position)."""
+        logits = self._forward([req.context[-1]] + sent, req.cache, pack_gqa=req.cfg.pack_gqa,
+                               fast_head=req.cfg.fast_head)  # [1 + len(sent), V]
+        if req.sampling is None:
+            return logits.argmax(-1).tolist()
+        pos = len(req.out.token_ids)
+        req.noise.forget_before(pos)
+        return gumbel_argmax(warp(logits, req.warpers), req.noise.rows(pos, pos + 1 + len(sent))).tolist()
 
-                # 3. Accept the longest draft prefix equal to the model's argmax, plus its next token.
-                n_acc = leading_matches(sent, preds)
-                new_tokens = sent[:n_acc] + [preds[n_acc]]
-                # The loss budget is charged what the step really took (in this request's plain steps).
-                policy.record(n_send, n_acc, timed_cost)
-                stats.trace.append((draft.source if n_send else "", len(new_tokens)))
+    def _accept(self, req: _Request, draft: Draft, sent: list[int], preds: list[int], seconds: float) -> list[int]:
+        """3. Keep the longest draft prefix equal to the model's tokens, plus its next token;
+        4. roll the cache back to the kept tokens (the new last token is not cached yet)."""
+        n_send = len(sent)
+        n_acc = leading_matches(sent, preds)
+        new_tokens = sent[:n_acc] + [preds[n_acc]]
+        rollback_cache(req.cache, n_send - n_acc)
+        req.drafting.account(n_send, n_acc, seconds, len(req.context))
+        req.stats.record_step(draft.source if n_send else "", n_send, n_acc)
+        return new_tokens
 
-                # 4. Roll the cache back to the accepted tokens (the new last token is not cached yet).
-                rollback_cache(cache, n_send - n_acc)
 
-                if n_send:
-                    stats.drafted += n_send
-                    stats.accepted += n_acc
-                    row = stats.by_drafter.setdefault(draft.source, {"steps": 0, "drafted": 0, "accepted": 0})
-                    row["steps"] += 1
-                    row["drafted"] += n_send
-                    row["accepted"] += n_acc
+@dataclass
+class _Request:
+    """One call's state between steps."""
 
-            stats.new_tokens = len(generated)
-            stats.finish_reason = finish
-            stats.time_s = time.perf_counter() - t_start
-            return GenerationOutput(text=matcher.text[:text_end], token_ids=generated, stats=stats)
+    context: list[int]  # prompt + output so far
+    cache: Any  # the model's KV cache over context[:-1]
+    drafting: RequestDrafting
+    out: OutputText
+    stats: GenerationStats
+    cfg: DecoderConfig
+    sampling: Sampling | None
+    noise: GumbelNoise | None = None  # sampling only
+    warpers: list[Any] = field(default_factory=list)
 
 
 def measure_cost_curve(

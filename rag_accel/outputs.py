@@ -27,6 +27,19 @@ class GenerationStats:
     # accepted draft tokens + the model's own next one). The last entry may exceed what a stop kept.
     trace: list[tuple[str, int]] = field(default_factory=list)
 
+    def record_step(self, source: str, drafted: int, accepted: int) -> None:
+        """A verify step: ``drafted`` tokens of ``source``'s draft sent (``""``, 0: a plain step),
+        ``accepted`` of them kept (the step also produced the model's own next token)."""
+        self.steps += 1
+        self.trace.append((source, accepted + 1))
+        if drafted:
+            self.drafted += drafted
+            self.accepted += accepted
+            row = self.by_drafter.setdefault(source, {"steps": 0, "drafted": 0, "accepted": 0})
+            row["steps"] += 1
+            row["drafted"] += drafted
+            row["accepted"] += accepted
+
     @property
     def tokens_per_step(self) -> float:
         return self.new_tokens / self.steps if self.steps else 0.0

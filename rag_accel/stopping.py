@@ -82,3 +82,57 @@ class StopStringMatcher:
             if any(s.startswith(tail) for s in self.stops):
                 return k
         return 0
+
+
+class OutputText:
+    """A request's output as it grows: token ids, and the text safe to emit so far.
+
+    :meth:`push` takes a step's new tokens up to the first one that ends the
+    output (a stop string, an EOS token, or ``max_new_tokens``) and returns the
+    text that became safe to emit. ``finish`` is then ``"stop"``, ``"eos"`` or
+    ``"length"``, and :attr:`text` the final text (cut before a stop string).
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str], eos_token_ids: frozenset[int],
+                 max_new_tokens: int) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._matcher = StopStringMatcher(stops)
+        self._eos, self.max_new_tokens = eos_token_ids, max_new_tokens
+        self.token_ids: list[int] = []
+        self.finish: str | None = None
+        self._emitted = 0  # characters already returned by push()
+        self._end: int | None = None  # where the final text ends
+
+    def push(self, new_tokens: Sequence[int]) -> tuple[int, str]:
+        """Append ``new_tokens`` up to the one that ends the output; returns how many were
+        kept and the text that became safe to emit (text that may still start a stop string
+        is held back)."""
+        safe, n_kept = self._emitted, 0
+        for tok in new_tokens:
+            self.token_ids.append(tok)
+            n_kept += 1
+            stop_at, safe = self._matcher.feed(self._detok.push(tok))
+            if stop_at is not None:
+                self.finish, self._end = "stop", stop_at
+            elif tok in self._eos:
+                self.finish = "eos"
+            elif len(self.token_ids) >= self.max_new_tokens:
+                self.finish = "length"
+            if self.finish:
+                break
+        if self.finish is None:
+            end = safe
+        else:
+            if self.finish != "stop":  # a held-back partial character may still complete a stop string
+                stop_at, _ = self._matcher.feed(self._detok.flush())
+                self.finish, self._end = ("stop", stop_at) if stop_at is not None else (self.finish,
+                                                                                        len(self._matcher.text))
+            end = self._end
+        piece = self._matcher.text[self._emitted:end]
+        self._emitted += len(piece)
+        return n_kept, piece
+
+    @property
+    def text(self) -> str:
+        """The output text: all of it once finished (cut before a stop string), else what was emitted."""
+        return self._matcher.text[:self._end if self.finish else self._emitted]
