@@ -216,3 +216,9 @@ def test_a_concurrent_writer_that_finished_first_wins(tmp_path):
     assert save_folder(tmp_path / "model", write, what="the model", marker="config.json") == tmp_path / "model"
     assert (tmp_path / "model" / "config.json").read_text() == "theirs"
     assert _leftovers(tmp_path) == ["model"]
+
+
+def test_draft_model_only_chain_without_a_draft_model_is_refused_before_iteration(dec):
+    with pytest.raises(ValueError, match="no draft model"):
+        dec.stream([5, 6, 7], config={"drafters": ("draft_model",)})  # not iterated: stream() checks
+    still_works(dec)
