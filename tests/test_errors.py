@@ -222,3 +222,10 @@ def test_draft_model_only_chain_without_a_draft_model_is_refused_before_iteratio
     with pytest.raises(ValueError, match="no draft model"):
         dec.stream([5, 6, 7], config={"drafters": ("draft_model",)})  # not iterated: stream() checks
     still_works(dec)
+
+
+def test_unknown_backend_is_refused_before_loading():
+    with pytest.raises(ValueError, match="backend must be 'hf'"):
+        ReferenceDecoder.from_pretrained("smollm2-135m-instruct", backend="tgi")
+    with pytest.raises(ValueError, match="no draft_model"):
+        ReferenceDecoder.from_pretrained("smollm2-135m-instruct", backend="vllm", draft_model="int8")
