@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 _DECODERS: dict[tuple[str, str | None, str | None], Any] = {}
@@ -45,6 +45,29 @@ def merged_decoder_config(base: dict[str, Any] | None, per_call: Any = None) -> 
     merged = {**(base or {}), **(per_call or {})} if per_call is not None else base
     if merged is not None:
         DecoderConfig().replace(**merged)
+    return merged
+
+
+def max_new_tokens_option(options: Mapping[str, Any], default: Any) -> Any:
+    """``max_new_tokens`` from options that may give it as ``max_tokens`` (the alias the
+    frameworks use) too. Both given with different values is an error naming both; ``None``
+    counts as not given."""
+    given = {k: options[k] for k in ("max_tokens", "max_new_tokens") if options.get(k) is not None}
+    if len(given) == 2 and given["max_tokens"] != given["max_new_tokens"]:
+        raise ValueError(f"max_tokens={given['max_tokens']!r} and max_new_tokens={given['max_new_tokens']!r} "
+                         "disagree: they are one option (max_tokens is an alias of max_new_tokens); give one")
+    return next(iter(given.values()), default)
+
+
+def merge_max_tokens(data: Any, name: str) -> Any:
+    """Constructor arguments with ``max_tokens`` / ``max_new_tokens`` folded into the field's
+    key ``name`` (checked by :func:`max_new_tokens_option`); other input is left as it is."""
+    if not isinstance(data, Mapping) or not {"max_tokens", "max_new_tokens"} & set(data):
+        return data
+    value = max_new_tokens_option(data, None)
+    merged = {k: v for k, v in data.items() if k not in ("max_tokens", "max_new_tokens")}
+    if value is not None:
+        merged[name] = value
     return merged
 
 

@@ -40,18 +40,21 @@ try:
     )
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
     from langchain_core.retrievers import BaseRetriever
-    from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+    from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "integrations.langchain needs langchain-core: pip install 'rag-accel[langchain]'"
     ) from e
 
 from rag_accel.data import SYSTEM_PROMPT
+from rag_accel.inputs import check_stops
 from rag_accel.models import DEFAULT_MODEL
 
 from ._shared import (
     check_decoder,
     iterate_in_thread,
+    max_new_tokens_option,
+    merge_max_tokens,
     merged_decoder_config,
     reference_texts,
     sampling_options,
@@ -71,8 +74,10 @@ class ChatRagAccel(BaseChatModel):
     Args:
         model: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default).
         decoder: a ready :class:`rag_accel.ReferenceDecoder` to use instead of loading ``model``.
-        max_tokens: most new tokens per call (alias ``max_new_tokens``).
-        stop: stop strings; a per-call ``stop`` replaces them.
+        max_tokens: most new tokens per call (alias ``max_new_tokens``; giving both with
+            different values is an error).
+        stop: stop strings; a per-call ``stop`` replaces them (``[]``: none). An empty stop
+            string is an error, alone (``stop=""``) or in a list: it would match before any text.
         decoder_config: changes to :class:`rag_accel.DecoderConfig` (e.g. ``{"max_draft_tokens": 16}``).
         accelerate: ``False`` runs the model's own ``generate(do_sample=False)``:
             the same answers, for a side-by-side comparison.
@@ -83,13 +88,17 @@ class ChatRagAccel(BaseChatModel):
             model neither times out nor retries.
 
     Per-call options (``invoke(..., **kw)`` or ``bind(**kw)``): ``references``
-    (Documents, strings or token-id lists), ``max_tokens``/``max_new_tokens``,
+    (Documents, strings or token-id lists), ``max_tokens``/``max_new_tokens`` (one of them,
+    or both equal),
     ``decoder_config`` (DecoderConfig changes; ``config`` is LangChain's RunnableConfig),
     ``model`` (must name this model),
     ``temperature``, ``top_p``, ``top_k``, ``seed``. Anything else is an error.
 
     Loading is lazy (on the first call) and shared by instances with the same
     model, device and dtype; concurrent calls are serialised on the model.
+
+    No tool calling: :meth:`bind_tools` (and so ``with_structured_output``) raises
+    ``NotImplementedError`` saying so.
     """
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, arbitrary_types_allowed=True,
@@ -112,6 +121,16 @@ class ChatRagAccel(BaseChatModel):
     streaming: bool = False
 
     _decoder: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_max_tokens(cls, data: Any) -> Any:
+        return merge_max_tokens(data, "max_tokens")
+
+    @field_validator("stop")
+    @classmethod
+    def _valid_stop(cls, v: list[str] | None) -> list[str] | None:
+        return v if v is None else check_stops(v)
 
     @field_validator("temperature")
     @classmethod
@@ -164,6 +183,13 @@ class ChatRagAccel(BaseChatModel):
         kwargs.pop("references", None)
         return super()._get_llm_string(stop=stop, **kwargs)
 
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "ChatRagAccel does not support tool calling: it decodes a local model's plain text output "
+            "(lossless greedy/sampled decoding, no tool-call parsing). Call it without tools (describe any tools "
+            "in the prompt yourself), or use a chat model with tool calling for agents and structured output."
+        )
+
     # ------------------------------------------------------------ decoding
     @property
     def engine(self) -> Any:
@@ -181,10 +207,10 @@ class ChatRagAccel(BaseChatModel):
         if kwargs.get("model") not in (None, self.model_name):
             raise ValueError(f"model={kwargs['model']!r}: this ChatRagAccel runs {self.model_name!r}; "
                              "make another instance for another model")
-        max_new = kwargs.get("max_new_tokens", kwargs.get("max_tokens", self.max_new_tokens))
+        max_new = max_new_tokens_option(kwargs, self.max_new_tokens)
         config = merged_decoder_config(self.decoder_config, kwargs.get("decoder_config"))
-        stops = stop if stop is not None else self.stop
-        opts = {"max_new_tokens": max_new, "stop": stops or None, **self._sampling_options(kwargs)}
+        stops = check_stops(stop if stop is not None else self.stop)  # here: before the model is loaded
+        opts = {"max_new_tokens": max_new, "stop": stops, **self._sampling_options(kwargs)}
         return to_chat_messages(messages), reference_texts(kwargs.get("references")), opts, config
 
     def _sampling_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -47,7 +47,7 @@ try:
         MessageRole,
     )
     from llama_index.core.base.response.schema import Response, StreamingResponse
-    from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+    from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.custom import CustomLLM
     from llama_index.core.prompts.chat_prompts import CHAT_TEXT_QA_PROMPT
@@ -55,11 +55,14 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("integrations.llamaindex needs llama-index-core: pip install 'rag-accel[llamaindex]'") from e
 
+from rag_accel.inputs import check_stops
 from rag_accel.models import DEFAULT_MODEL
 
 from ._shared import (
     check_decoder,
     iterate_in_thread,
+    max_new_tokens_option,
+    merge_max_tokens,
     merged_decoder_config,
     reference_texts,
     sampling_options,
@@ -67,7 +70,8 @@ from ._shared import (
     stats_metadata,
 )
 
-CALL_OPTIONS = ("references", "max_new_tokens", "stop", "decoder_config", "temperature", "top_p", "top_k", "seed")
+CALL_OPTIONS = ("references", "max_new_tokens", "max_tokens", "stop", "decoder_config", "temperature", "top_p",
+                "top_k", "seed")
 
 
 # --------------------------------------------------------------------------- capturing retrievals
@@ -219,8 +223,10 @@ class RagAccelLLM(CustomLLM):
     Args:
         model_name: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default).
         decoder: a ready :class:`rag_accel.ReferenceDecoder` instead of loading ``model_name``.
-        max_new_tokens: most new tokens per call (``metadata.num_output``).
-        stop: stop strings (a per-call ``stop`` replaces them).
+        max_new_tokens: most new tokens per call (``metadata.num_output``); alias ``max_tokens``
+            (giving both with different values is an error).
+        stop: stop strings (a per-call ``stop`` replaces them; ``[]``: none). An empty stop
+            string is an error, alone (``stop=""``) or in a list: it would match before any text.
         decoder_config: changes to :class:`rag_accel.DecoderConfig`.
         capture_retrievals: take the nodes of the enclosing query's retrieval as references
             when a call passes none (see the module docstring).
@@ -230,7 +236,8 @@ class RagAccelLLM(CustomLLM):
             sampling distribution), with ``top_p``, ``top_k`` and ``seed``.
 
     Per-call options: ``references`` (nodes, strings or token-id lists; ``[]`` for none),
-    ``max_new_tokens``, ``stop``, ``decoder_config``, ``temperature``, ``top_p``, ``top_k``, ``seed``.
+    ``max_new_tokens`` (or ``max_tokens``), ``stop``, ``decoder_config``, ``temperature``, ``top_p``,
+    ``top_k``, ``seed``.
     Anything else is an error.
     ``raw["usage"]`` has the token counts (also on the last streamed response),
     ``additional_kwargs["rag_accel"]`` the acceleration stats and the reference node ids.
@@ -256,6 +263,16 @@ class RagAccelLLM(CustomLLM):
         super().__init__(**kwargs)
         if self.capture_retrievals:
             retrieval_capture()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_max_tokens(cls, data: Any) -> Any:
+        return merge_max_tokens(data, "max_new_tokens")
+
+    @field_validator("stop")
+    @classmethod
+    def _valid_stop(cls, v: list[str] | None) -> list[str] | None:
+        return v if v is None else check_stops(v)
 
     @field_validator("decoder_config")
     @classmethod
@@ -301,9 +318,9 @@ class RagAccelLLM(CustomLLM):
         ids = [getattr(getattr(r, "node", r), "node_id", None) for r in (refs or [])]
         ids = [i for i in ids if isinstance(i, str)]
         config = merged_decoder_config(self.decoder_config, kwargs.get("decoder_config"))
-        stop = kwargs.get("stop", self.stop)
+        stop = check_stops(kwargs.get("stop", self.stop))  # here: before the model is loaded
         sampling = {k: kwargs.get(k, getattr(self, k)) for k in ("temperature", "top_p", "top_k", "seed")}
-        opts = {"max_new_tokens": kwargs.get("max_new_tokens", self.max_new_tokens), "stop": stop or None,
+        opts = {"max_new_tokens": max_new_tokens_option(kwargs, self.max_new_tokens), "stop": stop,
                 **sampling_options(**sampling, accelerate=self.accelerate)}
         dec = self.engine
         if not self.accelerate:

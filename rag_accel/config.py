@@ -3,10 +3,72 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 DRAFTER_NAMES = ("reference", "prompt_lookup", "ngram", "draft_model")
+
+# Upper bounds of the integer options. Each protects time or memory that grows with the option;
+# the defaults sit far below them.
+MAX_DRAFT_TOKENS = 256
+MAX_MATCH = 256
+MAX_NGRAM = 16
+MAX_REFERENCE_TOKENS = 16_000_000
+
+_WHY = {
+    "draft": "a verification forward runs over 1 + max_draft_tokens tokens and the first call times forwards "
+             "of up to that size; drafts that long are never accepted",
+    "match": "each lookup compares up to this many tokens; a longer match tells the policy nothing more",
+    "ngram": "the context is indexed under every n-gram size up to this, so memory and time per context token "
+             "grow with it (~4 KB a token at 16)",
+    "refs": "the references' suffix index takes ~150 MB and ~1 s per million tokens, encoding text ~600 MB; "
+            "retrieve fewer, shorter passages",
+}
+# field: (lowest, highest, why the highest)
+_INT_BOUNDS = {
+    "max_draft_tokens": (1, MAX_DRAFT_TOKENS, _WHY["draft"]),
+    "reference_min_match": (1, MAX_MATCH, _WHY["match"]),
+    "reference_max_match": (1, MAX_MATCH, _WHY["match"]),
+    "prompt_lookup_min_ngram": (1, MAX_NGRAM, _WHY["ngram"]),
+    "prompt_lookup_max_ngram": (1, MAX_NGRAM, _WHY["ngram"]),
+    "ngram_min_n": (2, MAX_NGRAM, _WHY["ngram"]),
+    "ngram_max_n": (2, MAX_NGRAM, _WHY["ngram"]),
+    "max_reference_tokens": (1, MAX_REFERENCE_TOKENS, _WHY["refs"]),
+}
+
+
+def _is_int(value: Any) -> bool:
+    """A real integer: ``int`` or a numpy integer, not a bool, a float or a string."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _bounded_int(name: str, value: Any) -> int:
+    lo, hi, why = _INT_BOUNDS[name]
+    if not _is_int(value) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer >= {lo} and <= {hi} ({why}), got {value!r}")
+    return int(value)
+
+
+def _cost_curve(curve: Any, max_draft_tokens: int) -> tuple[float, ...]:
+    if isinstance(curve, (str, bytes)) or not isinstance(curve, Iterable):
+        raise ValueError(f"cost_curve must be a sequence of numbers (or None), got {type(curve).__name__}")
+    curve = tuple(curve)
+    if len(curve) > MAX_DRAFT_TOKENS + 1:
+        raise ValueError(f"cost_curve has {len(curve)} entries; at most MAX_DRAFT_TOKENS + 1 = "
+                         f"{MAX_DRAFT_TOKENS + 1} are used (entry L: a forward over 1 + L tokens)")
+    if len(curve) < max_draft_tokens + 1:
+        raise ValueError(f"cost_curve needs max_draft_tokens + 1 = {max_draft_tokens + 1} entries, got {len(curve)}")
+    bad = next((c for c in curve if not (_is_real(c) and math.isfinite(c) and c > 0)), None)
+    if bad is not None:
+        raise ValueError(f"cost_curve entries must be finite numbers > 0, got {bad!r} (relative forward times)")
+    return tuple(float(c) for c in curve)
 
 
 @dataclass(frozen=True)
@@ -22,7 +84,10 @@ class DecoderConfig:
             ``adaptive``, the draft model is asked only when no copy draft is
             worth sending (references first), and its window is chosen from the
             measured cost of a draft token and the learnt acceptance.
-        max_draft_tokens: upper bound on the tokens verified in one step.
+        max_draft_tokens: upper bound on the tokens verified in one step;
+            1..256 (``MAX_DRAFT_TOKENS``: a verification forward runs over
+            ``1 + max_draft_tokens`` tokens and the first call times forwards
+            of up to that size; drafts that long are never accepted).
         adaptive: choose each draft's length from the measured verification
             cost curve and the acceptance observed so far (may choose 0: a plain
             step). ``False`` always sends the whole draft (plain LLMA/PLD).
@@ -31,21 +96,28 @@ class DecoderConfig:
             the matcher looks at. 2 by measurement: replaying SmolLM2's own
             answers and the human answers of 40 MS-MARCO items
             (``benchmarks/simulate.py``), n=2 gave the best modelled speed-up
-            of the adaptive chain on both (n=1 lost 2-4%).
+            of the adaptive chain on both (n=1 lost 2-4%). Both 1..256
+            (``MAX_MATCH``: a lookup compares up to that many tokens).
         prompt_lookup_min_ngram / prompt_lookup_max_ngram: the same for
-            prompt lookup.
-        ngram_min_n / ngram_max_n: ANPD table levels (N-grams, N >= 2).
+            prompt lookup; 1..16.
+        ngram_min_n / ngram_max_n: ANPD table levels (N-grams), 2..16. N-gram sizes are
+            bounded by ``MAX_NGRAM`` = 16: the context is indexed under every size up
+            to the largest, so memory and time per context token grow with it.
         cost_curve: relative wall time of a verification forward over
             ``1 + L`` tokens, index ``L`` (``cost_curve[0] == 1``). ``None``
-            measures it once for the model at hand.
+            measures it once for the model at hand. Finite positive numbers,
+            ``max_draft_tokens + 1`` to ``MAX_DRAFT_TOKENS + 1`` of them.
         max_loss: the largest fraction of plain greedy time (prefill included)
             that failed drafts may cost one request before the policy stops
             drafting (adaptive mode); bounds the worst case on items where
-            nothing copies.
+            nothing copies. In [0, 1]: 1 already lets failed drafts double the time.
         draft_confidence: a draft model stops drafting when its probability for
-            its next token falls below this (the first token is always drafted).
+            its next token falls below this (the first token is always drafted); in [0, 1).
         max_reference_tokens: refuse references longer than this (tokens,
-            all references together) instead of running out of memory.
+            all references together) instead of running out of memory; 1..16M
+            (``MAX_REFERENCE_TOKENS``: the suffix index takes ~150 MB and ~1 s per
+            million tokens, encoding text ~600 MB). Text that is certainly longer
+            (from its length in characters) is refused before it is tokenised.
         pack_gqa: in verification forwards, let grouped-query attention read the
             cached keys/values in place instead of copying them per query head
             (see :mod:`rag_accel.attention`); ``False`` runs the model's own SDPA path.
@@ -57,6 +129,10 @@ class DecoderConfig:
             decoder's forwards as ``weight @ hidden.T`` (see :mod:`rag_accel.lm_head`):
             MKL runs it at full memory speed where ``hidden @ weight.T`` with 1-16
             rows does not; ``False`` runs the model's own ``nn.Linear``.
+
+    Integer options must be integers (Python or numpy; not bools or floats), number
+    options finite numbers, each within its bound; anything else is a ``ValueError``
+    naming the option, its bound and why.
     """
 
     drafters: tuple[str, ...] = DRAFTER_NAMES
@@ -77,24 +153,19 @@ class DecoderConfig:
     fast_head: bool = True
 
     def __post_init__(self) -> None:
-        drafters = tuple(self.drafters)
+        drafters = (self.drafters,) if isinstance(self.drafters, str) else self.drafters
+        if not isinstance(drafters, Iterable):
+            raise ValueError(f"drafters must be a list of drafter names from {list(DRAFTER_NAMES)}, "
+                             f"got {type(drafters).__name__}")
+        drafters = tuple(drafters)
         object.__setattr__(self, "drafters", drafters)
         unknown = [d for d in drafters if d not in DRAFTER_NAMES]
         if unknown:
             raise ValueError(f"unknown drafter(s) {unknown}; choose from {list(DRAFTER_NAMES)}")
         if len(set(drafters)) != len(drafters):
             raise ValueError(f"drafters listed twice: {list(drafters)}")
-        for name in (
-            "max_draft_tokens",
-            "reference_min_match",
-            "reference_max_match",
-            "prompt_lookup_min_ngram",
-            "prompt_lookup_max_ngram",
-            "max_reference_tokens",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in _INT_BOUNDS:
+            object.__setattr__(self, name, _bounded_int(name, getattr(self, name)))
         if self.reference_min_match > self.reference_max_match:
             raise ValueError(
                 f"reference_min_match ({self.reference_min_match}) > reference_max_match ({self.reference_max_match})"
@@ -104,24 +175,21 @@ class DecoderConfig:
                 f"prompt_lookup_min_ngram ({self.prompt_lookup_min_ngram}) > "
                 f"prompt_lookup_max_ngram ({self.prompt_lookup_max_ngram})"
             )
-        if not 2 <= self.ngram_min_n <= self.ngram_max_n:
+        if self.ngram_min_n > self.ngram_max_n:
             raise ValueError(f"need 2 <= ngram_min_n <= ngram_max_n, got {self.ngram_min_n}, {self.ngram_max_n}")
-        if not isinstance(self.max_loss, (int, float)) or not 0 <= self.max_loss:
-            raise ValueError(f"max_loss must be a number >= 0, got {self.max_loss!r}")
-        if not isinstance(self.draft_confidence, (int, float)) or not 0 <= self.draft_confidence < 1:
-            raise ValueError(f"draft_confidence must be in [0, 1), got {self.draft_confidence!r}")
+        if not (_is_real(self.max_loss) and 0 <= self.max_loss <= 1):  # NaN fails too
+            raise ValueError(f"max_loss must be a number in [0, 1] (the fraction of plain greedy time failed "
+                             f"drafts may cost; 1 already lets them double it), got {self.max_loss!r}")
+        object.__setattr__(self, "max_loss", float(self.max_loss))
+        if not (_is_real(self.draft_confidence) and 0 <= self.draft_confidence < 1):
+            raise ValueError(f"draft_confidence must be a number in [0, 1) (the probability a draft model's next "
+                             f"token must reach), got {self.draft_confidence!r}")
+        object.__setattr__(self, "draft_confidence", float(self.draft_confidence))
         for name in ("adaptive", "pack_gqa", "pool_misses", "fast_head"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cost_curve is not None:
-            curve = tuple(float(c) for c in self.cost_curve)
-            if len(curve) < self.max_draft_tokens + 1:
-                raise ValueError(
-                    f"cost_curve needs max_draft_tokens + 1 = {self.max_draft_tokens + 1} entries, got {len(curve)}"
-                )
-            if any(c <= 0 for c in curve):
-                raise ValueError("cost_curve entries must be positive")
-            object.__setattr__(self, "cost_curve", curve)
+            object.__setattr__(self, "cost_curve", _cost_curve(self.cost_curve, self.max_draft_tokens))
 
     def replace(self, **changes: Any) -> DecoderConfig:
         """A copy with ``changes`` applied; unknown keys are an error, not ignored."""

@@ -1,0 +1,315 @@
+"""Hardening: bounded, typed config; request checks that happen early and say what was wrong.
+
+Every bad request here is refused before any model work, with a ValueError/TypeError naming the
+input, and the decoder stays usable. Runs on a tiny random model with the real SmolLM2 tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import hf_greedy, tiny_model, trained_bpe_tokenizer
+
+from rag_accel import DecoderConfig, ReferenceDecoder
+from rag_accel.inputs import encode_references
+
+PROMPT = [5, 6, 7, 8]
+# The documented bounds (rag_accel.config.MAX_*).
+MAX_DRAFT_TOKENS, MAX_MATCH, MAX_NGRAM, MAX_REFERENCE_TOKENS = 256, 256, 16, 16_000_000
+
+
+@pytest.fixture(scope="module")
+def dec(tokenizer):
+    return ReferenceDecoder(tiny_model("gpt2", len(tokenizer), seed=3), tokenizer, DecoderConfig(adaptive=False))
+
+
+@functools.lru_cache
+def greedy(dec, n=6):
+    return hf_greedy(dec.model, PROMPT, n)
+
+
+def still_works(dec):
+    assert dec.generate(PROMPT, max_new_tokens=6).token_ids == greedy(dec)
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting how many texts it was asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, 0
+
+    def __call__(self, text, **kw):
+        self.calls += 1
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+# ------------------------------------------------------------------ 3. config bounds
+INT_FIELDS = {
+    "max_draft_tokens": MAX_DRAFT_TOKENS,
+    "reference_min_match": MAX_MATCH,
+    "reference_max_match": MAX_MATCH,
+    "prompt_lookup_min_ngram": MAX_NGRAM,
+    "prompt_lookup_max_ngram": MAX_NGRAM,
+    "ngram_min_n": MAX_NGRAM,
+    "ngram_max_n": MAX_NGRAM,
+    "max_reference_tokens": MAX_REFERENCE_TOKENS,
+}
+
+
+@pytest.mark.parametrize("name, value", [
+    ("max_draft_tokens", 8192), ("max_draft_tokens", 100_000), ("ngram_max_n", 100_000),
+    ("prompt_lookup_max_ngram", 100_000), ("reference_max_match", 10**6), ("max_reference_tokens", 10**12),
+])
+def test_config_integers_have_an_upper_bound(dec, name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be an integer >= \d+ and <= {INT_FIELDS[name]} \(.+\), got"):
+        DecoderConfig(**{name: value})
+    with pytest.raises(ValueError, match=rf"{name} must be an integer"):  # per call too, before any work
+        dec.generate(PROMPT, max_new_tokens=2, config={name: value})
+    still_works(dec)
+
+
+def test_config_bounds_themselves_are_accepted():
+    cfg = DecoderConfig(max_draft_tokens=MAX_DRAFT_TOKENS, reference_max_match=MAX_MATCH,
+                        prompt_lookup_max_ngram=MAX_NGRAM, ngram_max_n=MAX_NGRAM,
+                        max_reference_tokens=MAX_REFERENCE_TOKENS, max_loss=1.0,
+                        cost_curve=(1.0,) * (MAX_DRAFT_TOKENS + 1))
+    assert cfg.max_draft_tokens == MAX_DRAFT_TOKENS and len(cfg.cost_curve) == MAX_DRAFT_TOKENS + 1
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"max_loss": math.inf}, r"max_loss must be a number in \[0, 1\]"),
+    ({"max_loss": math.nan}, r"max_loss must be a number in \[0, 1\]"),
+    ({"max_loss": 5.0}, r"max_loss must be a number in \[0, 1\]"),
+    ({"max_loss": -0.1}, r"max_loss must be a number in \[0, 1\]"),
+    ({"max_loss": True}, r"max_loss must be a number"),
+    ({"max_loss": "0.1"}, r"max_loss must be a number"),
+    ({"draft_confidence": math.nan}, r"draft_confidence must be a number in \[0, 1\)"),
+    ({"draft_confidence": False}, r"draft_confidence must be a number"),
+    ({"cost_curve": (1.0,) * (MAX_DRAFT_TOKENS + 2)}, rf"cost_curve has {MAX_DRAFT_TOKENS + 2} entries.*at most"),
+    ({"cost_curve": (1.0,) * 32 + (math.inf,)}, r"cost_curve entries must be finite numbers > 0"),
+    ({"cost_curve": (1.0,) * 32 + (math.nan,)}, r"cost_curve entries must be finite numbers > 0"),
+    ({"cost_curve": ("1",) * 33}, r"cost_curve entries must be finite numbers > 0, got '1'"),
+    ({"cost_curve": "1" * 33}, r"cost_curve must be a sequence of numbers"),
+])
+def test_config_floats_are_finite_and_bounded(changes, match):
+    with pytest.raises(ValueError, match=match):
+        DecoderConfig(**changes)
+
+
+# ------------------------------------------------------------------ 4. checks that happened too late
+@pytest.mark.parametrize("name", sorted(INT_FIELDS))
+@pytest.mark.parametrize("value", [2.5, 3.0, True, "3", None])
+def test_every_int_field_must_be_a_real_int(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be an integer"):
+        DecoderConfig(**{name: value})
+
+
+def test_numpy_integers_in_the_config_become_ints():
+    cfg = DecoderConfig(max_draft_tokens=np.int64(8), ngram_max_n=np.int32(6), max_loss=np.float32(0.5))
+    assert type(cfg.max_draft_tokens) is int and cfg.max_draft_tokens == 8
+    assert type(cfg.ngram_max_n) is int and type(cfg.max_loss) is float
+
+
+def test_a_single_drafter_name_is_one_drafter():
+    assert DecoderConfig(drafters="reference").drafters == ("reference",)
+    with pytest.raises(ValueError, match="drafters must be"):
+        DecoderConfig(drafters=3)
+
+
+@pytest.mark.parametrize("prompt", [
+    torch.tensor(PROMPT), torch.tensor([PROMPT]), torch.tensor(PROMPT, dtype=torch.int32),
+    np.array(PROMPT), np.array([PROMPT], dtype=np.uint16), [np.int64(t) for t in PROMPT],
+])
+def test_integer_tensors_arrays_and_numpy_ids_are_prompts(dec, prompt):
+    assert dec.generate(prompt, max_new_tokens=6).token_ids == greedy(dec)
+
+
+@pytest.mark.parametrize("prompt, err, match", [
+    (torch.tensor([5.0, 6.0]), TypeError, r"prompt is a tensor of dtype torch.float32; token ids must be integers"),
+    (torch.tensor([5.7, 6.2]), TypeError, "token ids must be integers"),
+    (np.array([5.0, 6.0]), TypeError, r"prompt is an array of dtype float64; token ids must be integers"),
+    (torch.tensor([True, False]), TypeError, "token ids must be integers"),
+    (torch.tensor([[5, 6], [7, 8]]), ValueError, r"prompt has shape \(2, 2\).*one prompt"),
+    (np.ones((1, 2, 3), dtype=np.int64), ValueError, r"prompt has shape \(1, 2, 3\)"),
+    (torch.tensor(5), ValueError, r"prompt has shape \(\)"),
+    ([5.0, 6.0], TypeError, r"prompt: token ids must be integers, got float 5.0 at position 0"),
+    ([5, np.float32(6.0)], TypeError, r"token ids must be integers, got float32 6.0 at position 1"),
+    (["hello", "world"], TypeError, r"prompt must be a string, .* item 0 is str"),
+    (b"hello", TypeError, r"prompt is bytes; decode it to a string first"),
+])
+def test_bad_tensor_and_id_prompts_are_refused(dec, prompt, err, match):
+    with pytest.raises(err, match=match):
+        dec.generate(prompt, max_new_tokens=2)
+    still_works(dec)
+
+
+def test_numpy_and_float_reference_ids(dec):
+    refs = [np.array([9, 8, 7]), [np.int64(1), np.int64(2)]]
+    assert dec.generate(PROMPT, refs, max_new_tokens=6).token_ids == greedy(dec)
+    assert dec.encode_references(refs) == [[9, 8, 7], [1, 2]]
+    with pytest.raises(TypeError, match=r"reference 1: token ids must be integers, got float 2.0 at position 1"):
+        dec.generate(PROMPT, [[1], [1, 2.0]], max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"reference 0 is a tensor of dtype torch.float32; token ids must be integers"):
+        dec.generate(PROMPT, [torch.tensor([1.0])], max_new_tokens=2)
+
+
+def test_text_certainly_over_the_limit_is_refused_without_tokenising(tokenizer):
+    counting = CountingTokenizer(tokenizer)
+    with pytest.raises(ValueError, match=r"references hold 1000000 characters of text: at least \d+ tokens.*"
+                                         r"more than max_reference_tokens=1000"):
+        encode_references(counting, ["word " * 200_000], len(tokenizer), 1000)
+    assert counting.calls == 0
+
+
+def test_references_are_tokenised_one_at_a_time_up_to_the_limit(tokenizer):
+    counting = CountingTokenizer(tokenizer)
+    doc = "hello world, this is a passage. " * 10  # ~80 tokens, far below the character bound
+    with pytest.raises(ValueError, match=r"references hold at least 1\d{3} tokens, more than max_reference_tokens="):
+        encode_references(counting, [doc] * 100, len(tokenizer), 1000)
+    assert counting.calls < 20  # stopped as soon as the running total passed the limit
+
+
+@pytest.mark.parametrize("text", [
+    "#" * 80_000, "\n" + " " * 100_000, "=" * 50_000, "é" * 10_000, "😀" * 5000, "漢字" * 4000,
+    "word " * 10_000, "e\u0301" * 10_000,
+    # SmolLM2 has no symbol for 6 control characters: they encode as nothing, and a token
+    # merges across them ("#\x14" * 80: one token of 80 "#" covering 160 characters).
+    "\x14" * 100_000, "#\x14" * 40_000, "a\x04" * 20_000, "\U00045678" * 1000,
+])
+def test_the_early_bound_never_refuses_text_that_fits(tokenizer, text):
+    n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert len(encode_references(tokenizer, [text], len(tokenizer), max(n, 1))[0]) == n
+    if n > 1:
+        with pytest.raises(ValueError, match="max_reference_tokens"):
+            encode_references(tokenizer, [text], len(tokenizer), n - 1)
+
+
+def test_max_chars_per_token_only_where_it_is_certain(tokenizer):
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from rag_accel.inputs import _BYTE_SYMBOLS, max_chars_per_token
+
+    assert set(_BYTE_SYMBOLS) == set(ByteLevel.alphabet())
+    assert max_chars_per_token(tokenizer) == 81  # the longest SmolLM2 token: a newline and 80 spaces
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = trained_bpe_tokenizer(["some text to train on, twice", "some more text"], vocab_size=300)
+    longest = max(max_chars_per_token(bpe), 1)
+    assert longest == max(len(t) for t in bpe.get_vocab())
+    bpe.backend_tokenizer.normalizer = normalizers.NFC()  # composes up to 4 code points into one
+    assert max_chars_per_token(bpe) == 4 * longest
+    bpe.backend_tokenizer.normalizer = normalizers.Strip()  # drops text: no bound
+    assert max_chars_per_token(bpe) is None
+    bpe.backend_tokenizer.normalizer = None
+    bpe.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # drops whitespace: no bound
+    assert max_chars_per_token(bpe) is None
+    wordpiece = Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))  # [UNK] covers a word
+    assert max_chars_per_token(PreTrainedTokenizerFast(tokenizer_object=wordpiece)) is None
+    assert max_chars_per_token(object()) is None  # not a fast tokenizer
+
+
+# ------------------------------------------------------------------ 7. clear messages
+@pytest.mark.parametrize("call, match", [
+    (lambda d: d.generate("ab\ud800cd", max_new_tokens=2),
+     r"prompt has an unencodable character at index 2 \(lone surrogate U\+D800\)"),
+    (lambda d: d.generate([{"role": "user", "content": "hi \udc80"}], max_new_tokens=2),
+     r"chat message 0 'content' has an unencodable character at index 3"),
+    (lambda d: d.generate(PROMPT, ["fine", "bad\udfff"], max_new_tokens=2),
+     r"reference 1 has an unencodable character at index 3"),
+    (lambda d: d.generate(PROMPT, stop=["ok", "\ud83d"], max_new_tokens=2), r"stop string 1 has an unencodable"),
+    (lambda d: d.generate_greedy("x\ud800", max_new_tokens=2), r"prompt has an unencodable character at index 1"),
+])
+def test_lone_surrogates_name_the_input_and_the_place(dec, call, match):
+    with pytest.raises(ValueError, match=match):
+        call(dec)
+    still_works(dec)
+
+
+@pytest.mark.parametrize("stop, err, match", [
+    (123, TypeError, r"stop must be a string or a list of strings, got int"),
+    (b"x", TypeError, r"stop must be a string or a list of strings, got bytes"),
+    ([1], TypeError, r"stop string 0 must be a string, got int"),
+    ("", ValueError, r"stop strings must be non-empty"),
+    ([""], ValueError, r"stop strings must be non-empty"),
+])
+def test_bad_stops_are_clear(dec, stop, err, match):
+    with pytest.raises(err, match=match):
+        dec.generate(PROMPT, stop=stop, max_new_tokens=2)
+
+
+def test_no_stops(dec):
+    for stop in (None, [], ()):
+        assert dec.generate(PROMPT, stop=stop, max_new_tokens=6).token_ids == greedy(dec)
+
+
+# ------------------------------------------------------------------ adapters
+@pytest.fixture(scope="module")
+def lc(dec):
+    pytest.importorskip("langchain_core")
+    from integrations.langchain import ChatRagAccel
+
+    return ChatRagAccel(decoder=dec, max_tokens=4)
+
+
+def test_langchain_bind_tools_says_what_to_do(lc):
+    with pytest.raises(NotImplementedError, match=r"ChatRagAccel does not support tool calling.*"):
+        lc.bind_tools([{"type": "function", "function": {"name": "f", "parameters": {}}}])
+
+
+@pytest.mark.parametrize("stop", ["", [""], ["ok", ""]])
+def test_langchain_empty_stop_is_an_error_either_way(lc, stop):
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        lc.invoke("Hello", stop=stop)
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        type(lc)(decoder=lc.decoder, stop=stop if isinstance(stop, list) else [stop])
+    assert lc.invoke("Hello", stop=[]).content == lc.invoke("Hello").content  # [] is no stop strings
+
+
+def test_langchain_max_tokens_and_max_new_tokens_must_agree(lc):
+    from integrations.langchain import ChatRagAccel
+
+    with pytest.raises(ValueError, match=r"max_tokens=3 and max_new_tokens=7"):
+        lc.invoke("Hello", max_tokens=3, max_new_tokens=7)
+    with pytest.raises(ValueError, match=r"max_tokens=3 and max_new_tokens=7"):
+        ChatRagAccel(decoder=lc.decoder, max_tokens=3, max_new_tokens=7)
+    assert lc.invoke("Hello", max_tokens=3, max_new_tokens=3).usage_metadata["output_tokens"] <= 3
+    assert ChatRagAccel(decoder=lc.decoder, max_new_tokens=5).max_new_tokens == 5
+
+
+@pytest.fixture(scope="module")
+def li(dec):
+    pytest.importorskip("llama_index.core")
+    from integrations.llamaindex import RagAccelLLM
+
+    return RagAccelLLM(decoder=dec, max_new_tokens=4, capture_retrievals=False)
+
+
+def test_llamaindex_max_tokens_is_an_alias_that_must_agree(li):
+    from integrations.llamaindex import RagAccelLLM
+
+    assert RagAccelLLM(decoder=li.decoder, max_tokens=3, capture_retrievals=False).max_new_tokens == 3
+    with pytest.raises(ValueError, match=r"max_tokens=3 and max_new_tokens=7"):
+        RagAccelLLM(decoder=li.decoder, max_tokens=3, max_new_tokens=7, capture_retrievals=False)
+    with pytest.raises(ValueError, match=r"max_tokens=3 and max_new_tokens=7"):
+        li.complete("Hello", max_tokens=3, max_new_tokens=7)
+    out = li.complete("Hello", max_tokens=2)
+    assert out.raw["usage"]["completion_tokens"] <= 2
+
+
+@pytest.mark.parametrize("stop", ["", [""]])
+def test_llamaindex_empty_stop_is_an_error_either_way(li, stop):
+    from integrations.llamaindex import RagAccelLLM
+
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        li.complete("Hello", stop=stop)
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        RagAccelLLM(decoder=li.decoder, stop=[""], capture_retrievals=False)
+    assert li.complete("Hello", stop=[]).text == li.complete("Hello").text
