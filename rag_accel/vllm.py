@@ -59,7 +59,7 @@ from .inputs import check_ids, check_lengths, check_stops, encode_prompt, encode
 from .outputs import GenerationOutput, GenerationStats, GenerationStream
 from .policy import AcceptanceStats
 from .speculation import RequestDrafting, StepCosts
-from .stopping import IncrementalDetokenizer, StopStringMatcher
+from .stopping import OutputText
 
 try:  # the module imports without vLLM (docs, doctests); using it needs vLLM
     from vllm.v1.sample.logits_processor import LogitsProcessor as _LogitsProcessor
@@ -153,17 +153,29 @@ class BatchStepCosts(StepCosts):
     """Step time as a line in the tokens a step schedules, learnt from every decode step.
 
     ``t(T) = a + b T``, fitted by exponentially weighted least squares over the last
-    ~``1 / (1 - decay)`` steps, starting from ``prior_slope`` (``b / a``: a 100-token step
-    costs twice a one-token one) until the batch has shown different sizes.
+    ~``1 / (1 - decay)`` steps, pulled towards ``prior_slope`` (``b / a``) with the weight of
+    ``prior_weight`` steps, and never below ``min_slope_frac`` of it: on a shared machine a
+    step's time varies more than the draft tokens change it, and a fit that finds ``b = 0``
+    would make every draft free. The prior, 0.03, was measured on the 2-core CPU of
+    ``benchmarks/results/vllm_cpu_smollm2.md`` (SmolLM2-135M float32, ~700-token RAG prompts:
+    one row with 10 draft tokens took ~1.25x a plain step; four rows ~1.6x at 4 draft tokens each).
     :meth:`set_batch` turns it into this step's :meth:`scale_at`: the cost of one draft token
-    on one row in that row's plain steps, ``B b / t(T)``.
+    on one row in that row's plain steps, ``B b / t(T)`` (``B`` rows all wait for it).
+
+    The policy gets the curve ``1 + CURVE_SLOPE L`` and the scale ``s / CURVE_SLOPE``, so that
+    its update tolerance (0.01 of the scale) is 1% of the slope, not 0.01 per token.
     """
 
-    def __init__(self, decay: float = 0.98, prior_slope: float = 0.01, prior_weight: float = 4.0) -> None:
+    CURVE_SLOPE = 0.05
+
+    def __init__(self, decay: float = 0.98, prior_slope: float = 0.03, prior_weight: float = 16.0,
+                 min_slope_frac: float = 0.5) -> None:
         super().__init__()
         self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
+        self.min_slope_frac = min_slope_frac
         self._sums = [0.0] * 5  # weight, sum T, sum t, sum T^2, sum T t
-        self.batch_scale = prior_slope
+        self.slope = prior_slope  # cost of one draft token on one row, in that row's steps (s)
+        self.batch_scale = prior_slope / self.CURVE_SLOPE
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One decode step scheduled ``tokens`` tokens and took ``seconds``."""
@@ -182,15 +194,19 @@ class BatchStepCosts(StepCosts):
         # Ridge towards the prior slope: with little spread in T the data cannot tell b.
         prior_b = self.prior_slope * my / (1.0 + self.prior_slope * mt)
         k = self.prior_weight / w
-        b = max(0.0, (cov + k * prior_b) / (var + k))
+        b = max(self.min_slope_frac * prior_b, (cov + k * prior_b) / (var + k))
         return max(my - b * mt, 1e-6), b
 
     def set_batch(self, rows: int, tokens: int) -> float:
-        """This step's per-draft-token cost for one row of ``rows``, the batch scheduling ``tokens``."""
+        """This step's per-draft-token cost for one row of ``rows``, the batch scheduling
+        ``tokens``: ``s = rows b / t(tokens)``. Returns the policy's scale, ``s / CURVE_SLOPE``."""
         ab = self.line()
-        if ab is not None:
+        if ab is None:
+            a, b = 1.0, self.prior_slope
+        else:
             a, b = ab
-            self.batch_scale = min(4.0, max(1e-3, rows * b / (a + b * tokens)))
+        self.slope = min(4.0, max(1e-3, rows * b / (a + b * tokens)))
+        self.batch_scale = self.slope / self.CURVE_SLOPE
         return self.batch_scale
 
     def scale_at(self, context_len: int) -> float:
@@ -327,7 +343,7 @@ class RagProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.base = DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"), max_draft_tokens=self.k)
-        self.curve = tuple(1.0 + n for n in range(self.k + 1))  # cost[L] = 1 + s L, s from BatchStepCosts
+        self.curve = tuple(1.0 + BatchStepCosts.CURVE_SLOPE * n for n in range(self.k + 1))  # scaled per step
         self.costs = BatchStepCosts()
         self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}  # greedy, sampled
         self.stats: OrderedDict[str, GenerationStats] = OrderedDict()
@@ -335,6 +351,7 @@ class RagProposer:
         self._tokenizer: Any = None
         self._tokenizer_name = vllm_config.model_config.tokenizer
         self._last_tokens: int | None = None  # tokens the step now running scheduled (None: not a decode step)
+        self._last_t0: float | None = None  # when propose was last called
         self.draft_s = 0.0  # host time spent in propose, all rows
         _install_build_hook()
         _install_stats_method()
@@ -376,29 +393,22 @@ class RagProposer:
 
     def _step(self, row: _Row, new: list[int], n: int, token_ids_cpu: Any, i: int, dt: float | None) -> list[int]:
         stats = row.stats
-        stats.steps += 1
         if row.drafting is None and not row.context:
             if row.key is not None and not row.speculate:
                 self.stats[row.key] = stats
             self._start(row, token_ids_cpu[i, :n].tolist())
-            stats.trace.append(("", len(new)))
+            stats.record_step("", 0, len(new) - 1)  # the prefill step
             stats.new_tokens = len(new)
             if row.drafting is None:
                 return []
         else:
+            # sampled_token_ids[i]: the accepted draft tokens, then the model's own next token
             sent = row.sent
             accepted = min(sent, len(new) - 1)
-            stats.trace.append((row.source if sent else "", len(new)))
+            stats.record_step(row.source if sent else "", sent, accepted)
             stats.new_tokens += len(new)
             if row.drafting is None:
                 return []
-            if sent:
-                stats.drafted += sent
-                stats.accepted += accepted
-                by = stats.by_drafter.setdefault(row.source, {"steps": 0, "drafted": 0, "accepted": 0})
-                by["steps"] += 1
-                by["drafted"] += sent
-                by["accepted"] += accepted
             drafting = row.drafting
             if dt is not None:
                 drafting.account(sent, accepted, dt, n)
@@ -434,11 +444,16 @@ class RagProposer:
         if tracker is None:  # no batch view (a runner we did not hook): never guess
             return [[] for _ in range(n_rows)]
         rows = tracker.rows
-        dt = t0 - tracker.step_start if tracker.step_start is not None else None
-        decode_step = (not tracker.added and self._last_tokens is not None
+        # The step's time: from the last call to this one (the whole engine cycle: schedule,
+        # forward, sample, outputs, this proposer), valid when both were decode steps of the
+        # same rows. (update_state -> propose would miss the scheduler and the outputs.)
+        decode_step = (not tracker.added and self._last_tokens is not None and self._last_t0 is not None
                        and all(sampled_token_ids[i] and i in rows and rows[i].context for i in range(n_rows)))
-        if decode_step and dt is not None:
-            self.costs.observe(self._last_tokens, dt)
+        dt = t0 - self._last_t0 if decode_step else None
+        if dt is not None:
+            step_s = self.costs.step_s
+            if step_s is None or dt < 4.0 * step_s * (1.0 + self._last_tokens / max(1, n_rows)):
+                self.costs.observe(self._last_tokens, dt)  # (not a stall of the machine or the caller)
         self.costs.set_batch(n_rows, n_rows + sum(r.sent for r in rows.values()))
         drafts: list[list[int]] = []
         for i in range(n_rows):
@@ -448,13 +463,13 @@ class RagProposer:
                 drafts.append([])
                 continue
             try:
-                drafts.append(self._step(row, list(new), int(num_tokens_no_spec[i]), token_ids_cpu, i,
-                                         dt if decode_step else None))
+                drafts.append(self._step(row, list(new), int(num_tokens_no_spec[i]), token_ids_cpu, i, dt))
             except Exception as e:  # noqa: BLE001 - one request's drafting must never stop the engine
                 log.warning("rag_accel: drafting off for a request after an error: %r", e)
                 row.error, row.drafting, row.sent = repr(e), None, 0
                 drafts.append([])
         self._last_tokens = n_rows + sum(len(d) for d in drafts)
+        self._last_t0 = t0
         self.draft_s += time.perf_counter() - t0
         return drafts
 
@@ -516,6 +531,7 @@ class VllmDecoder:
         self.context_window: int | None = int(mc.max_model_len)
         spec = llm.llm_engine.vllm_config.speculative_config
         self.speculative = spec is not None and spec.method == "custom_class" and spec.model == PROPOSER_PATH
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, mc)
         self._lock = threading.RLock()
 
     @classmethod
@@ -668,62 +684,46 @@ class VllmDecoder:
                     params.output_kind = RequestOutputKind.DELTA
                     rid = params.extra_args["rag_accel_id"]
                     engine.add_request(rid, {"prompt_token_ids": ids}, params)
-                    state[rid] = dict(i=i, prompt=len(ids), ids=[], detok=IncrementalDetokenizer(self.tokenizer),
-                                      matcher=StopStringMatcher(stops), emitted=0, finish=None, end=None)
+                    eos = set(self.eos_token_ids)  # grows if vLLM stops on a token we did not know
+                    out = OutputText(self.tokenizer, stops, eos, params.max_tokens)  # type: ignore[arg-type]
+                    state[rid] = dict(i=i, prompt=len(ids), out=out, eos=eos)
                 live = set(state)
                 while live:
-                    for out in engine.step():
-                        s = state.get(out.request_id)
-                        if s is None or out.request_id not in live:
+                    for res in engine.step():
+                        s = state.get(res.request_id)
+                        if s is None or res.request_id not in live:
                             continue
-                        comp = out.outputs[0]
-                        piece = self._feed(s, list(comp.token_ids), comp.finish_reason if out.finished else None)
+                        out, comp = s["out"], res.outputs[0]
+                        new = list(comp.token_ids)
+                        if res.finished and comp.finish_reason == "stop" and new and new[-1] not in s["eos"]:
+                            s["eos"].add(new[-1])  # a stop token of vLLM's (generation config) we did not know
+                        _, piece = out.push(new)
                         if piece:
                             yield s["i"], piece
-                        if s["finish"] is not None:
-                            live.discard(out.request_id)
-                            if not out.finished:
-                                engine.abort_request([out.request_id])
+                        if out.finish is not None:
+                            live.discard(res.request_id)
+                            if not res.finished:  # a stop string: ours, not vLLM's
+                                engine.abort_request([res.request_id])
             finally:
-                unfinished = [rid for rid, s in state.items() if s["finish"] is None]
+                unfinished = [rid for rid, s in state.items() if s["out"].finish is None]
                 if unfinished:
                     engine.abort_request(unfinished)
             elapsed = time.perf_counter() - t0
             found = self._pop_stats(list(state)) if self.speculative else [None] * len(state)
             for (rid, s), st in zip(state.items(), found):
-                stats = GenerationStats(prompt_tokens=s["prompt"], new_tokens=len(s["ids"]),
-                                        finish_reason=s["finish"], time_s=elapsed)
+                out = s["out"]
+                stats = GenerationStats(prompt_tokens=s["prompt"], new_tokens=len(out.token_ids),
+                                        finish_reason=out.finish, time_s=elapsed)
                 if st is not None:
                     stats.steps = st["steps"]
                     stats.drafted, stats.accepted = st["drafted"], st["accepted"]
                     stats.by_drafter = st["by_drafter"]
                     stats.trace = [(a, b) for a, b in st["trace"]]
                 else:
-                    stats.steps = len(s["ids"])
-                    stats.trace = [("", 1)] * len(s["ids"])
-                outputs[s["i"]] = GenerationOutput(text=s["matcher"].text[:s["end"]], token_ids=s["ids"], stats=stats)
+                    stats.steps = len(out.token_ids)
+                    stats.trace = [("", 1)] * len(out.token_ids)
+                outputs[s["i"]] = GenerationOutput(text=out.text, token_ids=out.token_ids, stats=stats)
 
-    def _feed(self, s: dict[str, Any], new_ids: list[int], vllm_finish: str | None) -> str:
-        """Take a request's new token ids; returns the text now safe to emit."""
-        matcher, detok = s["matcher"], s["detok"]
-        safe = s["emitted"]
-        for tok in new_ids:
-            s["ids"].append(tok)
-            stop_at, safe = matcher.feed(detok.push(tok))
-            if stop_at is not None:
-                s["finish"], s["end"] = "stop", stop_at
-                break
-        if s["finish"] is None and vllm_finish is not None:
-            stop_at, _ = matcher.feed(detok.flush())
-            if stop_at is not None:
-                s["finish"], s["end"] = "stop", stop_at
-            else:
-                s["finish"] = "length" if vllm_finish == "length" else "eos"
-                s["end"] = len(matcher.text)
-        end = s["end"] if s["finish"] is not None else safe
-        piece = matcher.text[s["emitted"]:end]
-        s["emitted"] += len(piece)
-        return piece
 
     def _pop_stats(self, keys: list[str]) -> list[dict[str, Any] | None]:
         # A method name, not a pickled function: every executor (uni, mp) and both engine modes (in
@@ -735,3 +735,14 @@ class VllmDecoder:
                         stop: str | Sequence[str] | None = None) -> GenerationOutput:
         """The baseline on the same engine: this request without drafting."""
         return self.generate(prompt, None, max_new_tokens=max_new_tokens, stop=stop, speculate=False)
+
+
+def _eos_token_ids(tokenizer: Any, model_config: Any) -> frozenset[int]:
+    """The tokens vLLM ends a request on: the tokenizer's EOS and the generation config's."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = model_config.try_get_generation_config().get("eos_token_id")
+    except Exception:  # noqa: BLE001 - no generation config
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else list(eos or ()))
+    return frozenset(int(t) for t in ids)
