@@ -31,11 +31,14 @@ so that the runner's batch gets one :class:`RowTracker`, linked to that proposer
 other custom processor is still refused as before). Nothing else of vLLM is changed.
 
 Cost of a draft at batch size ``B``: the engine learns its step time as a line in the
-tokens it schedules, ``t(T) = a + b T`` (:class:`BatchStepCosts`). ``L`` draft tokens on
-one row slow all ``B`` rows by ``b L``; in this row's plain steps that costs
-``B b L / t(T)``, so the policy sees ``cost[L] = 1 + s L`` with ``s = B b / t(T)``: worth it
-only if the row gains more tokens than the batch loses (a busy, compute-bound batch
-drafts less; at ``B = 1`` it is the usual single-request curve).
+tokens it schedules, ``t(T) = a + b T`` (:class:`BatchStepCosts`), each step timed as the
+whole engine cycle (one ``propose`` call to the next: scheduler, forward, sampler, outputs).
+``L`` draft tokens on one row slow all ``B`` rows by ``b L``; in this row's plain steps that
+costs ``B b L / t(T)``, so the policy sees ``cost[L] = 1 + s L`` with ``s = B b / t(T)``: worth
+it only if the row gains more tokens than the batch loses (a busy, compute-bound batch
+drafts less; at ``B = 1`` it is the usual single-request curve). The fitted slope is held
+near a measured prior and never below half of it: step times on a shared machine vary
+more than draft tokens change them, and a slope fitted to 0 makes every draft look free.
 
 Sampled requests (``temperature > 0``) stay lossless: vLLM verifies a draft without
 draft probabilities as a point mass (accept with the target probability, else sample

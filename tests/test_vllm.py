@@ -213,10 +213,10 @@ def test_greedy_equals_vllm_without_speculation_batch1(dec, items, baseline, kin
                            max_new_tokens=MAX_NEW)
         assert out.token_ids == baseline.alone[i], f"item {i} ({kind} references) differs from vLLM greedy"
         assert out.stats.new_tokens == len(out.token_ids)
-        if kind == "right":  # always-right references: nearly every draft token kept, few steps
-            st = out.stats
-            assert st.accepted >= 0.9 * st.drafted and st.steps <= st.new_tokens / 2, st
-            assert st.by_drafter["reference"]["accepted"] > 0
+        if kind == "right":  # always-right references: their drafts kept, few steps
+            st, ref = out.stats, out.stats.by_drafter["reference"]
+            # (prompt lookup may draft before the reference has matched enough context)
+            assert ref["accepted"] >= 0.9 * ref["drafted"] > 0 and st.steps <= st.new_tokens / 2, st
 
 
 def _spec_counters(llm):
@@ -236,7 +236,8 @@ def test_our_counts_are_vllms_counts(dec, items, baseline):
     d1, a1 = _spec_counters(dec.llm)
     assert out.token_ids == baseline.alone[1]
     assert (out.stats.drafted, out.stats.accepted) == (d1 - d0, a1 - a0)
-    assert out.stats.accepted >= 0.9 * out.stats.drafted > 0
+    ref = out.stats.by_drafter["reference"]
+    assert ref["accepted"] >= 0.9 * ref["drafted"] > 0
 
 
 @pytest.mark.slow
