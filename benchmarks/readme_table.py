@@ -113,6 +113,31 @@ def coupling_section(path: Path) -> str:
     ])
 
 
+def vllm_section(path: Path) -> str:
+    r = json.loads(path.read_text())
+    a = r["args"]
+    lines = [f"**On vLLM** ({r['model']}, {r['device']}, {r['date'][:10]}; requests of {a.get('new', 128)} new tokens; "
+             f"status: {r['status']}; [json]({path.relative_to(ROOT)})): latency per request at concurrency 1, "
+             "throughput (tokens/s over all requests) with 4 and 16 in flight, identical-output rate against "
+             "vllm-greedy, and a reworded question with the cached answer of the original as its reference "
+             "(not in the prompt).", "",
+             "| method | latency c=1 | tok/s c=4 | tok/s c=16 | identical c=1 / c=4 / c=16 | tokens/step c=1 | "
+             "reworded: latency | reworded: tokens/step |", "|---|---|---|---|---|---|---|---|"]
+    runs = dict(r["methods"])
+    if r.get("greedy_rerun"):
+        runs["vllm-greedy (rerun)"] = r["greedy_rerun"]
+    for name, m in runs.items():
+        c1, c4, c16, rw = (m.get(k, {}) for k in ("c1", "c4", "c16", "reworded_c1"))
+        same = " / ".join(str(c.get("identical", "-")) for c in (c1, c4, c16))
+        lines.append(f"| {name} | {c1.get('latency_s', float('nan')):.2f} s | {c4.get('tokens_per_s', float('nan')):.1f} | "
+                     f"{c16.get('tokens_per_s', float('nan')):.1f} | {same} | {c1.get('tokens_per_step', float('nan')):.2f} | "
+                     f"{rw.get('latency_s', float('nan')):.2f} s | {rw.get('tokens_per_step', float('nan')):.2f} |")
+    lines += ["", f"Reproduce: `{r['command']}`"]
+    if r.get("notes"):
+        lines += ["", r["notes"].replace("## Reading it (labelled honestly)", "Reading it:").strip()]
+    return "\n".join(lines)
+
+
 def main() -> None:
     res = ROOT / "benchmarks" / "results"
     parts = [engine_section(p) for p in sorted(res.glob("bench_*.json"))]
@@ -121,6 +146,7 @@ def main() -> None:
     parts += [integrations_section(p) for p in sorted(res.glob("integrations_*.json"))]
     parts += [cache_section(p) for p in sorted(res.glob("cache_multiturn_*.json"))]
     parts += [coupling_section(p) for p in sorted(res.glob("coupling_*.json"))]
+    parts += [vllm_section(p) for p in sorted(res.glob("vllm_cpu_*.json")) if not p.stem.endswith("_rerun")]
     readme = ROOT / "README.md"
     text = readme.read_text()
     a, b = text.index(START) + len(START), text.index(END)
