@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from .kv import context_window, new_cache, rollback_cache
 from .drafters import NO_DRAFT, Draft
+from .kv import context_window, new_cache, rollback_cache
 from .policy import leading_matches
 from .sampling import GumbelNoise, warp
 from .stopping import IncrementalDetokenizer
