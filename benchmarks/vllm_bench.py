@@ -78,12 +78,20 @@ def make_decoder(method: str, max_model_len: int):
 
 
 def shutdown(dec) -> None:
-    try:
-        dec.llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
+    dec.close()
     del dec
     gc.collect()
+
+
+def run_groups(dec, groups, new, ours):
+    """``run_group`` over (prompts, refs) groups one after another: (outputs, times, drafted, accepted)."""
+    outs, times, dr, ac = [], [], 0, 0
+    for prompts, refs in groups:
+        o, dt, d, a = run_group(dec, prompts, refs, new, ours)
+        outs += o
+        times.append(dt)
+        dr, ac = dr + d, ac + a
+    return outs, times, dr, ac
 
 
 def run_group(dec, prompts, refs, new, ours):
@@ -122,12 +130,8 @@ def bench_method(method, items, args, baselines, cached):
     dec.generate(prompts[0], refs[0] if ours else None, max_new_tokens=8)  # warm-up
     out: dict = {}
     # concurrency 1: latency per request
-    outs, times, dr, ac = [], [], 0, 0
-    for i in range(args.items_c1):
-        o, dt, d, a = run_group(dec, prompts[i:i + 1], refs[i:i + 1], args.new, ours)
-        outs += o
-        times.append(dt)
-        dr, ac = dr + d, ac + a
+    outs, times, dr, ac = run_groups(dec, [(prompts[i:i + 1], refs[i:i + 1]) for i in range(args.items_c1)],
+                                     args.new, ours)
     s = summarise(outs, times, dr, ac, baselines.get("c1"))
     s["latency_s"] = round(sum(times) / len(times), 3)
     s["latency_per_request_s"] = [round(t, 3) for t in times]
@@ -139,12 +143,8 @@ def bench_method(method, items, args, baselines, cached):
     # throughput with C in flight
     for c in args.conc:
         n = args.items_c16 if c >= 16 else args.items_c4
-        outs, times, dr, ac = [], [], 0, 0
-        for g in range(0, n, c):
-            o, dt, d, a = run_group(dec, prompts[g:g + c][:n - g], refs[g:g + c][:n - g], args.new, ours)
-            outs += o
-            times.append(dt)
-            dr, ac = dr + d, ac + a
+        outs, times, dr, ac = run_groups(dec, [(prompts[g:g + c][:n - g], refs[g:g + c][:n - g])
+                                               for g in range(0, n, c)], args.new, ours)
         key = f"c{c}"
         s = summarise(outs, times, dr, ac, baselines.get(key))
         out[key] = s
@@ -156,12 +156,7 @@ def bench_method(method, items, args, baselines, cached):
         n = min(args.reworded, len(cached))
         rp = [rag_messages(f"Could you tell me: {it.query}?", it.passages) for it in items[:n]]
         rr = [list(it.passages) + [cached[i]] for i, it in enumerate(items[:n])]
-        outs, times, dr, ac = [], [], 0, 0
-        for i in range(n):
-            o, dt, d, a = run_group(dec, rp[i:i + 1], rr[i:i + 1], args.new, ours)
-            outs += o
-            times.append(dt)
-            dr, ac = dr + d, ac + a
+        outs, times, dr, ac = run_groups(dec, [(rp[i:i + 1], rr[i:i + 1]) for i in range(n)], args.new, ours)
         s = summarise(outs, times, dr, ac, baselines.get("reworded"))
         s["latency_s"] = round(sum(times) / len(times), 3)
         out["reworded_c1"] = s

@@ -739,6 +739,13 @@ class VllmDecoder:
         """The baseline on the same engine: this request without drafting."""
         return self.generate(prompt, None, max_new_tokens=max_new_tokens, stop=stop, speculate=False)
 
+    def close(self) -> None:
+        """Shut the vLLM engine down (its processes and memory); the decoder is unusable afterwards."""
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # noqa: BLE001 - already down, or an engine without that handle
+            log.debug("rag_accel: engine shutdown: %r", e)
+
 
 def _eos_token_ids(tokenizer: Any, model_config: Any) -> frozenset[int]:
     """The tokens vLLM ends a request on: the tokenizer's EOS and the generation config's."""
