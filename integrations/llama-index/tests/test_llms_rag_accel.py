@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 from llama_index.core.base.llms.base import BaseLLM
+from llama_index.core.schema import NodeWithScore, TextNode
 
 import llama_index.llms.rag_accel
 from llama_index.llms.rag_accel import RagAccelLLM
+from llama_index.llms.rag_accel.base import MAX_REFERENCE_IDS, reference_summary
 
 
 def test_llm_class():
@@ -38,3 +40,12 @@ def test_decoder_is_checked_by_its_methods():
         RagAccelLLM(decoder=object(), capture_retrievals=False)
     with pytest.raises(TypeError, match=r"generate_greedy\(\), which FakeDecoder does not have"):
         RagAccelLLM(decoder=fake, accelerate=False, capture_retrievals=False).complete("hi")
+
+
+def test_reference_summary_counts_all_and_lists_the_first_distinct_ids():
+    nodes = [NodeWithScore(node=TextNode(text=f"passage {i}", id_=f"n{i}"), score=1.0) for i in range(249)]
+    assert reference_summary(nodes) == {"reference_count": 249,
+                                        "reference_ids": [f"n{i}" for i in range(MAX_REFERENCE_IDS)]}
+    mixed = ["text", [1, 2, 3], TextNode(text="a", id_="x"), nodes[0], TextNode(text="a", id_="x")]
+    assert reference_summary(mixed) == {"reference_count": 5, "reference_ids": ["x", "n0"]}
+    assert reference_summary([]) == {"reference_count": 0, "reference_ids": []}

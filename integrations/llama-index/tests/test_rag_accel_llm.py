@@ -15,7 +15,7 @@ from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
-from llama_index.core.schema import TextNode
+from llama_index.core.schema import NodeWithScore, TextNode
 from llama_index.llms.rag_accel import (
     RagAccelLLM,
     RagAccelQueryEngine,
@@ -23,6 +23,7 @@ from llama_index.llms.rag_accel import (
     faiss_vector_index,
     retrieval_capture,
 )
+from llama_index.llms.rag_accel.base import MAX_REFERENCE_IDS
 
 from rag_accel.data import load_msmarco_sample
 
@@ -238,6 +239,27 @@ def test_temperature_samples_and_a_seed_repeats(index, llm, items):
     assert a == b and a
     answers = {llm.complete(items[0].query, temperature=0.9, seed=s, max_new_tokens=24).text for s in (1, 2, 3)}
     assert len(answers) > 1
+
+
+def test_metadata_lists_a_count_and_the_first_node_ids_not_hundreds(index, llm, items, chat_ends):
+    """A query may pass hundreds of nodes (one had 249): the metadata keeps their count and the
+    ids of the first MAX_REFERENCE_IDS distinct ones (the best-ranked), in order."""
+    retriever = index.as_retriever(similarity_top_k=30)
+    nodes = retriever.retrieve(items[0].query)
+    assert len(nodes) == 30
+    r = llm.chat([ChatMessage(role="user", content=items[0].query)], references=nodes + nodes[:5], max_new_tokens=4)
+    meta = r.additional_kwargs["rag_accel"]
+    assert meta["reference_count"] == 35
+    assert meta["reference_ids"] == [n.node.node_id for n in nodes[:MAX_REFERENCE_IDS]]
+    # a query engine with a large top-k: the same summary, through the captured nodes
+    got = index.as_query_engine(llm=llm, similarity_top_k=30).query(items[0].query)
+    stats = _stats_for(chat_ends, str(got))
+    assert stats["reference_count"] == 30 and stats["reference_ids"] == _ids(got)[:MAX_REFERENCE_IDS]
+    # strings and duplicates: counted, but only distinct node ids are listed
+    texts = llm.complete("Hi", references=["a passage", NodeWithScore(node=TextNode(text="b", id_="n1")),
+                                           TextNode(text="b", id_="n1")], max_new_tokens=2)
+    assert texts.additional_kwargs["rag_accel"]["reference_count"] == 3
+    assert texts.additional_kwargs["rag_accel"]["reference_ids"] == ["n1"]
 
 
 # --------------------------------------------------------------------------- options (from the hardening tests)

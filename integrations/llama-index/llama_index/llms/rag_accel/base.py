@@ -72,6 +72,9 @@ from rag_accel.models import DEFAULT_MODEL
 
 CALL_OPTIONS = ("references", "max_new_tokens", "max_tokens", "stop", "decoder_config", "temperature", "top_p",
                 "top_k", "seed")
+# additional_kwargs["rag_accel"] lists the ids of at most this many reference nodes (the first ones,
+# i.e. the best-ranked of a retrieval) beside the count of all: a query can pass hundreds.
+MAX_REFERENCE_IDS = 8
 
 
 # --------------------------------------------------------------------------- capturing retrievals
@@ -241,7 +244,8 @@ class RagAccelLLM(CustomLLM):
     ``top_k``, ``seed``.
     Anything else is an error.
     ``raw["usage"]`` has the token counts (also on the last streamed response),
-    ``additional_kwargs["rag_accel"]`` the acceleration stats and the reference node ids.
+    ``additional_kwargs["rag_accel"]`` the acceleration stats, ``reference_count`` (the references
+    the call passed) and ``reference_ids`` (the ids of the first ``MAX_REFERENCE_IDS`` distinct nodes).
     """
 
     model_name: str = Field(default=DEFAULT_MODEL)
@@ -305,9 +309,9 @@ class RagAccelLLM(CustomLLM):
                            model_name=self.model_name)
 
     # ------------------------------------------------------------ one call
-    def _prepare(self, prompt: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, list[str]]:
+    def _prepare(self, prompt: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         """Validate, resolve references (now, in the caller's span) and start the decoder.
-        Returns (pieces, output(), reference node ids)."""
+        Returns (pieces, output(), what the metadata says of the references)."""
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for RagAccelLLM; per-call options are {list(CALL_OPTIONS)}")
@@ -316,8 +320,8 @@ class RagAccelLLM(CustomLLM):
             refs = _STREAM_NODES.get()
             if refs is None:
                 refs = retrieval_capture().nodes_for(_active_span())
-        ids = [getattr(getattr(r, "node", r), "node_id", None) for r in (refs or [])]
-        ids = [i for i in ids if isinstance(i, str)]
+        refs = reference_list(refs)
+        about_refs = reference_summary(refs)
         config = merged_decoder_config(self.decoder_config, kwargs.get("decoder_config"))
         stop = check_stops(kwargs.get("stop", self.stop))  # here: before the model is loaded
         sampling = {k: kwargs.get(k, getattr(self, k)) for k in ("temperature", "top_p", "top_k", "seed")}
@@ -325,14 +329,14 @@ class RagAccelLLM(CustomLLM):
                 **sampling_options(**sampling, accelerate=self.accelerate)}
         pieces, output, _ = start_generation(self.engine, prompt, reference_texts(refs), config=config,
                                              accelerate=self.accelerate, **opts)  # inputs checked here
-        return pieces, output, ids
+        return pieces, output, about_refs
 
     @staticmethod
-    def _extras(out: Any, ref_ids: list[str]) -> dict[str, Any]:
+    def _extras(out: Any, about_refs: dict[str, Any]) -> dict[str, Any]:
         s = out.stats
         usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
                  "total_tokens": s.prompt_tokens + s.new_tokens}
-        stats = {**stats_metadata(s), "finish_reason": s.finish_reason, "reference_ids": ref_ids}
+        stats = {**stats_metadata(s), "finish_reason": s.finish_reason, **about_refs}
         return {"raw": {"usage": usage, "finish_reason": s.finish_reason}, "additional_kwargs": {"rag_accel": stats}}
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
@@ -341,7 +345,7 @@ class RagAccelLLM(CustomLLM):
         return prompt if formatted or self.completion_to_prompt is None else self.completion_to_prompt(prompt)
 
     @staticmethod
-    def _completion_gen(pieces: Any, output: Any, ref_ids: list[str]) -> CompletionResponseGen:
+    def _completion_gen(pieces: Any, output: Any, about_refs: dict[str, Any]) -> CompletionResponseGen:
         text = ""
         try:
             for piece in pieces:
@@ -350,11 +354,11 @@ class RagAccelLLM(CustomLLM):
         finally:
             if hasattr(pieces, "close"):
                 pieces.close()
-        yield CompletionResponse(text=text, delta="", **RagAccelLLM._extras(output(), ref_ids))
+        yield CompletionResponse(text=text, delta="", **RagAccelLLM._extras(output(), about_refs))
 
     @staticmethod
-    def _chat_gen(pieces: Any, output: Any, ref_ids: list[str]) -> ChatResponseGen:
-        for r in RagAccelLLM._completion_gen(pieces, output, ref_ids):
+    def _chat_gen(pieces: Any, output: Any, about_refs: dict[str, Any]) -> ChatResponseGen:
+        for r in RagAccelLLM._completion_gen(pieces, output, about_refs):
             yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text), delta=r.delta,
                                raw=r.raw, additional_kwargs=r.additional_kwargs)
 
@@ -403,6 +407,29 @@ class RagAccelLLM(CustomLLM):
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         prepared = self._prepare(to_chat_messages(messages), kwargs)
         return iterate_in_thread(lambda: self._chat_gen(*prepared))
+
+
+def reference_list(references: Any) -> list[Any]:
+    """References as a list: ``None`` -> ``[]``, one string or node -> a list of one."""
+    if references is None:
+        return []
+    if isinstance(references, (str, bytes)) or not isinstance(references, Sequence):
+        return [references]
+    return list(references)
+
+
+def reference_summary(references: Sequence[Any], max_ids: int = MAX_REFERENCE_IDS) -> dict[str, Any]:
+    """What the response metadata says of a call's references: how many there were, and the
+    ids of the first ``max_ids`` distinct nodes among them (strings and token ids have none).
+    A query engine passes its retrieval in rank order, so these are the best-ranked nodes."""
+    ids: list[str] = []
+    for r in references:
+        i = getattr(getattr(r, "node", r), "node_id", None)
+        if isinstance(i, str) and i not in ids:
+            ids.append(i)
+            if len(ids) == max_ids:
+                break
+    return {"reference_count": len(references), "reference_ids": ids}
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
