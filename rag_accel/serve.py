@@ -21,8 +21,8 @@ Without references a request drafts from its prompt and its own output (prompt l
 Bad ``vllm_xargs`` (wrong types, references over ``--max-reference-tokens``) are refused for that
 request with HTTP 400 (:meth:`rag_accel.vllm.RowTracker.validate_params`); the server serves on.
 
-``--speculation ngram`` (vLLM's own n-gram proposer, k=10, lookup 2-4) and ``off`` (no speculation)
-start the same server without our proposer, for comparison; they ignore ``vllm_xargs``.
+``--speculation ngram`` (vLLM's own n-gram proposer, ``-k`` tokens, lookup 2-4) and ``off`` (no
+speculation) start the same server without our proposer, for comparison; they ignore ``vllm_xargs``.
 """
 
 from __future__ import annotations
@@ -36,16 +36,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-# = rag_accel.vllm.PROPOSER_PATH / TRACKER_PATH, not imported from there: that module imports vLLM (~10 s on a
-# busy machine) and the server's own process imports it again; tests/test_serve.py checks that they agree.
-PROPOSER_PATH = "rag_accel.vllm.RagProposer"
-TRACKER_PATH = "rag_accel.vllm:RowTracker"
-__all__ = ["NGRAM", "SPECULATION", "Server", "free_port", "resolve_model", "serve_command", "speculative_options",
+__all__ = ["Server", "free_port", "group_processes", "resolve_model", "serve_command", "speculative_options",
            "vllm_cli", "vllm_executable"]
 
-SPECULATION = ("ours", "ngram", "off")
-# vLLM's own n-gram proposer as the benchmarks run it (tests/test_vllm.py, benchmarks/vllm_bench.py)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 10, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 DEFAULT_K = 10
 
 
@@ -61,7 +54,8 @@ def resolve_model(model: str) -> tuple[str, str | None]:
 
 
 def speculative_options(speculation: str, num_speculative_tokens: int = DEFAULT_K) -> list[str]:
-    """The vLLM options of one speculation mode.
+    """The vLLM options of one speculation mode (:func:`rag_accel.vllm.speculative_config`: ``ours`` also
+    loads the :class:`~rag_accel.vllm.RowTracker`).
 
     Example:
         >>> speculative_options("ours", 8)  # doctest: +NORMALIZE_WHITESPACE
@@ -71,16 +65,15 @@ def speculative_options(speculation: str, num_speculative_tokens: int = DEFAULT_
         >>> speculative_options("off")
         []
     """
-    if speculation not in SPECULATION:
-        raise ValueError(f"speculation must be one of {SPECULATION}, got {speculation!r}")
-    if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= 64:
-        raise ValueError(f"num_speculative_tokens must be an integer in 1..64, got {num_speculative_tokens!r}")
+    from .vllm import TRACKER_PATH, speculative_config  # (imports vLLM where it is installed)
+
+    spec = speculative_config(speculation, num_speculative_tokens)
+    if spec is None:
+        return []
+    options = ["--speculative-config", json.dumps(spec)]
     if speculation == "ours":
-        spec = {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": num_speculative_tokens}
-        return ["--speculative-config", json.dumps(spec), "--logits-processors", TRACKER_PATH]
-    if speculation == "ngram":
-        return ["--speculative-config", json.dumps(NGRAM)]
-    return []
+        options += ["--logits-processors", TRACKER_PATH]
+    return options
 
 
 def vllm_executable() -> list[str]:

@@ -24,9 +24,11 @@ def tokenizer(default_model_dir):
 
 @pytest.fixture(scope="session")
 def real_decoder():
-    from rag_accel import DEFAULT_MODEL, ReferenceDecoder
+    # shared_decoder: one per process, the same object the adapters' test suites use in a run from the root
+    from rag_accel import DEFAULT_MODEL
+    from rag_accel.adapters import shared_decoder
 
-    return ReferenceDecoder.from_pretrained(DEFAULT_MODEL, device="cpu", dtype="float32")
+    return shared_decoder(DEFAULT_MODEL, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")

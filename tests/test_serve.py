@@ -34,7 +34,14 @@ import openai  # noqa: E402 - a dependency of vLLM
 from rag_accel import serve  # noqa: E402
 from rag_accel.data import load_msmarco_sample, rag_messages  # noqa: E402
 from rag_accel.remote import RemoteDecoder, RemoteError  # noqa: E402
-from rag_accel.vllm import PROPOSER_PATH, TRACKER_PATH, VllmDecoder, check_extra_args, request_inputs  # noqa: E402
+from rag_accel.vllm import (  # noqa: E402
+    PROPOSER_PATH,
+    TRACKER_PATH,
+    VllmDecoder,
+    check_extra_args,
+    request_inputs,
+    speculative_config,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -49,10 +56,6 @@ READY_TIMEOUT = float(os.environ.get("RAG_ACCEL_SERVE_TIMEOUT", "900"))  # a bus
 
 
 # --------------------------------------------------------------------------- pieces, no server
-def test_serve_names_the_proposer_vllm_loads():
-    assert (serve.PROPOSER_PATH, serve.TRACKER_PATH) == (PROPOSER_PATH, TRACKER_PATH)
-
-
 def test_serve_command_per_speculation_mode():
     ours = serve.serve_command("/m", port=8001, dtype="float32", max_model_len=2048, speculation="ours",
                                num_speculative_tokens=7, served_model_name="m", extra=["--enforce-eager"])
@@ -63,7 +66,7 @@ def test_serve_command_per_speculation_mode():
     assert args[args.index("--logits-processors") + 1] == TRACKER_PATH
     assert args[args.index("--served-model-name") + 1] == "m"
     ngram = serve.serve_command("/m", speculation="ngram")
-    assert json.loads(ngram[ngram.index("--speculative-config") + 1]) == serve.NGRAM
+    assert json.loads(ngram[ngram.index("--speculative-config") + 1]) == speculative_config("ngram", 10)
     assert "--logits-processors" not in ngram
     off = serve.serve_command("/m", speculation="off")
     assert "--speculative-config" not in off and "--logits-processors" not in off
@@ -133,7 +136,7 @@ def items():
 @pytest.fixture(scope="module")
 def baseline(items):
     """vLLM's own greedy outputs in this process, speculation off: the reference for every comparison."""
-    dec = VllmDecoder.from_pretrained(MODEL, speculate=False, max_model_len=MAX_MODEL_LEN, enforce_eager=True)
+    dec = VllmDecoder.from_pretrained(MODEL, speculation="off", max_model_len=MAX_MODEL_LEN, enforce_eager=True)
     try:
         msgs = [rag_messages(it.query, it.passages) for it in items[:N_ITEMS]]
         outs = [dec.generate(m, max_new_tokens=MAX_NEW) for m in msgs]

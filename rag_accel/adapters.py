@@ -1,5 +1,11 @@
-"""What both adapters need: one loaded decoder per (model, device, dtype), and
-framework documents turned into reference texts. No framework imports here."""
+"""What the framework adapters share (``langchain-rag-accel``, ``llama-index-llms-rag-accel``):
+one loaded decoder per (model, device, dtype), the decoder check, per-call options, and
+framework documents turned into reference texts. No framework imports here.
+
+Public so that the adapter distributions (and adapters for other frameworks) need no
+third top-level package; an adapter takes any decoder object with ``generate`` and
+``stream`` (:class:`rag_accel.ReferenceDecoder`, :class:`rag_accel.vllm.VllmDecoder`, ...).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,26 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
+
+from .config import DecoderConfig
+
+__all__ = [
+    "DECODER_METHODS",
+    "check_decoder",
+    "iterate_in_thread",
+    "max_new_tokens_option",
+    "merge_max_tokens",
+    "merged_decoder_config",
+    "reference_texts",
+    "sampling_options",
+    "shared_decoder",
+    "start_generation",
+    "stats_metadata",
+]
+
+# What an adapter calls on a decoder: stream() for every accelerated call (generate() is the
+# same call, whole); generate_greedy() only with accelerate=False.
+DECODER_METHODS = ("generate", "stream")
 
 _DECODERS: dict[tuple[str, str | None, str | None], Any] = {}
 _LOAD_LOCK = threading.Lock()
@@ -20,26 +46,51 @@ def shared_decoder(model_name: str, device: str | None = None, dtype: str | None
     key = (model_name, device, dtype)
     with _LOAD_LOCK:
         if key not in _DECODERS:
-            from rag_accel import ReferenceDecoder
+            from .decoder import ReferenceDecoder
 
             _DECODERS[key] = ReferenceDecoder.from_pretrained(model_name, device=device, dtype=dtype)
         return _DECODERS[key]
 
 
 def check_decoder(decoder: Any) -> Any:
-    """A ready decoder given to an adapter must be a :class:`rag_accel.ReferenceDecoder` (or ``None``)."""
-    from rag_accel import ReferenceDecoder
+    """A ready decoder given to an adapter: ``None``, or any object with the decoder surface
+    (callable ``generate`` and ``stream``, as :class:`rag_accel.ReferenceDecoder` and
+    :class:`rag_accel.vllm.VllmDecoder` have). Checked by duck typing, so other engines plug in.
 
-    if decoder is not None and not isinstance(decoder, ReferenceDecoder):
-        raise TypeError(f"decoder must be a rag_accel.ReferenceDecoder, got {type(decoder).__name__}")
+    >>> check_decoder("gpt2")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: decoder must be a rag_accel decoder (...); str has no generate(), stream()
+    """
+    if decoder is None:
+        return None
+    missing = [f"{m}()" for m in DECODER_METHODS if not callable(getattr(decoder, m, None))]
+    if missing:
+        raise TypeError("decoder must be a rag_accel decoder (an object with generate() and stream(), e.g. "
+                        "rag_accel.ReferenceDecoder or rag_accel.vllm.VllmDecoder); "
+                        f"{type(decoder).__name__} has no {', '.join(missing)}")
     return decoder
+
+
+def start_generation(decoder: Any, prompt: Any, references: list[Any], *, config: Any, accelerate: bool,
+                     **options: Any) -> tuple[Any, Any, Any]:
+    """Start one call: ``(text pieces, output() -> GenerationOutput once the pieces are consumed,
+    close())``. Inputs are checked here, before any model work. ``accelerate=False`` runs the
+    engine's plain greedy baseline (``generate_greedy``) behind the same interface."""
+    if not accelerate:
+        greedy = getattr(decoder, "generate_greedy", None)
+        if not callable(greedy):
+            raise TypeError(f"accelerate=False runs decoder.generate_greedy(), which {type(decoder).__name__} "
+                            "does not have")
+        out = greedy(prompt, **options)
+        return iter([out.text] if out.text else []), lambda: out, lambda: None
+    stream = decoder.stream(prompt, references, config=config, **options)
+    return iter(stream), lambda: stream.output, stream.close
 
 
 def merged_decoder_config(base: dict[str, Any] | None, per_call: Any = None) -> dict[str, Any] | None:
     """The adapter's ``decoder_config`` with a call's changes on top, checked against
     :class:`rag_accel.DecoderConfig` (unknown keys raise here, not mid-generation)."""
-    from rag_accel import DecoderConfig
-
     if per_call is not None and not isinstance(per_call, dict):
         raise TypeError(f"decoder_config must be a dict of DecoderConfig changes, got {type(per_call).__name__}")
     merged = {**(base or {}), **(per_call or {})} if per_call is not None else base

@@ -1,11 +1,10 @@
-"""LangChain chat model over :class:`rag_accel.ReferenceDecoder`, and a RAG chain
-that hands the retrieved documents to it as copy sources.
+"""LangChain chat model over :class:`rag_accel.ReferenceDecoder` (or another rag_accel decoder).
 
-Install: ``pip install 'rag-accel[langchain]'``.
+Install: ``pip install langchain-rag-accel`` (see this package's README).
 
 Example::
 
-    from integrations.langchain import ChatRagAccel, rag_chain
+    from langchain_rag_accel import ChatRagAccel, rag_chain
     llm = ChatRagAccel(max_tokens=128)             # the offline default model, loaded on first use
     chain = rag_chain(retriever, llm)              # any LangChain retriever
     chain.invoke("what is a corporation?")         # answer text; docs were the references
@@ -19,16 +18,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from operator import itemgetter
 from typing import Any
 
 try:
     from langchain_core.callbacks import (
         AsyncCallbackManagerForLLMRun,
         CallbackManagerForLLMRun,
-        CallbackManagerForRetrieverRun,
     )
-    from langchain_core.documents import Document
     from langchain_core.language_models import BaseChatModel
     from langchain_core.messages import (
         AIMessage,
@@ -39,18 +35,11 @@ try:
         SystemMessage,
     )
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-    from langchain_core.retrievers import BaseRetriever
     from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "integrations.langchain needs langchain-core: pip install 'rag-accel[langchain]'"
-    ) from e
+except ImportError as e:  # pragma: no cover - exercised only without langchain-core
+    raise ImportError("langchain_rag_accel needs langchain-core: pip install langchain-core") from e
 
-from rag_accel.data import SYSTEM_PROMPT
-from rag_accel.inputs import check_stops
-from rag_accel.models import DEFAULT_MODEL
-
-from ._shared import (
+from rag_accel.adapters import (
     check_decoder,
     iterate_in_thread,
     max_new_tokens_option,
@@ -59,8 +48,11 @@ from ._shared import (
     reference_texts,
     sampling_options,
     shared_decoder,
+    start_generation,
     stats_metadata,
 )
+from rag_accel.inputs import check_stops
+from rag_accel.models import DEFAULT_MODEL
 
 CALL_OPTIONS = ("max_new_tokens", "max_tokens", "references", "decoder_config", "model", "temperature", "top_p",
                 "top_k", "seed")
@@ -73,7 +65,8 @@ class ChatRagAccel(BaseChatModel):
 
     Args:
         model: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default).
-        decoder: a ready :class:`rag_accel.ReferenceDecoder` to use instead of loading ``model``.
+        decoder: a ready decoder to use instead of loading ``model``: a :class:`rag_accel.ReferenceDecoder`,
+            or any object with its ``generate``/``stream`` methods (e.g. :class:`rag_accel.vllm.VllmDecoder`).
         max_tokens: most new tokens per call (alias ``max_new_tokens``; giving both with
             different values is an error).
         stop: stop strings; a per-call ``stop`` replaces them (``[]``: none). An empty stop
@@ -193,7 +186,7 @@ class ChatRagAccel(BaseChatModel):
     # ------------------------------------------------------------ decoding
     @property
     def engine(self) -> Any:
-        """The :class:`rag_accel.ReferenceDecoder` (loaded on first use)."""
+        """The decoder: ``decoder`` if given, else the shared one for ``model`` (loaded on first use)."""
         if self.decoder is not None:
             return self.decoder
         if self._decoder is None:
@@ -220,12 +213,8 @@ class ChatRagAccel(BaseChatModel):
     def _run(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
         """(text pieces, a function returning the GenerationOutput once they are consumed)."""
         chat, refs, opts, config = self._call_args(messages, stop, kwargs)
-        dec = self.engine
-        if not self.accelerate:
-            out = dec.generate_greedy(chat, **opts)
-            return iter([out.text] if out.text else []), lambda: out, lambda: None
-        stream = dec.stream(chat, refs, config=config, **opts)  # inputs are checked here
-        return iter(stream), lambda: stream.output, stream.close
+        return start_generation(self.engine, chat, refs, config=config, accelerate=self.accelerate,
+                                **opts)  # inputs are checked here
 
     def _message_fields(self, out: Any) -> dict[str, Any]:
         s = out.stats
@@ -301,66 +290,3 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
             text = "".join(b if isinstance(b, str) else b.get("text", "") for b in m.content)
         out.append({"role": role, "content": text})
     return out
-
-
-# --------------------------------------------------------------------------- RAG chain
-def format_documents(docs: Sequence[Any]) -> str:
-    """Numbered passages, as :func:`rag_accel.data.rag_prompt` writes them."""
-    return "\n\n".join(f"Passage {i}: {d.page_content}" for i, d in enumerate(docs, 1))
-
-
-def default_rag_prompt() -> Any:
-    """System prompt, then the numbered passages and the question (the demo's prompt)."""
-    from langchain_core.prompts import ChatPromptTemplate
-
-    return ChatPromptTemplate.from_messages(
-        [("system", SYSTEM_PROMPT), ("human", "{context}\n\nQuestion: {question}")]
-    )
-
-
-def rag_chain(retriever: Any, llm: Any, prompt: Any = None, *, parser: Any = "str",
-              format_docs: Any = format_documents) -> Any:
-    """question -> retriever -> prompt -> ``llm`` with the retrieved documents bound as references.
-
-    Args:
-        retriever: any LangChain retriever (a Runnable from a question to Documents).
-        llm: a :class:`ChatRagAccel`, or one with options bound (``llm.bind(max_tokens=64)``).
-        prompt: a prompt with ``{context}`` and ``{question}`` (default :func:`default_rag_prompt`).
-        parser: ``"str"`` (answer text), ``None`` (the AIMessage, with the stats) or an output parser.
-        format_docs: Documents -> the ``{context}`` text.
-
-    The documents are bound per call (a dynamic bind inside the chain), so
-    ``invoke``, ``stream``, ``batch``, ``ainvoke`` and ``astream`` each use their
-    own question's documents.
-    """
-    from langchain_core.output_parsers import StrOutputParser
-    from langchain_core.runnables import RunnableLambda, RunnablePassthrough
-
-    prompt = prompt if prompt is not None else default_rag_prompt()
-    tail = StrOutputParser() if parser == "str" else parser
-
-    def answer(x: dict[str, Any]) -> Any:
-        step = prompt | llm.bind(references=x["docs"])
-        return step | tail if tail is not None else step
-
-    return (
-        {"question": RunnablePassthrough()}
-        | RunnablePassthrough.assign(docs=itemgetter("question") | retriever)
-        | RunnablePassthrough.assign(context=lambda x: format_docs(x["docs"]))
-        | RunnableLambda(answer)
-    )
-
-
-class VectorIndexRetriever(BaseRetriever):
-    """A LangChain retriever over a :class:`rag_accel.retrieval.VectorIndex` (FAISS + E5).
-
-    Documents carry ``metadata={"id": passage id, "score": inner product}``.
-    """
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-    index: Any
-    k: int = Field(default=4, ge=1)
-
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-        return [Document(page_content=h.text, metadata={"id": h.doc_id, "score": h.score})
-                for h in self.index.search(query, self.k)]

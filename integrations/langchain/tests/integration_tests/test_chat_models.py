@@ -1,5 +1,5 @@
-"""LangChain adapter: the standard suites on the real offline model, a real RAG chain
-(E5 + FAISS over MS-MARCO) whose answers equal plain greedy, concurrency, bad input."""
+"""ChatRagAccel on the real offline model: a real RAG chain (E5 + FAISS over MS-MARCO) whose answers
+equal plain greedy, concurrency, options and bad input. (LangChain's standard suites: test_standard.py.)"""
 
 from __future__ import annotations
 
@@ -7,16 +7,9 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
-pytest.importorskip("langchain_core")
-pytest.importorskip("langchain_tests")
-
-from langchain_core.documents import Document  # noqa: E402
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
-from langchain_tests.integration_tests import ChatModelIntegrationTests  # noqa: E402
-from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
-
-from integrations.langchain import (  # noqa: E402
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_rag_accel import (
     ChatRagAccel,
     VectorIndexRetriever,
     default_rag_prompt,
@@ -24,46 +17,12 @@ from integrations.langchain import (  # noqa: E402
     rag_chain,
     to_chat_messages,
 )
-from rag_accel import DEFAULT_MODEL  # noqa: E402
-from rag_accel.data import load_msmarco_sample  # noqa: E402
-from rag_accel.retrieval import VectorIndex  # noqa: E402
+
+from rag_accel import DEFAULT_MODEL
+from rag_accel.data import load_msmarco_sample
+from rag_accel.retrieval import VectorIndex
 
 MAX_NEW = 40
-PARAMS = {"model": DEFAULT_MODEL, "device": "cpu", "dtype": "float32"}
-
-
-class _Declared:
-    """What the model does not do, declared (greedy local text model, no tools)."""
-
-    @property
-    def chat_model_class(self):
-        return ChatRagAccel
-
-    @property
-    def chat_model_params(self):
-        return dict(PARAMS)
-
-    has_tool_calling = False
-    has_tool_choice = False
-    has_structured_output = False
-    supports_json_mode = False
-    supports_image_inputs = False
-    supports_model_override = False  # one instance runs one model; model=<other> is an error
-    returns_usage_metadata = True
-
-
-class TestChatRagAccelStandardUnit(_Declared, ChatModelUnitTests):
-    @property
-    def standard_chat_model_params(self):
-        params = super().standard_chat_model_params
-        del params["api_key"]  # a local model has no API key; passing one is an error (extra="forbid")
-        return params
-
-
-class TestChatRagAccelStandardIntegration(_Declared, ChatModelIntegrationTests):
-    @property
-    def chat_model_params(self):
-        return {**PARAMS, "max_tokens": 24}  # keeps the suite's ~40 generations short on CPU
 
 
 # --------------------------------------------------------------------------- a real RAG chain
@@ -175,13 +134,6 @@ def test_accelerate_false_is_plain_greedy_with_the_same_interface(real_decoder):
     assert "".join(c.content for c in plain.stream("Name three colours.")) == b.content
 
 
-def test_references_stay_out_of_traces_and_cache_key(llm):
-    docs = [Document(page_content="x" * 1000)]
-    params = llm._get_invocation_params(stop=None, references=docs)
-    assert "references" not in params and params["n_references"] == 1
-    assert "xxxx" not in llm._get_llm_string(stop=None, references=docs)
-
-
 def test_stop_at_construction_and_per_call(real_decoder):
     llm = ChatRagAccel(decoder=real_decoder, max_tokens=24, stop=["assist"])
     out = llm.invoke("Hello")
@@ -216,7 +168,7 @@ def test_bad_construction_and_unsupported_messages(real_decoder):
         ChatRagAccel(decoder_config={"no_such_knob": 1})
     with pytest.raises(ValueError):
         ChatRagAccel(unknown_field=1)
-    with pytest.raises(TypeError, match="ReferenceDecoder"):
+    with pytest.raises(TypeError, match="generate\\(\\) and stream\\(\\)"):
         ChatRagAccel(decoder="not a decoder")
     llm = ChatRagAccel(decoder=real_decoder)
     with pytest.raises(NotImplementedError, match="tool"):
@@ -238,3 +190,27 @@ def test_temperature_samples_losslessly_and_a_seed_repeats(llm, retriever, items
               for s in (4, 5, 6)]
     assert len(set(other)) > 1  # different seeds sample different answers
     assert llm._get_ls_params(temperature=0.9)["ls_temperature"] == 0.9
+
+
+# --------------------------------------------------------------------------- options (from the hardening tests)
+@pytest.fixture(scope="module")
+def lc(real_decoder):
+    return ChatRagAccel(decoder=real_decoder, max_tokens=4)
+
+
+@pytest.mark.parametrize("stop", ["", [""], ["ok", ""]])
+def test_empty_stop_is_an_error_either_way(lc, stop):
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        lc.invoke("Hello", stop=stop)
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        type(lc)(decoder=lc.decoder, stop=stop if isinstance(stop, list) else [stop])
+    assert lc.invoke("Hello", stop=[]).content == lc.invoke("Hello").content  # [] is no stop strings
+
+
+def test_max_tokens_and_max_new_tokens_must_agree(lc):
+    with pytest.raises(ValueError, match=r"max_tokens=3 and max_new_tokens=7"):
+        lc.invoke("Hello", max_tokens=3, max_new_tokens=7)
+    with pytest.raises(ValueError, match=r"max_tokens=3 and max_new_tokens=7"):
+        ChatRagAccel(decoder=lc.decoder, max_tokens=3, max_new_tokens=7)
+    assert lc.invoke("Hello", max_tokens=3, max_new_tokens=3).usage_metadata["output_tokens"] <= 3
+    assert ChatRagAccel(decoder=lc.decoder, max_new_tokens=5).max_new_tokens == 5

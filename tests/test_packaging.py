@@ -1,0 +1,49 @@
+"""What `pip install` puts on the path: rag_accel and the two adapter distributions, each depending on
+rag-accel and its framework's core only; no top-level `integrations` package any more."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import distribution
+
+import pytest
+from packaging.requirements import Requirement
+
+ADAPTERS = {  # distribution -> (import name, the framework's core)
+    "langchain-rag-accel": ("langchain_rag_accel", "langchain-core"),
+    "llama-index-llms-rag-accel": ("llama_index.llms.rag_accel", "llama-index-core"),
+}
+
+
+def _python(code: str, tmp_path) -> subprocess.CompletedProcess:
+    """Run code in this venv from an empty folder: only installed packages are importable, not the checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=300)
+
+
+def test_no_integrations_package_is_installed(tmp_path):
+    proc = _python("import integrations", tmp_path)
+    assert proc.returncode != 0 and "No module named 'integrations'" in proc.stderr, proc.stderr
+    proc = _python("from integrations.langchain import ChatRagAccel", tmp_path)
+    assert proc.returncode != 0 and "No module named 'integrations'" in proc.stderr, proc.stderr
+
+
+def test_the_adapters_import_under_their_ecosystem_names(tmp_path):
+    code = ("import json, langchain_rag_accel, llama_index.llms.rag_accel as li, rag_accel.adapters; "
+            "print(json.dumps([sorted(langchain_rag_accel.__all__), sorted(li.__all__)]))")
+    proc = _python(code, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lc_names, li_names = json.loads(proc.stdout)
+    assert {"ChatRagAccel", "rag_chain", "VectorIndexRetriever"} <= set(lc_names)
+    assert {"RagAccelLLM", "RagAccelQueryEngine"} <= set(li_names)
+
+
+@pytest.mark.parametrize("dist", sorted(ADAPTERS))
+def test_each_adapter_depends_on_rag_accel_and_its_framework_core_only(dist):
+    reqs = [Requirement(r) for r in distribution(dist).requires or []]
+    required = {r.name for r in reqs if r.marker is None or "extra" not in str(r.marker)}  # extras aside
+    assert required == {"rag-accel", ADAPTERS[dist][1]}
