@@ -31,13 +31,14 @@ import json
 import os
 import shlex
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Server", "free_port", "group_processes", "resolve_model", "serve_command", "speculative_options",
-           "vllm_cli", "vllm_executable"]
+__all__ = ["Server", "free_port", "group_processes", "resolve_model", "serve_command", "shared_server",
+           "spec_decode_counters", "speculative_options", "vllm_cli", "vllm_executable"]
 
 DEFAULT_K = 10
 
@@ -252,6 +253,11 @@ class Server:
                                      start_new_session=True)
         return self
 
+    def spec_decode_counters(self) -> tuple[float, float]:
+        """The server's spec-decode totals from ``/metrics``: (draft tokens, accepted tokens); zeros
+        on a server without speculation. Per-request counts are not served: take differences."""
+        return spec_decode_counters(self.url)
+
     def log_tail(self, chars: int = 4000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:] if self.log_path else ""
@@ -332,6 +338,49 @@ class Server:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+
+def spec_decode_counters(url: str) -> tuple[float, float]:
+    """(draft tokens, accepted tokens) from a vLLM server's ``/metrics`` at ``url`` (``http://host:port``),
+    summed over its engines (``vllm:spec_decode_num_draft_tokens_total`` / ``..._accepted_tokens_total``)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+
+    def total(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total{{[^}}]*}} (\S+)$", text, re.M))
+
+    return total("spec_decode_num_draft_tokens"), total("spec_decode_num_accepted_tokens")
+
+_SHARED: dict[tuple[Any, ...], Server] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_server(python: str | None = None, *, model: str = "smollm2-135m-instruct", options: Sequence[str] = (),
+                  vllm_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                  timeout: float = 900.0) -> Server:
+    """One :class:`Server` per process for these arguments: started (and waited for) on the first
+    call, stopped when the process exits. For test suites that share one server across modules
+    and packages (a start takes a minute or more on a CPU)."""
+    import atexit
+
+    key = (python, model, tuple(options), tuple(vllm_args), tuple(sorted((env or {}).items())))
+    with _SHARED_LOCK:
+        srv = _SHARED.get(key)
+        if srv is not None and srv.proc is not None and srv.proc.poll() is None:
+            return srv
+        srv = Server(model, options=options, vllm_args=vllm_args, python=python, env=env)
+        srv.start()
+        try:
+            srv.wait_ready(timeout)
+        except BaseException:
+            srv.stop()
+            raise
+        if not _SHARED:
+            atexit.register(lambda: [s.stop() for s in list(_SHARED.values())])
+        _SHARED[key] = srv
+        return srv
 
 def group_processes(pgid: int) -> list[int]:
     """The live (not zombie) processes of process group ``pgid`` (Linux ``/proc``; elsewhere ``[pgid]``

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import threading
 import time
 import urllib.request
@@ -167,12 +166,7 @@ def client(server):
 
 def _accepted(server) -> tuple[float, float]:
     """The server's spec-decode totals from /metrics: (draft tokens, accepted tokens)."""
-    text = urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()
-
-    def total(name):
-        return sum(float(m) for m in re.findall(rf"^vllm:{name}_total{{[^}}]*}} (\S+)$", text, re.M))
-
-    return total("spec_decode_num_draft_tokens"), total("spec_decode_num_accepted_tokens")
+    return server.spec_decode_counters()
 
 
 def _chat(client, msgs, xargs=None, **kw):
