@@ -17,8 +17,11 @@ from typing import Any
 from .config import DecoderConfig
 
 __all__ = [
+    "BACKENDS",
     "DECODER_METHODS",
+    "adapter_engine",
     "check_decoder",
+    "close_shared_decoders",
     "iterate_in_thread",
     "max_new_tokens_option",
     "merge_max_tokens",
@@ -34,22 +37,91 @@ __all__ = [
 # same call, whole); generate_greedy() only with accelerate=False.
 DECODER_METHODS = ("generate", "stream")
 
-_DECODERS: dict[tuple[str, str | None, str | None], Any] = {}
+# Where an adapter's model runs: "hf" (transformers, in process), "vllm" (a vLLM engine in process),
+# "remote" (a `rag-accel serve` server at base_url, through RemoteDecoder).
+BACKENDS = ("hf", "vllm", "remote")
+
+_DECODERS: dict[tuple[str, str | None, str | None, str], Any] = {}
 _LOAD_LOCK = threading.Lock()
 _DONE = object()
 
 
-def shared_decoder(model_name: str, device: str | None = None, dtype: str | None = None) -> Any:
-    """The :class:`rag_accel.ReferenceDecoder` for this model, loaded once per
-    process: several adapter instances (and threads) share the weights, and the
-    decoder serialises calls on them."""
-    key = (model_name, device, dtype)
+def shared_decoder(model_name: str, device: str | None = None, dtype: str | None = None, backend: str = "hf") -> Any:
+    """The decoder for this model, loaded once per process: several adapter instances (and
+    threads) share the weights. ``backend="hf"``: a :class:`rag_accel.ReferenceDecoder` (calls
+    are serialised on it); ``"vllm"``: a :class:`rag_accel.vllm.VllmDecoder` (float32 unless
+    ``dtype`` says otherwise; calls from several threads share its batch)."""
+    if backend not in ("hf", "vllm"):
+        raise ValueError(f"shared_decoder loads in process: backend 'hf' or 'vllm', got {backend!r}")
+    key = (model_name, device, dtype, backend)
     with _LOAD_LOCK:
         if key not in _DECODERS:
-            from .decoder import ReferenceDecoder
+            if backend == "vllm":
+                from .vllm import VllmDecoder
 
-            _DECODERS[key] = ReferenceDecoder.from_pretrained(model_name, device=device, dtype=dtype)
+                _DECODERS[key] = VllmDecoder.from_pretrained(model_name, dtype=dtype or "float32")
+            else:
+                from .decoder import ReferenceDecoder
+
+                _DECODERS[key] = ReferenceDecoder.from_pretrained(model_name, device=device, dtype=dtype)
         return _DECODERS[key]
+
+
+def close_shared_decoders() -> None:
+    """Close and forget the decoders :func:`shared_decoder` loaded (a vLLM engine's processes and
+    memory); the next adapter call loads again."""
+    with _LOAD_LOCK:
+        decoders = list(_DECODERS.values())
+        _DECODERS.clear()
+    for dec in decoders:
+        close = getattr(dec, "close", None)
+        if callable(close):
+            close()
+
+def adapter_engine(model_name: str, *, backend: str | None = None, base_url: str | None = None,
+                   device: str | None = None, dtype: str | None = None, api_key: str | None = None,
+                   timeout: float | None = None, max_retries: int | None = None) -> Any:
+    """The decoder an adapter's options choose (one obvious option: ``backend``, or ``base_url``).
+
+    - ``base_url`` (a ``rag-accel serve`` server; ``backend`` ``None`` or ``"remote"``): a
+      :class:`rag_accel.remote.RemoteDecoder` for ``model_name`` as the server names it, with
+      ``api_key`` / ``timeout`` / ``max_retries``. ``device`` / ``dtype`` are the server's
+      (``rag-accel serve --dtype``): giving them here is an error.
+    - ``backend="vllm"``: the process's shared :class:`rag_accel.vllm.VllmDecoder` for ``model_name``.
+    - ``backend="hf"`` (or ``None``): the process's shared :class:`rag_accel.ReferenceDecoder`.
+
+    Example:
+        >>> adapter_engine("m", backend="remote")
+        Traceback (most recent call last):
+        ...
+        ValueError: backend='remote' needs base_url (the server, e.g. 'http://127.0.0.1:8000/v1')
+    """
+    check_engine_options(backend, base_url, device, dtype)
+    if base_url is not None:
+        from .remote import RemoteDecoder
+
+        return RemoteDecoder(base_url, model=model_name, api_key=api_key or "EMPTY",
+                             timeout=600.0 if timeout is None else timeout,
+                             max_retries=2 if max_retries is None else max_retries)
+    return shared_decoder(model_name, device, dtype, backend or "hf")
+
+
+def check_engine_options(backend: str | None, base_url: str | None, device: str | None = None,
+                         dtype: str | None = None, decoder: Any = None) -> None:
+    """Refuse engine options that contradict each other (an adapter checks them at construction)."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if decoder is not None and (backend is not None or base_url is not None):
+        raise ValueError("give decoder= or backend= / base_url=, not both: a ready decoder is its own engine")
+    if backend == "remote" and base_url is None:
+        raise ValueError("backend='remote' needs base_url (the server, e.g. 'http://127.0.0.1:8000/v1')")
+    if base_url is not None:
+        if backend not in (None, "remote"):
+            raise ValueError(f"base_url is a server (backend 'remote'); backend={backend!r} runs the model in "
+                             "this process: give one of them")
+        given = [k for k, v in (("device", device), ("dtype", dtype)) if v is not None]
+        if given:
+            raise ValueError(f"{given} belong to the server (rag-accel serve --dtype ...), not to a remote client")
 
 
 def check_decoder(decoder: Any) -> Any:
@@ -159,11 +231,13 @@ def sampling_options(temperature: Any, top_p: Any, top_k: Any, seed: Any, accele
 
 
 def stats_metadata(stats: Any) -> dict[str, Any]:
-    """The acceleration stats a framework message carries (JSON-friendly)."""
+    """The acceleration stats a framework message carries (JSON-friendly). ``None``: the engine
+    cannot tell (a remote server reports no per-request steps or draft counts)."""
+    tokens_per_step = stats.tokens_per_step
     return {
         "steps": stats.steps,
         "new_tokens": stats.new_tokens,
-        "tokens_per_step": round(stats.tokens_per_step, 4),
+        "tokens_per_step": None if tokens_per_step is None else round(tokens_per_step, 4),
         "drafted": stats.drafted,
         "accepted": stats.accepted,
         "by_drafter": {k: dict(v) for k, v in stats.by_drafter.items()},

@@ -1,4 +1,4 @@
-"""``rag-accel demo`` and ``rag-accel bench``."""
+"""``rag-accel demo``, ``rag-accel bench`` and ``rag-accel serve``."""
 
 from __future__ import annotations
 
@@ -287,6 +287,50 @@ def bench_drafting(
     out.with_suffix(".json").write_text(json.dumps({"environment": env, "command": command, "rows": rows}, indent=1))
     out.with_suffix(".md").write_text(f"# Drafting cost against reference size\n\n- {env['device']}, {env['date']}\n"
                                       f"- command: `{command}`\n\n{table}\n")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    model: str = typer.Argument("smollm2-135m-instruct", help="HF name, local folder, or the offline default."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, min=1, max=65535),
+    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16, auto (default: float32 on a "
+                                        "CPU, auto on a GPU)."),
+    max_model_len: Optional[int] = typer.Option(None, min=1, help="Context window (default: the model's)."),
+    speculation: str = typer.Option("ours", help="ours: our proposer (references, prompt lookup, n-grams); "
+                                    "ngram: vLLM's own n-gram proposer (lookup 2-4); off: none."),
+    num_speculative_tokens: int = typer.Option(10, "--num-speculative-tokens", "-k", min=1, max=64,
+                                               help="Most draft tokens verified per step (ours, ngram)."),
+    max_reference_tokens: Optional[int] = typer.Option(
+        None, min=1, help="Refuse (HTTP 400) requests whose references hold more tokens "
+                          "(default: DecoderConfig's, 4,000,000)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and exit."),
+) -> None:
+    """Start vLLM's OpenAI-compatible server with our proposer: prints the `vllm serve` command, then
+    becomes it. Other vLLM options go after `--`, e.g. `rag-accel serve MODEL -- --tensor-parallel-size 2`.
+    Per request: extra_body={"vllm_xargs": {"references": [...], "speculate": false}}."""
+    import os
+
+    from .serve import cpu_hints, default_dtype, exec_server, resolve_model, serve_command, shell_line
+
+    if model.startswith("-"):
+        _fail(f"{model!r} is not a model: give MODEL before `--` (rag-accel serve MODEL -- --vllm-option ...)")
+    try:
+        path, name = resolve_model(model)
+        cmd = serve_command(path, host=host, port=port, dtype=dtype or default_dtype(), max_model_len=max_model_len,
+                            speculation=speculation, num_speculative_tokens=num_speculative_tokens,
+                            served_model_name=name, extra=ctx.args)
+    except (FileNotFoundError, ValueError, ImportError) as e:
+        _fail(str(e))
+    env = {"RAG_ACCEL_MAX_REFERENCE_TOKENS": str(max_reference_tokens)} if max_reference_tokens else {}
+    typer.echo(shell_line(cmd, env))
+    if dry_run:
+        return
+    if (dtype or default_dtype()) == "float32":  # a CPU (or float32 asked for): the CPU backend's settings
+        for hint in cpu_hints(os.environ):
+            typer.secho(f"note: {hint}", fg=typer.colors.YELLOW, err=True)
+    exec_server(cmd, env)
 
 
 def main() -> None:

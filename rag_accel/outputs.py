@@ -10,18 +10,22 @@ from typing import Any
 @dataclass
 class GenerationStats:
     """What one call did. ``steps`` counts model forward passes, prefill included,
-    so plain greedy decoding has ``tokens_per_step == 1``."""
+    so plain greedy decoding has ``tokens_per_step == 1``.
+
+    ``None`` means the engine cannot tell (a remote server, :class:`~rag_accel.remote.RemoteDecoder`:
+    an OpenAI-compatible response has no per-request steps or draft counts); ``tokens_per_step``
+    and ``acceptance_rate`` are then ``None`` too, never a made-up number."""
 
     prompt_tokens: int = 0
     new_tokens: int = 0
-    steps: int = 0
-    drafted: int = 0  # draft tokens sent for verification
-    accepted: int = 0  # of those, accepted
+    steps: int | None = 0
+    drafted: int | None = 0  # draft tokens sent for verification
+    accepted: int | None = 0  # of those, accepted
     by_drafter: dict[str, dict[str, int]] = field(default_factory=dict)
     finish_reason: str = ""  # "eos" | "stop" | "length"
     time_s: float = 0.0
-    prefill_s: float = 0.0
-    draft_s: float = 0.0  # drafting + choosing the length (host side)
+    prefill_s: float | None = 0.0
+    draft_s: float | None = 0.0  # drafting + choosing the length (host side)
     calibration_s: float = 0.0  # one-off measurement of the cost curve, if this call did it
     # Per forward pass: (drafter whose draft was verified, "" for none; tokens that step produced:
     # accepted draft tokens + the model's own next one). The last entry may exceed what a stop kept.
@@ -41,11 +45,15 @@ class GenerationStats:
             row["accepted"] += accepted
 
     @property
-    def tokens_per_step(self) -> float:
+    def tokens_per_step(self) -> float | None:
+        if self.steps is None:
+            return None
         return self.new_tokens / self.steps if self.steps else 0.0
 
     @property
-    def acceptance_rate(self) -> float:
+    def acceptance_rate(self) -> float | None:
+        if self.drafted is None or self.accepted is None:
+            return None
         return self.accepted / self.drafted if self.drafted else 0.0
 
     def to_dict(self) -> dict[str, Any]:

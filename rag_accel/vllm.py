@@ -24,6 +24,10 @@ from ``vllm_xargs``)::
      "speculate": False,                               # this request: no drafting
      "rag_accel": {"max_loss": 0.05}}                  # DecoderConfig changes
 
+Over HTTP (``vllm_xargs`` allows only strings, numbers and flat lists of them) token-id
+references travel as ``"reference_ids": "[[12, 34, 56]]"`` (a JSON string), ``rag_accel`` as a
+JSON string, and ``speculate`` arrives as ``0``/``1``: :func:`request_inputs` reads both shapes.
+
 The one patch: vLLM refuses custom logits processors when speculative decoding is on
 (``build_logitsprocs`` raises). :class:`RagProposer` is built by the runner before its
 input batch; its constructor wraps ``vllm.v1.worker.gpu_model_runner.build_logitsprocs``
@@ -49,7 +53,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -70,8 +76,8 @@ try:  # the module imports without vLLM (docs, doctests); using it needs vLLM
 except ImportError:  # pragma: no cover - exercised only without vLLM
     _LogitsProcessor = object  # type: ignore[assignment,misc]
 
-__all__ = ["BatchStepCosts", "RagProposer", "RowTracker", "VllmDecoder", "check_extra_args",
-           "speculative_config", "PROPOSER_PATH", "TRACKER_PATH", "SPECULATION"]
+__all__ = ["BatchStepCosts", "RagProposer", "RowTracker", "VllmDecoder", "check_extra_args", "request_inputs",
+           "max_reference_tokens", "speculative_config", "PROPOSER_PATH", "TRACKER_PATH", "SPECULATION"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +102,8 @@ def speculative_config(speculation: str, k: int) -> dict[str, Any] | None:
     if speculation == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     return None
+
+
 # DecoderConfig fields a request may change through extra_args["rag_accel"].
 _REQUEST_FIELDS = frozenset({"drafters", "adaptive", "reference_min_match", "reference_max_match",
                              "prompt_lookup_min_ngram", "prompt_lookup_max_ngram", "ngram_min_n", "ngram_max_n",
@@ -108,8 +116,93 @@ def _is_ids(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
+def max_reference_tokens() -> int:
+    """The most reference tokens one request may send: ``RAG_ACCEL_MAX_REFERENCE_TOKENS`` if set
+    (``rag-accel serve --max-reference-tokens`` sets it for the server and its engine), else
+    DecoderConfig's default."""
+    value = os.environ.get("RAG_ACCEL_MAX_REFERENCE_TOKENS")
+    return int(value) if value else _MAX_REFERENCE_TOKENS
+
+
+def request_inputs(extra_args: Any) -> tuple[list[str | list[int]], bool, Any]:
+    """A request's rag_accel inputs from its ``extra_args``: (references, speculate, DecoderConfig changes).
+
+    Two shapes arrive: ``SamplingParams(extra_args=...)`` in process (any Python values), and
+    the OpenAI server's ``vllm_xargs`` (JSON values that are strings, numbers or flat lists of
+    them: no nested lists, no dicts, and JSON ``true``/``false`` arrive as ``1``/``0``). So:
+
+    - ``references``: a string or a list of strings (in process, token-id lists too);
+    - ``reference_ids``: token-id references over HTTP: a JSON string of a list of id lists
+      (``"[[1, 2, 3], [4, 5]]"``), or one flat list of ids (one reference);
+    - ``speculate``: ``True``/``False`` or ``1``/``0``;
+    - ``rag_accel``: DecoderConfig changes, a dict or a JSON string of one.
+
+    Raises ``ValueError`` naming what is wrong (vLLM answers it with HTTP 400).
+
+    Example:
+        >>> request_inputs({"references": "a", "reference_ids": "[[1, 2]]", "speculate": 0})
+        (['a', [1, 2]], False, None)
+    """
+    if extra_args is None:
+        return [], True, None
+    if not isinstance(extra_args, Mapping):
+        raise ValueError(f"extra_args must be a dict, got {type(extra_args).__name__}")
+    refs = extra_args.get("references")
+    if refs is None:
+        refs = []
+    elif isinstance(refs, str):
+        refs = [refs]
+    elif not isinstance(refs, (list, tuple)):
+        raise ValueError(f"extra_args['references'] must be a list of strings or token-id lists, "
+                         f"got {type(refs).__name__}")
+    refs = list(refs)
+    ids = extra_args.get("reference_ids")
+    if ids is not None:
+        if isinstance(ids, str):
+            try:
+                ids = json.loads(ids)
+            except ValueError as e:
+                raise ValueError(f"extra_args['reference_ids'] is not valid JSON: {e}") from None
+            if not isinstance(ids, list) or not all(_is_ids(r) for r in ids):
+                raise ValueError("extra_args['reference_ids'] must be a JSON list of token-id lists, "
+                                 "e.g. '[[1, 2, 3], [4, 5]]'")
+        elif _is_ids(ids):
+            ids = [ids]
+        else:
+            raise ValueError("extra_args['reference_ids'] must be a JSON string of token-id lists "
+                             "or one list of token ids")
+        refs.extend(list(r) for r in ids)
+    total = 0
+    for i, r in enumerate(refs):
+        if isinstance(r, str):
+            total += len(r) // 8  # a cheap lower bound on its tokens; the worker counts exactly
+        elif _is_ids(r):
+            if any(t < 0 for t in r):
+                raise ValueError(f"extra_args['references'][{i}] has a negative token id")
+            total += len(r)
+        else:
+            raise ValueError(f"extra_args['references'][{i}] must be a string or a list of token ids, "
+                             f"got {type(r).__name__}")
+    limit = max_reference_tokens()
+    if total > limit:
+        raise ValueError(f"extra_args['references'] hold over {limit} tokens")
+    spec = extra_args.get("speculate", True)
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec in (0, 1):
+        spec = bool(spec)  # JSON true/false through vllm_xargs
+    if not isinstance(spec, bool):
+        raise ValueError(f"extra_args['speculate'] must be true or false, got {spec!r}")
+    changes = extra_args.get("rag_accel")
+    if isinstance(changes, str):
+        try:
+            changes = json.loads(changes)
+        except ValueError as e:
+            raise ValueError(f"extra_args['rag_accel'] is not valid JSON: {e}") from None
+    return refs, spec, changes
+
+
 def check_extra_args(extra_args: Any) -> None:
-    """Raise ``ValueError`` naming what is wrong with a request's rag_accel ``extra_args``.
+    """Raise ``ValueError`` naming what is wrong with a request's rag_accel ``extra_args``
+    (see :func:`request_inputs` for the keys).
 
     Example:
         >>> check_extra_args({"references": ["a passage", [1, 2, 3]], "speculate": True})
@@ -118,34 +211,7 @@ def check_extra_args(extra_args: Any) -> None:
         ...
         ValueError: extra_args['references'] must be a list of strings or token-id lists, got int
     """
-    if extra_args is None:
-        return
-    if not isinstance(extra_args, Mapping):
-        raise ValueError(f"extra_args must be a dict, got {type(extra_args).__name__}")
-    refs = extra_args.get("references")
-    if refs is not None:
-        if isinstance(refs, str):
-            refs = [refs]
-        if not isinstance(refs, (list, tuple)):
-            raise ValueError(f"extra_args['references'] must be a list of strings or token-id lists, "
-                             f"got {type(refs).__name__}")
-        total = 0
-        for i, r in enumerate(refs):
-            if isinstance(r, str):
-                total += len(r) // 8  # a cheap lower bound on its tokens; the worker counts exactly
-            elif _is_ids(r):
-                if any(t < 0 for t in r):
-                    raise ValueError(f"extra_args['references'][{i}] has a negative token id")
-                total += len(r)
-            else:
-                raise ValueError(f"extra_args['references'][{i}] must be a string or a list of token ids, "
-                                 f"got {type(r).__name__}")
-        if total > _MAX_REFERENCE_TOKENS:
-            raise ValueError(f"extra_args['references'] hold over {_MAX_REFERENCE_TOKENS} tokens")
-    spec = extra_args.get("speculate", True)
-    if not isinstance(spec, bool):
-        raise ValueError(f"extra_args['speculate'] must be true or false, got {spec!r}")
-    changes = extra_args.get("rag_accel")
+    _, _, changes = request_inputs(extra_args)
     if changes is not None:
         _request_config(DecoderConfig(), changes)
 
@@ -265,14 +331,11 @@ class _Row:
     def __init__(self, params: Any, prompt_ids: Sequence[int] | None, base: DecoderConfig) -> None:
         extra = params.extra_args or {}
         self.key = extra.get("rag_accel_id")
-        self.speculate = bool(extra.get("speculate", True))
+        self.refs, self.speculate, changes = request_inputs(extra)
         self.greedy = (params.temperature or 0.0) < 1e-5
         self.max_tokens = params.max_tokens
         self.prompt_len = len(prompt_ids) if prompt_ids is not None else None
-        self.refs = extra.get("references") or []
-        if isinstance(self.refs, str):
-            self.refs = [self.refs]
-        self.config = _request_config(base, extra.get("rag_accel"))
+        self.config = _request_config(base, changes)
         self.drafting: RequestDrafting | None = None
         self.context: list[int] = []
         self.sent, self.source = 0, ""

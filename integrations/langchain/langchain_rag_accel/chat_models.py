@@ -40,14 +40,15 @@ except ImportError as e:  # pragma: no cover - exercised only without langchain-
     raise ImportError("langchain_rag_accel needs langchain-core: pip install langchain-core") from e
 
 from rag_accel.adapters import (
+    adapter_engine,
     check_decoder,
+    check_engine_options,
     iterate_in_thread,
     max_new_tokens_option,
     merge_max_tokens,
     merged_decoder_config,
     reference_texts,
     sampling_options,
-    shared_decoder,
     start_generation,
     stats_metadata,
 )
@@ -60,13 +61,22 @@ _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
 class ChatRagAccel(BaseChatModel):
-    """A local Hugging Face chat model, decoded greedily and accelerated by
-    copying from references (the retrieved documents), the prompt and n-grams.
+    """A chat model decoded greedily and accelerated by copying from references (the retrieved
+    documents), the prompt and n-grams: in this process (transformers or vLLM) or on a server.
 
     Args:
-        model: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default).
+        model: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default); with
+            ``base_url``, the model as the server names it.
+        backend: where the model runs: ``"hf"`` (default: transformers in this process), ``"vllm"``
+            (a vLLM engine in this process: ``pip install 'rag-accel[vllm]'``), ``"remote"`` (implied
+            by ``base_url``).
+        base_url: a ``rag-accel serve`` server (``http://host:port/v1``): each call is one HTTP request
+            with its references in ``vllm_xargs`` (:class:`rag_accel.remote.RemoteDecoder`;
+            ``pip install 'rag-accel[remote]'``); ``api_key``, ``timeout`` and ``max_retries`` apply to it.
+            What the server cannot tell (steps, drafted / accepted) is ``None`` in the stats.
         decoder: a ready decoder to use instead of loading ``model``: a :class:`rag_accel.ReferenceDecoder`,
-            or any object with its ``generate``/``stream`` methods (e.g. :class:`rag_accel.vllm.VllmDecoder`).
+            or any object with its ``generate``/``stream`` methods (:class:`rag_accel.vllm.VllmDecoder`,
+            :class:`rag_accel.remote.RemoteDecoder`); not together with ``backend`` / ``base_url``.
         max_tokens: most new tokens per call (alias ``max_new_tokens``; giving both with
             different values is an error).
         stop: stop strings; a per-call ``stop`` replaces them (``[]``: none). An empty stop
@@ -77,8 +87,8 @@ class ChatRagAccel(BaseChatModel):
         temperature: ``0`` or ``None`` (default): greedy decoding, the model's exact greedy output.
             ``> 0``: lossless sampling (the model's own sampling distribution; drafts verified by
             speculative sampling), with ``top_p``, ``top_k`` and ``seed`` (reproducible runs).
-        timeout / max_retries: accepted for LangChain's standard parameters; a local
-            model neither times out nor retries.
+        timeout / max_retries: for a server (``base_url``): seconds per request, retries on
+            connection errors; a model in this process neither times out nor retries.
 
     Per-call options (``invoke(..., **kw)`` or ``bind(**kw)``): ``references``
     (Documents, strings or token-id lists), ``max_tokens``/``max_new_tokens`` (one of them,
@@ -88,7 +98,8 @@ class ChatRagAccel(BaseChatModel):
     ``temperature``, ``top_p``, ``top_k``, ``seed``. Anything else is an error.
 
     Loading is lazy (on the first call) and shared by instances with the same
-    model, device and dtype; concurrent calls are serialised on the model.
+    model, device, dtype and backend. Concurrent calls: serialised on a transformers model;
+    sharing the batch on vLLM; separate requests (no lock) on a server, which batches them.
 
     No tool calling: :meth:`bind_tools` (and so ``with_structured_output``) raises
     ``NotImplementedError`` saying so.
@@ -98,6 +109,9 @@ class ChatRagAccel(BaseChatModel):
                               protected_namespaces=())
 
     model_name: str = Field(default=DEFAULT_MODEL, alias="model")
+    backend: str | None = None
+    base_url: str | None = None
+    api_key: str | None = Field(default=None, repr=False, exclude=True)
     device: str | None = None
     dtype: str | None = None
     decoder: Any = Field(default=None, exclude=True)
@@ -142,6 +156,11 @@ class ChatRagAccel(BaseChatModel):
     def _valid_decoder(cls, v: Any) -> Any:
         return check_decoder(v)
 
+    @model_validator(mode="after")
+    def _valid_engine(self) -> ChatRagAccel:
+        check_engine_options(self.backend, self.base_url, self.device, self.dtype, self.decoder)
+        return self
+
     # ----------------------------------------------------------- LangChain API
     @property
     def _llm_type(self) -> str:
@@ -149,7 +168,8 @@ class ChatRagAccel(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "max_new_tokens": self.max_new_tokens,
+        return {"model_name": self.model_name, "backend": self.backend or ("remote" if self.base_url else "hf"),
+                "base_url": self.base_url, "max_new_tokens": self.max_new_tokens,
                 "accelerate": self.accelerate, "decoder_config": self.decoder_config}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
@@ -186,11 +206,13 @@ class ChatRagAccel(BaseChatModel):
     # ------------------------------------------------------------ decoding
     @property
     def engine(self) -> Any:
-        """The decoder: ``decoder`` if given, else the shared one for ``model`` (loaded on first use)."""
+        """The decoder: ``decoder`` if given, else the one ``backend`` / ``base_url`` choose (made on first use)."""
         if self.decoder is not None:
             return self.decoder
         if self._decoder is None:
-            self._decoder = shared_decoder(self.model_name, self.device, self.dtype)
+            self._decoder = adapter_engine(self.model_name, backend=self.backend, base_url=self.base_url,
+                                           device=self.device, dtype=self.dtype, api_key=self.api_key,
+                                           timeout=self.timeout, max_retries=self.max_retries)
         return self._decoder
 
     def _call_args(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):

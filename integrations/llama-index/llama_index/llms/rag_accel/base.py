@@ -56,14 +56,15 @@ except ImportError as e:  # pragma: no cover - exercised only without llama-inde
     raise ImportError("llama_index.llms.rag_accel needs llama-index-core: pip install llama-index-core") from e
 
 from rag_accel.adapters import (
+    adapter_engine,
     check_decoder,
+    check_engine_options,
     iterate_in_thread,
     max_new_tokens_option,
     merge_max_tokens,
     merged_decoder_config,
     reference_texts,
     sampling_options,
-    shared_decoder,
     start_generation,
     stats_metadata,
 )
@@ -220,13 +221,23 @@ def _active_span() -> str | None:
 
 # --------------------------------------------------------------------------- the LLM
 class RagAccelLLM(CustomLLM):
-    """A local Hugging Face chat model, decoded greedily and accelerated by copying
-    from the query's retrieved nodes, the prompt and n-grams.
+    """A chat model decoded greedily and accelerated by copying from the query's retrieved nodes,
+    the prompt and n-grams: in this process (transformers or vLLM) or on a server.
 
     Args:
-        model_name: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default).
+        model_name: HF name, local folder, or ``"smollm2-135m-instruct"`` (the offline default); with
+            ``base_url``, the model as the server names it.
+        backend: where the model runs: ``"hf"`` (default: transformers in this process), ``"vllm"``
+            (a vLLM engine in this process: ``pip install 'rag-accel[vllm]'``), ``"remote"`` (implied
+            by ``base_url``).
+        base_url: a ``rag-accel serve`` server (``http://host:port/v1``): each call is one HTTP request
+            with its references in ``vllm_xargs`` (:class:`rag_accel.remote.RemoteDecoder`;
+            ``pip install 'rag-accel[remote]'``), with ``api_key``, ``timeout``, ``max_retries``.
+            What the server cannot tell (steps, drafted / accepted) is ``None`` in the stats, and
+            ``metadata.context_window`` is the server's ``max_model_len``.
         decoder: a ready decoder instead of loading ``model_name``: a :class:`rag_accel.ReferenceDecoder`,
-            or any object with its ``generate``/``stream`` methods (e.g. :class:`rag_accel.vllm.VllmDecoder`).
+            or any object with its ``generate``/``stream`` methods (:class:`rag_accel.vllm.VllmDecoder`,
+            :class:`rag_accel.remote.RemoteDecoder`); not together with ``backend`` / ``base_url``.
         max_new_tokens: most new tokens per call (``metadata.num_output``); alias ``max_tokens``
             (giving both with different values is an error).
         stop: stop strings (a per-call ``stop`` replaces them; ``[]``: none). An empty stop
@@ -249,6 +260,11 @@ class RagAccelLLM(CustomLLM):
     """
 
     model_name: str = Field(default=DEFAULT_MODEL)
+    backend: str | None = None
+    base_url: str | None = None
+    api_key: str | None = Field(default=None, exclude=True, repr=False)
+    timeout: float | None = None
+    max_retries: int | None = None
     device: str | None = None
     dtype: str | None = None
     decoder: Any = Field(default=None, exclude=True)
@@ -289,17 +305,24 @@ class RagAccelLLM(CustomLLM):
     def _valid_decoder(cls, v: Any) -> Any:
         return check_decoder(v)
 
+    @model_validator(mode="after")
+    def _valid_engine(self) -> RagAccelLLM:
+        check_engine_options(self.backend, self.base_url, self.device, self.dtype, self.decoder)
+        return self
+
     @classmethod
     def class_name(cls) -> str:
         return "RagAccelLLM"
 
     @property
     def engine(self) -> Any:
-        """The decoder: ``decoder`` if given, else the shared one for ``model_name`` (loaded on first use)."""
+        """The decoder: ``decoder`` if given, else the one ``backend`` / ``base_url`` choose (made on first use)."""
         if self.decoder is not None:
             return self.decoder
         if self._decoder is None:
-            self._decoder = shared_decoder(self.model_name, self.device, self.dtype)
+            self._decoder = adapter_engine(self.model_name, backend=self.backend, base_url=self.base_url,
+                                           device=self.device, dtype=self.dtype, api_key=self.api_key,
+                                           timeout=self.timeout, max_retries=self.max_retries)
         return self._decoder
 
     @property

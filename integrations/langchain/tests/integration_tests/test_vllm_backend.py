@@ -1,0 +1,79 @@
+"""ChatRagAccel with ``backend="vllm"``: a vLLM engine in this process (rag_accel.vllm.VllmDecoder, shared by the
+instances), inside ``rag_chain``. Answers equal the same engine with drafting off, token for token; each call's
+documents are its references (the stats, in process, say what they drafted); batch (threads share the engine's
+batch), stream, async.
+
+Runs where vLLM is installed (the vLLM virtualenv, with this package: see the README's test commands); skipped
+without vLLM, an error when RAG_ACCEL_REQUIRE_VLLM=1."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401 - CI: a missing vLLM fails here instead of skipping
+else:
+    pytest.importorskip("vllm")
+
+from langchain_core.documents import Document  # noqa: E402
+from langchain_core.retrievers import BaseRetriever  # noqa: E402
+from langchain_rag_accel import ChatRagAccel, rag_chain  # noqa: E402
+
+from rag_accel.adapters import close_shared_decoders  # noqa: E402
+from rag_accel.data import load_msmarco_sample  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1" if (os.cpu_count() or 1) >= 2 else "0")
+
+MAX_NEW = 32
+
+
+class SampleRetriever(BaseRetriever):
+    """Each sample question's own passages (retrieval quality is not what is tested here)."""
+
+    docs: dict[str, list[Document]]
+
+    def _get_relevant_documents(self, query, *, run_manager):
+        return list(self.docs[query])
+
+
+@pytest.fixture(scope="module")
+def items():
+    return load_msmarco_sample(limit=3)
+
+
+@pytest.fixture(scope="module")
+def retriever(items):
+    return SampleRetriever(docs={it.query: [Document(page_content=p) for p in it.passages] for it in items})
+
+
+@pytest.fixture(scope="module")
+def llms():
+    on = ChatRagAccel(backend="vllm", max_tokens=MAX_NEW)
+    off = ChatRagAccel(backend="vllm", max_tokens=MAX_NEW, accelerate=False)
+    yield on, off
+    close_shared_decoders()  # the engine's processes and memory, before the next module's engines
+
+
+@pytest.mark.slow
+def test_rag_chain_on_vllm_in_process(llms, retriever, items):
+    on, off = llms
+    assert on.engine is off.engine and type(on.engine).__name__ == "VllmDecoder"  # one engine per process
+    qs = [it.query for it in items]
+    greedy = {q: rag_chain(retriever, off, parser=None).invoke(q) for q in qs}
+    msg = rag_chain(retriever, on, parser=None).invoke(qs[0])
+    assert msg.content == greedy[qs[0]].content and msg.usage_metadata == greedy[qs[0]].usage_metadata
+    assert isinstance(msg.response_metadata["rag_accel"]["drafted"], int)  # in process the stats are there
+    # The call's documents are its references: the answer itself as the only document is copied.
+    answer = SampleRetriever(docs={qs[0]: [Document(page_content=greedy[qs[0]].content)]})
+    copied = rag_chain(answer, on, parser=None).invoke(qs[0])
+    ref = copied.response_metadata["rag_accel"]["by_drafter"].get("reference", {})
+    assert ref.get("accepted", 0) >= 0.5 * copied.usage_metadata["output_tokens"], copied.response_metadata
+    assert copied.content == rag_chain(answer, off, parser=None).invoke(qs[0]).content
+    chain = rag_chain(retriever, on)
+    assert chain.batch(qs, config={"max_concurrency": 3}) == [greedy[q].content for q in qs]
+    assert "".join(chain.stream(qs[1])) == greedy[qs[1]].content
+    assert asyncio.run(chain.ainvoke(qs[2])) == greedy[qs[2]].content

@@ -1,0 +1,446 @@
+"""``RemoteDecoder``: :class:`~rag_accel.decoder.ReferenceDecoder`'s surface on a server.
+
+The server is ``rag-accel serve`` (vLLM's OpenAI-compatible server with our proposer); any
+vLLM server answers it too, it then simply does not draft from the references. Each call is
+one HTTP request through the ``openai`` client (``pip install 'rag-accel[remote]'``): its
+references travel in the body's ``vllm_xargs`` (text as ``references``, token ids as
+``reference_ids``, a JSON string: vLLM's schema allows no nested lists), and it asks for the
+output's token ids (vLLM's ``return_token_ids``), so ``token_ids`` are the server's, not a
+re-tokenisation of the text.
+
+Prompts: chat messages go to ``/v1/chat/completions`` (the server applies the model's chat
+template, as :func:`~rag_accel.inputs.encode_prompt` does in process); a string or token ids go
+to ``/v1/completions``. Stop strings are the server's (vLLM's rule: the text ends before the
+first stop string, the token ids with the token that completed it).
+
+What the server cannot tell is ``None`` in the stats, never invented: an OpenAI response has
+no per-request steps or draft counts, so ``steps``, ``drafted``, ``accepted``,
+``tokens_per_step``, ``acceptance_rate``, ``prefill_s`` and ``draft_s`` are ``None`` and
+``by_drafter`` / ``trace`` are empty. The server's totals over all requests are on its
+``/metrics`` page (``vllm:spec_decode_num_draft_tokens_total``,
+``vllm:spec_decode_num_accepted_tokens_total``). ``time_s`` is the call's wall time here.
+
+Calls from many threads run concurrently (one connection pool, no lock): the server batches them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import weakref
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit
+
+from .config import DecoderConfig
+from .inputs import _is_chat, _reference, check_lengths, check_stops, check_text, token_ids
+from .outputs import GenerationOutput, GenerationStats, GenerationStream
+
+__all__ = ["AsyncGenerationStream", "RemoteDecoder", "RemoteError"]
+
+_INSTALL_HINT = "RemoteDecoder needs the openai client: pip install 'rag-accel[remote]' (or pip install openai)"
+_ANY_VOCAB = 1 << 62  # the client does not know the vocabulary: the server checks ids (off-vocab: no drafting)
+_OPTIONS = dict(max_new_tokens=256, stop=None, config=None, speculate=True, do_sample=False,
+                temperature=None, top_k=None, top_p=None, seed=None)
+
+
+class RemoteError(ValueError):
+    """The server refused the request (HTTP 400: bad ``vllm_xargs``, a prompt too long, ...)."""
+
+
+def _v1(base_url: str) -> str:
+    """``http://host:port`` and ``http://host:port/v1`` both mean the server's ``/v1`` API."""
+    if not isinstance(base_url, str) or urlsplit(base_url).scheme not in ("http", "https"):
+        raise ValueError(f"base_url must be an http(s) URL such as 'http://127.0.0.1:8000/v1', got {base_url!r}")
+    url = base_url.rstrip("/")
+    return url if urlsplit(url).path else url + "/v1"
+
+
+def _finish(reason: str | None, stop_reason: Any) -> str:
+    """vLLM's finish_reason / stop_reason in our words: "eos" | "stop" | "length" (others as given)."""
+    if reason == "stop":
+        return "stop" if isinstance(stop_reason, str) else "eos"  # a stop string, else EOS / a stop token
+    return reason or ""
+
+
+class _Call:
+    """One request ready to send: which endpoint and its arguments; the answer accumulated."""
+
+    __slots__ = ("chat", "kwargs", "ids", "parts", "finish", "prompt_tokens", "t0")
+
+    def __init__(self, chat: bool, kwargs: dict[str, Any]) -> None:
+        self.chat, self.kwargs = chat, kwargs
+        self.ids: list[int] = []
+        self.parts: list[str] = []
+        self.finish = ""
+        self.prompt_tokens = 0
+        self.t0 = time.perf_counter()
+
+    def take(self, response: Any) -> str:
+        """Fold one response (or stream chunk) in; returns its text."""
+        prompt_ids = getattr(response, "prompt_token_ids", None)
+        if prompt_ids:
+            self.prompt_tokens = len(prompt_ids)
+        usage = getattr(response, "usage", None)
+        if usage is not None and usage.prompt_tokens is not None:
+            self.prompt_tokens = usage.prompt_tokens
+        text = ""
+        for choice in response.choices or ():
+            if self.chat:
+                msg = getattr(choice, "delta", None) or getattr(choice, "message", None)
+                piece = (msg.content if msg is not None else None) or ""
+            else:
+                piece = choice.text or ""
+            self.ids.extend(getattr(choice, "token_ids", None) or ())
+            if choice.finish_reason:
+                self.finish = _finish(choice.finish_reason, getattr(choice, "stop_reason", None))
+            text += piece
+        self.parts.append(text)
+        return text
+
+    def output(self) -> GenerationOutput:
+        stats = GenerationStats(prompt_tokens=self.prompt_tokens, new_tokens=len(self.ids), steps=None,
+                                drafted=None, accepted=None, finish_reason=self.finish,
+                                time_s=time.perf_counter() - self.t0, prefill_s=None, draft_s=None)
+        return GenerationOutput(text="".join(self.parts), token_ids=list(self.ids), stats=stats)
+
+
+class AsyncGenerationStream:
+    """:class:`~rag_accel.outputs.GenerationStream` for ``async for``: text pieces, then ``.output``."""
+
+    def __init__(self, gen: AsyncIterator[str], call: _Call) -> None:
+        self._gen, self._call = gen, call
+        self.output: GenerationOutput | None = None
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        async for piece in self._gen:
+            yield piece
+        self.output = self._call.output()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+
+
+class RemoteDecoder:
+    """Generate on a ``rag-accel serve`` server: the same calls and outputs as in process.
+
+    Example:
+        >>> dec = RemoteDecoder("http://127.0.0.1:8000/v1")  # doctest: +SKIP
+        >>> out = dec.generate([{"role": "user", "content": q}], references=passages)  # doctest: +SKIP
+        >>> out.text, out.token_ids, out.stats.prompt_tokens  # doctest: +SKIP
+        >>> out.stats.accepted is None  # the server does not tell  # doctest: +SKIP
+
+    Args:
+        base_url: the server, ``http://host:port`` or ``http://host:port/v1``.
+        model: the served model name (default: the server's first, asked once).
+        api_key: the server's ``--api-key`` if it has one.
+        timeout: seconds for one request (connect, and each read while streaming).
+        max_retries: the ``openai`` client's retries on connection errors and 5xx answers.
+    """
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str = "EMPTY", timeout: float = 600.0,
+                 *, max_retries: int = 2) -> None:
+        try:
+            import openai
+        except ImportError as e:
+            raise ImportError(_INSTALL_HINT) from e
+        if model is not None and not isinstance(model, str):
+            raise TypeError(f"model must be a string, got {type(model).__name__}")
+        self.base_url = _v1(base_url)
+        self._openai = openai
+        self._client_kwargs = dict(base_url=self.base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        self.client = openai.OpenAI(**self._client_kwargs)
+        self._aclients: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # one per event loop
+        self._model = model
+        self._info: Any = None
+
+    # ------------------------------------------------------------ the server
+    def _model_info(self) -> Any:
+        if self._info is None:
+            models = self.client.models.list().data
+            if self._model is not None:
+                found = [m for m in models if m.id == self._model]
+                if not found:
+                    raise ValueError(f"the server at {self.base_url} serves {[m.id for m in models]}, "
+                                     f"not {self._model!r}")
+                self._info = found[0]
+            elif not models:
+                raise ValueError(f"the server at {self.base_url} serves no model")
+            else:
+                self._info = models[0]
+        return self._info
+
+    @property
+    def model(self) -> str:
+        """The served model name (asked from the server once if not given)."""
+        return self._model if self._model is not None else self._model_info().id
+
+    @property
+    def context_window(self) -> int | None:
+        """The server's ``max_model_len`` (vLLM lists it with the model), or ``None`` if not told."""
+        value = getattr(self._model_info(), "max_model_len", None)
+        return int(value) if value is not None else None
+
+    def _aclient(self) -> Any:
+        loop = asyncio.get_running_loop()
+        client = self._aclients.get(loop)
+        if client is None:  # an httpx pool belongs to the event loop that opened its connections
+            client = self._aclients[loop] = self._openai.AsyncOpenAI(**self._client_kwargs)
+        return client
+
+    # ------------------------------------------------------------ inputs
+    def _call(self, prompt: Any, references: Any, max_new_tokens: int, stop: Any, config: Any, speculate: bool,
+              do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> _Call:
+        """Check one request and build its arguments (nothing is sent)."""
+        stops = check_stops(stop)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if not isinstance(speculate, bool):
+            raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
+        xargs: dict[str, Any] = {"speculate": speculate}
+        texts, ids = self._references(references)
+        if texts:
+            xargs["references"] = texts
+        if ids:
+            xargs["reference_ids"] = json.dumps(ids, separators=(",", ":"))
+        changes = _config_changes(config)
+        if changes:
+            xargs["rag_accel"] = json.dumps(changes)
+        body: dict[str, Any] = {"vllm_xargs": xargs, "return_token_ids": True}
+        kwargs: dict[str, Any] = dict(max_tokens=max_new_tokens)
+        if stops:
+            kwargs["stop"] = stops
+        if do_sample:
+            kwargs["temperature"] = 1.0 if temperature is None else temperature
+            if top_p is not None:
+                kwargs["top_p"] = top_p
+            if seed is not None:
+                kwargs["seed"] = seed
+            if top_k is not None:
+                body["top_k"] = top_k
+        else:
+            given = [k for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                                    ("seed", seed)) if v is not None]
+            if given:
+                raise ValueError(f"{given} only apply to sampling: pass do_sample=True "
+                                 "(greedy decoding is the default)")
+            kwargs["temperature"] = 0.0
+        kwargs["extra_body"] = body
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+            if not prompt:
+                raise ValueError("empty prompt: nothing to condition on (give at least one token)")
+            return _Call(False, dict(kwargs, prompt=prompt))
+        if isinstance(prompt, (bytes, bytearray)):
+            raise TypeError("prompt is bytes; decode it to a string first (e.g. .decode('utf-8'))")
+        if _is_chat(prompt):
+            messages = []
+            for i, m in enumerate(prompt):
+                if "role" not in m or "content" not in m:
+                    raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
+                for key, value in m.items():
+                    if isinstance(value, str):
+                        check_text(value, f"chat message {i} {key!r}")
+                messages.append(dict(m))
+            return _Call(True, dict(kwargs, messages=messages))
+        try:
+            prompt_ids = token_ids(prompt, "prompt", "a string, chat messages ({'role', 'content'}) or token ids")
+        except TypeError:
+            raise
+        except Exception:  # noqa: BLE001 - not a sequence at all
+            raise TypeError("prompt must be a string, a list of chat messages ({'role', 'content'}) or a list of "
+                            f"token ids, got {type(prompt).__name__}") from None
+        if not prompt_ids:
+            raise ValueError("empty prompt: nothing to condition on (give at least one token)")
+        if any(t < 0 for t in prompt_ids):
+            raise ValueError("prompt has a negative token id")
+        check_lengths(len(prompt_ids), max_new_tokens, None)
+        return _Call(False, dict(kwargs, prompt=prompt_ids))
+
+    @staticmethod
+    def _references(references: Any) -> tuple[list[str], list[list[int]]]:
+        """(text references, token-id references), checked as in process (the vocabulary: by the server)."""
+        if references is None:
+            return [], []
+        if isinstance(references, str):
+            references = [references]
+        if not isinstance(references, Sequence):
+            raise TypeError(f"references must be a list of strings or token-id lists, got {type(references).__name__}")
+        texts, ids = [], []
+        for i, ref in enumerate(references):
+            r = _reference(ref, i, _ANY_VOCAB)
+            if isinstance(r, str):
+                if r:
+                    texts.append(r)
+            elif r:
+                ids.append([int(t) for t in r])
+        return texts, ids
+
+    # ------------------------------------------------------------ sending
+    def _create(self, client: Any, call: _Call, stream: bool) -> Any:
+        api = client.chat.completions if call.chat else client.completions
+        extra = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
+        return api.create(model=self.model, **call.kwargs, **extra)
+
+    def _refused(self, e: Exception) -> Exception:
+        """A refusal (HTTP 400, or a streamed error event with code 400) as :class:`RemoteError`
+        with the server's message; anything else as it is."""
+        body = getattr(e, "body", None)
+        code = getattr(e, "code", None) or (body.get("code") if isinstance(body, Mapping) else None)
+        if isinstance(e, self._openai.BadRequestError) or (isinstance(e, self._openai.APIError)
+                                                           and str(code) == "400"):
+            msg = body.get("message") if isinstance(body, Mapping) else None
+            err = RemoteError(f"the server refused the request: {msg or e}")
+            err.__cause__ = e
+            return err
+        return e
+
+    # ------------------------------------------------------------ public
+    def generate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
+        """The output for ``prompt``, the server drafting from ``references``. Arguments as :meth:`stream`."""
+        call = self._call(prompt, references, **_options(kwargs))
+        try:
+            response = self._create(self.client, call, stream=False)
+        except self._openai.BadRequestError as e:
+            raise self._refused(e) from e
+        call.take(response)
+        return call.output()
+
+    def stream(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
+               stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
+               speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> GenerationStream:
+        """Stream the output as text pieces (``.output`` once the iteration ends), as
+        :meth:`ReferenceDecoder.stream` does.
+
+        Args:
+            prompt: string, chat messages, or token ids.
+            references: documents to copy drafts from: strings or token-id lists.
+            max_new_tokens / stop: as there.
+            config: DecoderConfig changes for this request (a dict, or a :class:`DecoderConfig`:
+                its drafting fields that differ from the defaults).
+            speculate: ``False``: the server drafts nothing for this request.
+            do_sample, temperature, top_k, top_p, seed: sampling (lossless under speculation).
+
+        Inputs are checked and the request is sent here, before any iteration. A request the
+        server refuses raises :class:`RemoteError` at the first iteration: vLLM answers a
+        streamed request ``200`` and then an error event (code 400), a non-streamed one HTTP 400.
+        Closing the stream early (``.close()``, or dropping it) closes the connection; the
+        server aborts that request and serves on.
+        """
+        call = self._call(prompt, references, max_new_tokens, stop, config, speculate, do_sample, temperature,
+                          top_k, top_p, seed)
+        try:
+            response = self._create(self.client, call, stream=True)
+        except self._openai.BadRequestError as e:
+            raise self._refused(e) from e
+
+        def pieces() -> Iterator[str]:
+            try:
+                for chunk in response:
+                    piece = call.take(chunk)
+                    if piece:
+                        yield piece
+            except self._openai.APIError as e:
+                raise self._refused(e) from e
+            finally:
+                response.close()
+            return call.output()
+
+        return GenerationStream(pieces())
+
+    def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
+                       **kwargs: Any) -> list[GenerationOutput]:
+        """Several requests at once, in flight together (``references[i]`` for ``prompts[i]``).
+        Keywords as :meth:`stream`, the same for all. Every request is checked before any is sent."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of prompts")
+        refs = list(references) if references is not None else [None] * len(prompts)
+        if len(refs) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(refs)} reference lists")
+        opts = _options(kwargs)
+        for p, r in zip(prompts, refs):
+            self._call(p, r, **opts)
+        if not prompts:
+            return []
+        with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
+            return list(pool.map(lambda pr: self.generate(pr[0], pr[1], **opts), zip(prompts, refs)))
+
+    def generate_greedy(self, prompt: Any, *, max_new_tokens: int = 256,
+                        stop: str | Sequence[str] | None = None) -> GenerationOutput:
+        """The baseline on the same server: this request without drafting."""
+        return self.generate(prompt, None, max_new_tokens=max_new_tokens, stop=stop, speculate=False)
+
+    async def agenerate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
+        """:meth:`generate` without blocking the event loop (the async ``openai`` client)."""
+        call = self._call(prompt, references, **_options(kwargs))
+        try:
+            response = await self._acreate(call, stream=False)
+        except self._openai.BadRequestError as e:
+            raise self._refused(e) from e
+        call.take(response)
+        return call.output()
+
+    async def astream(self, prompt: Any, references: Any = None, **kwargs: Any) -> AsyncGenerationStream:
+        """:meth:`stream` for ``async for``: ``stream = await dec.astream(...)``; ``async for piece in
+        stream``; then ``stream.output``. The request is sent by the ``await``; a refusal raises
+        :class:`RemoteError` at the first iteration, as in :meth:`stream`."""
+        call = self._call(prompt, references, **_options(kwargs))
+        try:
+            response = await self._acreate(call, stream=True)
+        except self._openai.BadRequestError as e:
+            raise self._refused(e) from e
+
+        async def pieces() -> AsyncIterator[str]:
+            try:
+                async for chunk in response:
+                    piece = call.take(chunk)
+                    if piece:
+                        yield piece
+            except self._openai.APIError as e:
+                raise self._refused(e) from e
+            finally:
+                await response.close()
+
+        return AsyncGenerationStream(pieces(), call)
+
+    async def _acreate(self, call: _Call, stream: bool) -> Any:
+        client = self._aclient()
+        if self._model is None and self._info is None:
+            await asyncio.to_thread(self._model_info)  # once: the served model's name
+        return await self._create(client, call, stream)
+
+    def close(self) -> None:
+        """Close the connection pools (the server is not affected)."""
+        self.client.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteDecoder({self.base_url!r}, model={self._model!r})"
+
+
+def _options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(kwargs) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {unknown}")
+    return {**_OPTIONS, **kwargs}
+
+
+def _config_changes(config: Any) -> dict[str, Any]:
+    """DecoderConfig changes for one request, checked here as the server would check them."""
+    if config is None:
+        return {}
+    from .vllm import _REQUEST_FIELDS, _request_config  # (imports vLLM where it is installed)
+
+    if isinstance(config, DecoderConfig):
+        default = DecoderConfig()
+        changes = {f: getattr(config, f) for f in _REQUEST_FIELDS if getattr(config, f) != getattr(default, f)}
+    elif isinstance(config, Mapping):
+        changes = dict(config)
+    else:
+        raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
+    _request_config(DecoderConfig(), changes)
+    if "drafters" in changes:
+        changes["drafters"] = list(changes["drafters"])
+    return changes

@@ -1,0 +1,345 @@
+"""`rag-accel serve` (vLLM's OpenAI-compatible server with our proposer) and RemoteDecoder, with real parts.
+
+One server for the module, started as a user would (`python -m rag_accel.cli serve ...` in a
+subprocess, on a free loopback port), called with the real `openai` client and with
+RemoteDecoder; its outputs are compared token for token with vLLM's greedy output in this
+process (VllmDecoder, speculation off; one engine, shut down before the server starts). CPU,
+float32, SmolLM2-135M-Instruct, a few MS-MARCO items, 32 new tokens.
+
+Without vLLM installed the module is skipped, unless RAG_ACCEL_REQUIRE_VLLM=1 (CI), where that
+is an error (as tests/test_vllm.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+
+if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401 - CI: a missing vLLM fails here instead of skipping
+else:
+    pytest.importorskip("vllm")
+
+import openai  # noqa: E402 - a dependency of vLLM
+
+from rag_accel import serve  # noqa: E402
+from rag_accel.data import load_msmarco_sample, rag_messages  # noqa: E402
+from rag_accel.remote import RemoteDecoder, RemoteError  # noqa: E402
+from rag_accel.vllm import (  # noqa: E402
+    PROPOSER_PATH,
+    TRACKER_PATH,
+    VllmDecoder,
+    check_extra_args,
+    request_inputs,
+    speculative_config,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1" if (os.cpu_count() or 1) >= 2 else "0")
+
+MODEL = "smollm2-135m-instruct"
+N_ITEMS = 3
+MAX_NEW = 32
+MAX_MODEL_LEN = 2048
+MAX_REF = 20_000  # --max-reference-tokens: "too large" is cheap to send
+READY_TIMEOUT = float(os.environ.get("RAG_ACCEL_SERVE_TIMEOUT", "900"))  # a busy 2-core machine
+
+
+# --------------------------------------------------------------------------- pieces, no server
+def test_serve_command_per_speculation_mode():
+    ours = serve.serve_command("/m", port=8001, dtype="float32", max_model_len=2048, speculation="ours",
+                               num_speculative_tokens=7, served_model_name="m", extra=["--enforce-eager"])
+    args = ours[ours.index("serve"):]
+    assert args[:4] == ["serve", "/m", "--host", "127.0.0.1"] and args[-1] == "--enforce-eager"
+    spec = json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": 7}
+    assert args[args.index("--logits-processors") + 1] == TRACKER_PATH
+    assert args[args.index("--served-model-name") + 1] == "m"
+    ngram = serve.serve_command("/m", speculation="ngram")
+    assert json.loads(ngram[ngram.index("--speculative-config") + 1]) == speculative_config("ngram", 10)
+    assert "--logits-processors" not in ngram
+    off = serve.serve_command("/m", speculation="off")
+    assert "--speculative-config" not in off and "--logits-processors" not in off
+    with pytest.raises(ValueError, match="--speculation"):
+        serve.serve_command("/m", extra=["--speculative-config", "{}"])
+    with pytest.raises(ValueError, match="speculation"):
+        serve.serve_command("/m", speculation="eagle")
+
+
+def test_cli_serve_dry_run_prints_the_command():
+    from typer.testing import CliRunner
+
+    from rag_accel.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "some/model", "--port", "9", "--max-reference-tokens", "5", "--dry-run",
+                                   "--", "--tensor-parallel-size", "2"])
+    assert res.exit_code == 0, res.output
+    line = res.output.strip().splitlines()[-1]
+    assert line.startswith("RAG_ACCEL_MAX_REFERENCE_TOKENS=5 ") and " serve some/model " in line
+    assert line.endswith("--tensor-parallel-size 2") and "rag_accel.vllm.RagProposer" in line
+    res = CliRunner().invoke(app, ["serve", "--", "--enforce-eager"])
+    assert res.exit_code == 2 and "before `--`" in res.output
+
+
+def test_extra_args_as_the_server_delivers_them():
+    """vllm_xargs holds strings, numbers and flat lists only; JSON booleans arrive as 0/1."""
+    assert request_inputs({"references": ["a", "b"], "reference_ids": "[[1, 2], [3]]", "speculate": 0,
+                           "rag_accel": '{"max_loss": 0.1}'}) == (["a", "b", [1, 2], [3]], False, {"max_loss": 0.1})
+    assert request_inputs({"reference_ids": [5, 6, 7], "speculate": 1}) == ([[5, 6, 7]], True, None)
+    check_extra_args({"rag_accel": '{"max_loss": 0.1}'})
+    for bad, match in (({"reference_ids": "[[1, 'x']]"}, "JSON"), ({"reference_ids": "[1, 2]"}, "list of token-id"),
+                       ({"reference_ids": 5}, "reference_ids"), ({"speculate": 2}, "speculate"),
+                       ({"rag_accel": "{bogus"}, "JSON"), ({"rag_accel": '{"bogus": 1}'}, "bogus"),
+                       ({"reference_ids": "[[-1]]"}, "negative")):
+        with pytest.raises(ValueError, match=match):
+            check_extra_args(bad)
+
+
+def test_remote_decoder_checks_inputs_before_sending():
+    dec = RemoteDecoder("http://127.0.0.1:9", model="m")  # nothing listens there: nothing may be sent
+    with pytest.raises(TypeError, match="reference 0"):
+        dec.generate("hi", [3.5])
+    with pytest.raises(ValueError, match="do_sample"):
+        dec.generate("hi", temperature=0.5)
+    with pytest.raises(TypeError, match="unexpected"):
+        dec.generate("hi", bogus=1)
+    with pytest.raises(ValueError, match="stop"):
+        dec.stream("hi", stop="")
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.generate([])
+    with pytest.raises(ValueError, match="http"):
+        RemoteDecoder("localhost:8000")
+    assert RemoteDecoder("http://h:1").base_url == "http://h:1/v1"
+    call = dec._call([{"role": "user", "content": "q"}], ["text", [1, 2]], 8, None, {"max_loss": 0.2}, False,
+                     False, None, None, None, None)
+    xargs = call.kwargs["extra_body"]["vllm_xargs"]
+    assert call.chat and request_inputs(xargs) == (["text", [1, 2]], False, {"max_loss": 0.2})
+    assert call.kwargs["temperature"] == 0.0 and call.kwargs["extra_body"]["return_token_ids"] is True
+
+
+# --------------------------------------------------------------------------- one server, real requests
+@pytest.fixture(scope="module")
+def items():
+    return load_msmarco_sample(limit=8)
+
+
+@pytest.fixture(scope="module")
+def baseline(items):
+    """vLLM's own greedy outputs in this process, speculation off: the reference for every comparison."""
+    dec = VllmDecoder.from_pretrained(MODEL, speculation="off", max_model_len=MAX_MODEL_LEN, enforce_eager=True)
+    try:
+        msgs = [rag_messages(it.query, it.passages) for it in items[:N_ITEMS]]
+        outs = [dec.generate(m, max_new_tokens=MAX_NEW) for m in msgs]
+        text = dec.generate("The capital of France is", max_new_tokens=8)
+        return SimpleNamespace(ids=[o.token_ids for o in outs], texts=[o.text for o in outs],
+                               prompt_ids=[dec.encode_prompt(m) for m in msgs], msgs=msgs,
+                               finish=[o.finish_reason for o in outs], text_prompt=text)
+    finally:
+        dec.close()
+
+
+@pytest.fixture(scope="module")
+def server(baseline):
+    srv = serve.Server(MODEL, options=["--max-model-len", str(MAX_MODEL_LEN), "--max-reference-tokens", str(MAX_REF)],
+                       vllm_args=["--enforce-eager"])
+    srv.start()
+    try:
+        srv.ready_s = srv.wait_ready(READY_TIMEOUT)
+        yield srv
+    finally:
+        srv.clean = srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="EMPTY", timeout=600, max_retries=0)
+
+
+def _accepted(server) -> tuple[float, float]:
+    """The server's spec-decode totals from /metrics: (draft tokens, accepted tokens)."""
+    return server.spec_decode_counters()
+
+
+def _chat(client, msgs, xargs=None, **kw):
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=MAX_NEW, temperature=0,
+                                       extra_body={"return_token_ids": True, "vllm_xargs": xargs or {}}, **kw)
+    return r.choices[0]
+
+
+@pytest.mark.slow
+def test_references_reach_the_proposer_in_the_servers_engine(server, client, baseline):
+    """The build hook engaged in the server's engine process: drafts copied from a request's
+    references are accepted (the server's own spec-decode counters), and the output is greedy's."""
+    d0, a0 = _accepted(server)
+    right = _chat(client, baseline.msgs[0], {"references": [baseline.texts[0]]})
+    d1, a1 = _accepted(server)
+    assert right.token_ids == baseline.ids[0] and right.message.content == baseline.texts[0]
+    assert a1 - a0 >= 0.5 * MAX_NEW and a1 - a0 >= 0.8 * (d1 - d0), (d1 - d0, a1 - a0)
+    off = _chat(client, baseline.msgs[0], {"references": [baseline.texts[0]], "speculate": False})
+    d2, a2 = _accepted(server)
+    assert off.token_ids == baseline.ids[0] and (d2, a2) == (d1, a1)  # speculate false: nothing drafted
+    plain = _chat(client, baseline.msgs[1])  # no references: prompt lookup + n-grams
+    assert plain.token_ids == baseline.ids[1] and plain.finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_streaming_chat(client, baseline, items):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=baseline.msgs[2], max_tokens=MAX_NEW, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True, "vllm_xargs": {"references": items[2].passages}})
+    text, ids, usage = "", [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            ids += getattr(c, "token_ids", None) or []  # (absent from chunks without tokens)
+    assert ids == baseline.ids[2] and text == baseline.texts[2]
+    assert usage.completion_tokens == len(ids) and usage.prompt_tokens == len(baseline.prompt_ids[2])
+
+
+@pytest.mark.slow
+def test_eight_concurrent_requests_each_with_its_references(client, baseline, items):
+    """8 threads, 8 questions, each its own references (its passages, the right answer, wrong
+    text, another question's passages): token for token what the same requests give with
+    drafting off (also sent together), and for the first items vLLM's greedy in process."""
+    kinds = ["passages", "right", "wrong", "other"] * 2
+
+    def refs(i):
+        kind = kinds[i]
+        if kind == "right" and i < N_ITEMS:
+            return [baseline.texts[i]]
+        if kind == "wrong":
+            return ["The quick brown fox jumps over the lazy dog. " * 8]
+        if kind == "other":
+            return items[(i + 3) % 8].passages
+        return items[i].passages
+
+    msgs = [rag_messages(it.query, it.passages) for it in items]
+
+    def run(speculate):
+        with ThreadPoolExecutor(8) as pool:
+            return list(pool.map(lambda i: _chat(client, msgs[i], {"references": refs(i), "speculate": speculate}),
+                                 range(8)))
+
+    t0 = time.perf_counter()
+    on = run(True)
+    t_on = time.perf_counter() - t0
+    off = run(False)
+    for i in range(8):
+        assert on[i].token_ids == off[i].token_ids, f"request {i} ({kinds[i]} references) differs"
+        if i < N_ITEMS:
+            assert on[i].token_ids == baseline.ids[i]
+    print(f"\n8 concurrent requests: {t_on:.1f} s with drafting")
+
+
+@pytest.mark.slow
+def test_bad_references_get_400_and_the_server_serves_on(server, client, baseline):
+    bad = [{"references": 5}, {"references": [[1, 2]]}, {"speculate": "yes"},
+           {"references": ["word " * (10 * MAX_REF)]},  # over --max-reference-tokens
+           {"reference_ids": "[[1, 2"}, {"rag_accel": '{"bogus": 1}'}]
+    for xargs in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(client, baseline.msgs[0], xargs)
+        assert e.value.status_code == 400
+    with pytest.raises(RemoteError, match="max_reference_tokens|hold over"):
+        RemoteDecoder(server.base_url).generate(baseline.msgs[0], ["word " * (10 * MAX_REF)])
+    with pytest.raises(RemoteError, match="hold over"):  # streamed: HTTP 200, then an error event (code 400)
+        list(RemoteDecoder(server.base_url).stream(baseline.msgs[0], ["word " * (10 * MAX_REF)]))
+    assert _chat(client, baseline.msgs[0], {"references": baseline.msgs[0][-1]["content"]}).token_ids == baseline.ids[0]
+    assert server.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_a_client_leaving_mid_stream_leaves_the_server_serving(server, client, baseline, items):
+    import httpx
+
+    body = {"model": MODEL, "messages": baseline.msgs[1], "max_tokens": 400, "temperature": 0, "stream": True,
+            "vllm_xargs": {"references": items[1].passages}}
+    with httpx.Client(timeout=600) as http:
+        with http.stream("POST", server.base_url + "/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(4)]  # a few events, then hang up mid-answer
+    assert any(line.startswith("data: {") for line in got)
+    # Two more abandoned at once, one through the openai client.
+    s = client.chat.completions.create(model=MODEL, messages=baseline.msgs[2], max_tokens=400, temperature=0,
+                                       stream=True, extra_body={"vllm_xargs": {"references": items[2].passages}})
+    next(iter(s))
+    s.close()
+    RemoteDecoder(server.base_url).stream(baseline.msgs[0], items[0].passages, max_new_tokens=400).close()
+    assert _chat(client, baseline.msgs[1], {"references": items[1].passages}).token_ids == baseline.ids[1]
+    assert urllib.request.urlopen(server.url + "/health", timeout=30).status == 200
+    assert server.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_remote_decoder_equals_greedy_in_process(server, baseline, items):
+    dec = RemoteDecoder(server.base_url)
+    assert dec.model == MODEL and dec.context_window == MAX_MODEL_LEN
+    out = dec.generate(baseline.msgs[0], items[0].passages, max_new_tokens=MAX_NEW)
+    assert out.token_ids == baseline.ids[0] and out.text == baseline.texts[0]
+    assert out.finish_reason == baseline.finish[0] and out.stats.prompt_tokens == len(baseline.prompt_ids[0])
+    st = out.stats  # what the server cannot tell is None, never invented
+    assert (st.steps, st.drafted, st.accepted, st.tokens_per_step, st.acceptance_rate) == (None,) * 5
+    assert st.new_tokens == len(out.token_ids) and st.by_drafter == {} and st.time_s > 0
+    stream = dec.stream(baseline.msgs[1], items[1].passages, max_new_tokens=MAX_NEW)
+    assert "".join(stream) == baseline.texts[1] and stream.output.token_ids == baseline.ids[1]
+    ids = dec.generate(baseline.prompt_ids[2], [baseline.ids[2]], max_new_tokens=MAX_NEW)  # ids prompt + ids refs
+    assert ids.token_ids == baseline.ids[2]
+    text = dec.generate("The capital of France is", max_new_tokens=8)
+    assert text.token_ids == baseline.text_prompt.token_ids and text.text == baseline.text_prompt.text
+    word = baseline.texts[0].split()[3]
+    cut = dec.generate(baseline.msgs[0], items[0].passages, max_new_tokens=MAX_NEW, stop=word)
+    assert cut.finish_reason == "stop" and cut.text == baseline.texts[0][:baseline.texts[0].find(word)]
+    assert cut.token_ids == baseline.ids[0][:len(cut.token_ids)]
+
+    async def both():
+        a = await dec.agenerate(baseline.msgs[2], items[2].passages, max_new_tokens=MAX_NEW)
+        s = await dec.astream(baseline.msgs[2], items[2].passages, max_new_tokens=MAX_NEW)
+        return a, "".join([p async for p in s]), s.output
+
+    a, streamed, s_out = asyncio.run(both())
+    assert a.token_ids == s_out.token_ids == baseline.ids[2] and streamed == baseline.texts[2]
+
+
+@pytest.mark.slow
+def test_remote_calls_from_threads_run_together(server, baseline):
+    """No client-side lock: 4 threads' requests are in the server at the same time."""
+    dec = RemoteDecoder(server.base_url)
+    inside, peak, lock = 0, 0, threading.Lock()
+
+    def one(i):
+        nonlocal inside, peak
+        s = dec.stream(baseline.msgs[i % N_ITEMS], max_new_tokens=MAX_NEW)
+        it = iter(s)
+        first = next(it)  # this request is running in the server
+        with lock:
+            inside += 1
+            peak = max(peak, inside)
+        rest = "".join(it)
+        with lock:
+            inside -= 1
+        return first + rest, s.output.token_ids
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    assert peak >= 2, "requests from threads were serialised"
+    for i, (text, ids) in enumerate(results):
+        assert ids == baseline.ids[i % N_ITEMS] and text == baseline.texts[i % N_ITEMS]
+
+
+@pytest.mark.slow
+def test_the_server_shuts_down_cleanly(server):
+    pgid = server.proc.pid
+    assert server.stop(), f"SIGINT did not end the server and its engine in time:\n{server.log_tail()}"
+    assert server.proc.returncode is not None and serve.group_processes(pgid) == []
