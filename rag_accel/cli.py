@@ -13,8 +13,14 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+from .bench import ALL_METHODS
+
+# Plain help (no rich panels): this typer's panels show flags such as --help with a "<bool>" type and cut
+# long defaults off with an ellipsis; click's own layout wraps them.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, context_settings={"max_content_width": 120},
                   help="Lossless reference decoding for RAG: see it work, and measure it against the peers.")
+DEVICE_HELP = "cpu, cuda, cuda:1 ... (default: CUDA if available, else cpu)."
+DTYPE_HELP = "float32, float16, bfloat16 (default: float32 on CPU; on CUDA bfloat16, or float16 where bf16 is unsupported)."
 
 
 class CliError(Exception):
@@ -61,8 +67,8 @@ def _index_for(corpus_items, embedder_name: str, corpus_path: Path, progress: bo
 @app.command()
 def demo(
     model: str = typer.Option("smollm2-135m-instruct", help="HF name, local folder, or the offline default."),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: CUDA if available)."),
-    dtype: Optional[str] = typer.Option(None, help="float32, float16, bfloat16 (default: auto)."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     queries: int = typer.Option(3, min=1, help="How many sample questions to answer."),
     corpus: Optional[Path] = typer.Option(None, help="MS-MARCO RAG jsonl (default: the bundled sample)."),
     corpus_items: Optional[int] = typer.Option(None, min=1, help="Index only the first N corpus items."),
@@ -113,12 +119,13 @@ def demo(
 def bench(
     model: str = typer.Option("smollm2-135m-instruct", help="HF name, local folder, offline default, or "
                               "random:<tiny|llama-1b|llama-8b> (random weights; use with --target-forced)."),
-    device: Optional[str] = typer.Option(None),
-    dtype: Optional[str] = typer.Option(None),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     items: int = typer.Option(50, min=1, help="Answered sample items to run."),
-    max_new_tokens: int = typer.Option(128, min=1),
+    max_new_tokens: int = typer.Option(128, min=1, help="Most new tokens per answer."),
     methods: str = typer.Option("greedy,hf-pld,ours,ours-fixed,ours-ref,ours-pld,ours-ngram",
-                                help="Comma-separated; greedy always runs (it is the reference)."),
+                                help="Comma-separated, from: " + ", ".join(ALL_METHODS) + " (see the README's "
+                                "Command line section). greedy always runs (it is the reference)."),
     corpus: Optional[Path] = typer.Option(None, help="MS-MARCO RAG jsonl (default: the bundled sample)."),
     target_forced: Optional[str] = typer.Option(
         None, help="'human': force every method to decode the item's human answer; 'saved:FILE': force the "
