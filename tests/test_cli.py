@@ -22,11 +22,18 @@ def run(*args):
 
 @pytest.mark.slow
 def test_demo_two_queries():
-    code, out = run("demo", "--queries", "2", "--corpus-items", "4", "--max-new-tokens", "24")
+    args = ("demo", "--queries", "2", "--corpus-items", "4", "--max-new-tokens", "24", "--repeats", "2")
+    code, out = run(*args)
     assert code == 0, out
     assert out.count("Q: ") == 2
-    assert out.count("identical to greedy: True") == 2
+    assert out.count("identical to greedy: True") == 2 and "every answer identical to greedy: True" in out
     assert "retrieved: msmarco-" in out and "tokens/step" in out
+    assert out.count("ours ") >= 2 and "prefill" in out and "lower middle of 2 interleaved runs" in out
+    assert "All 2 questions: ours " in out
+    code, again = run(*args)  # the index now comes from the cache
+    assert code == 0, again
+    assert "(multilingual-e5-small, from the cache)" in again and "embedding" not in again
+    assert "First run" not in again
 
 
 @pytest.mark.slow
