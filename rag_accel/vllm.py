@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import queue
 import threading
 import time
 import weakref
@@ -70,7 +71,7 @@ except ImportError:  # pragma: no cover - exercised only without vLLM
     _LogitsProcessor = object  # type: ignore[assignment,misc]
 
 __all__ = ["BatchStepCosts", "RagProposer", "RowTracker", "VllmDecoder", "check_extra_args",
-           "PROPOSER_PATH", "TRACKER_PATH"]
+           "speculative_config", "PROPOSER_PATH", "TRACKER_PATH", "SPECULATION"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,23 @@ PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "c
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
 _INSTALL_HINT = "the vLLM backend needs vLLM: pip install 'rag-accel[vllm]' (CPU) or pip install vllm (GPU)"
 _KEYS = ("references", "speculate", "rag_accel")
+# How an engine speculates: our proposer, vLLM's own n-gram lookup (the peer users would pick), or not at all.
+SPECULATION = ("ours", "ngram", "off")
+
+
+def speculative_config(speculation: str, k: int) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` for ``"ours"`` (:class:`RagProposer`, up to ``k`` tokens a
+    step), ``"ngram"`` (vLLM's prompt lookup: ``k`` tokens, n-grams of 2 to 4, as benchmarked)
+    or ``"off"`` (``None``). ``"ours"`` also needs ``logits_processors=[TRACKER_PATH]``."""
+    if speculation not in SPECULATION:
+        raise ValueError(f"speculation must be one of {list(SPECULATION)}, got {speculation!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
+        raise ValueError(f"num_speculative_tokens must be an int in [1, 64], got {k!r}")
+    if speculation == "ours":
+        return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": k}
+    if speculation == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return None
 # DecoderConfig fields a request may change through extra_args["rag_accel"].
 _REQUEST_FIELDS = frozenset({"drafters", "adaptive", "reference_min_match", "reference_max_match",
                              "prompt_lookup_min_ngram", "prompt_lookup_max_ngram", "ngram_min_n", "ngram_max_n",
@@ -165,6 +183,16 @@ class BatchStepCosts(StepCosts):
     :meth:`set_batch` turns it into this step's :meth:`scale_at`: the cost of one draft token
     on one row in that row's plain steps, ``B b / t(T)`` (``B`` rows all wait for it).
 
+    What the data taught is kept: a draft token's cost grows with the batch (a few rows leave
+    the CPU waiting on memory, where extra tokens ride along almost free; sixteen rows keep it
+    computing, where each token costs its full share). When the recent steps have spread in
+    ``T`` (the ridge trusts the data 4:1 over the prior), the fitted slope, relative to the
+    average cost of a token in those steps, is remembered for that size of step (powers of two
+    of ``T``; 1 means fully compute-bound); later, when a busy
+    batch has stopped drafting and ``T`` no longer varies, the ridge pulls towards that memory
+    instead of the generic prior. Otherwise the slope would drift back to the cheap prior, the
+    rows would draft again, lose, and learn it again: a cycle that cost ~3% at 16 in flight.
+
     The policy gets the curve ``1 + CURVE_SLOPE L`` and the scale ``s / CURVE_SLOPE``, so that
     its update tolerance (0.01 of the scale) is 1% of the slope, not 0.01 per token.
     """
@@ -177,6 +205,7 @@ class BatchStepCosts(StepCosts):
         self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
         self.min_slope_frac = min_slope_frac
         self._sums = [0.0] * 5  # weight, sum T, sum t, sum T^2, sum T t
+        self._learnt: dict[int, float] = {}  # bucket of T (bit length) -> learnt b / (mean t / mean T)
         self.slope = prior_slope  # cost of one draft token on one row, in that row's steps (s)
         self.batch_scale = prior_slope / self.CURVE_SLOPE
 
@@ -195,9 +224,15 @@ class BatchStepCosts(StepCosts):
         mt, my = st / w, sy / w
         var, cov = stt / w - mt * mt, sty / w - mt * my
         # Ridge towards the prior slope: with little spread in T the data cannot tell b.
-        prior_b = self.prior_slope * my / (1.0 + self.prior_slope * mt)
+        generic_b = self.prior_slope * my / (1.0 + self.prior_slope * mt)
+        bucket = max(1, int(round(mt))).bit_length()
+        learnt = self._learnt.get(bucket)
+        prior_b = generic_b if learnt is None else learnt * my / mt
         k = self.prior_weight / w
-        b = max(self.min_slope_frac * prior_b, (cov + k * prior_b) / (var + k))
+        b = max(self.min_slope_frac * generic_b, (cov + k * prior_b) / (var + k))
+        if var >= 4.0 * k and my > 0:  # the data outweigh the prior (4:1): remember what they say at this size
+            rel = b * mt / my  # the marginal token's cost in average tokens' (1: fully compute-bound)
+            self._learnt[bucket] = rel if learnt is None else 0.9 * learnt + 0.1 * rel
         return max(my - b * mt, 1e-6), b
 
     def set_batch(self, rows: int, tokens: int) -> float:
@@ -516,11 +551,13 @@ class VllmDecoder:
         >>> out = dec.generate([{"role": "user", "content": q}], references=passages)  # doctest: +SKIP
         >>> out.text, out.stats.accepted, out.stats.by_drafter  # doctest: +SKIP
 
-    :meth:`generate_batch` runs several requests concurrently in vLLM's batch. Calls are
-    serialised on the engine (one thread drives it at a time). Stats: ``steps`` counts the
-    engine steps the request took part in (its prefill included); ``drafted`` / ``accepted``
-    per drafter come from the proposer (``time_s`` is the wall time of the call, shared
-    with whatever ran beside it).
+    :meth:`generate_batch` runs several requests concurrently in vLLM's batch, and so do
+    calls from several threads (or ``asyncio`` executors): they share the engine's batch
+    step by step (see :meth:`_run`). Stats: ``steps`` counts the engine steps the request
+    took part in (its prefill included); ``drafted`` / ``accepted`` per drafter come from
+    the proposer (``time_s`` is the wall time of the call, shared with whatever ran beside
+    it). On an engine with vLLM's own speculation (``speculation="ngram"``) the per-request
+    steps and drafts are unknown and left 0.
     """
 
     def __init__(self, llm: Any, config: DecoderConfig | None = None) -> None:
@@ -533,18 +570,25 @@ class VllmDecoder:
         self.vocab_size = int(mc.get_vocab_size())
         self.context_window: int | None = int(mc.max_model_len)
         spec = llm.llm_engine.vllm_config.speculative_config
-        self.speculative = spec is not None and spec.method == "custom_class" and spec.model == PROPOSER_PATH
+        if spec is None:
+            self.speculation = "off"
+        elif spec.method == "custom_class" and spec.model == PROPOSER_PATH:
+            self.speculation = "ours"
+        else:
+            self.speculation = str(spec.method)  # vLLM's own (ngram, suffix, a draft model, ...)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, mc)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the engine: add / step / abort / rpc, one thread at a time
+        self._inboxes: dict[str, queue.SimpleQueue] = {}  # request id -> its caller's outputs
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, config: DecoderConfig | None = None,
                         num_speculative_tokens: int | None = None, dtype: str = "float32",
-                        max_model_len: int = 4096, speculate: bool = True, **llm_kwargs: Any) -> VllmDecoder:
+                        max_model_len: int = 4096, speculation: str = "ours", **llm_kwargs: Any) -> VllmDecoder:
         """A ``vllm.LLM`` on ``name_or_path`` (``"smollm2-135m-instruct"``: the offline default,
         converted on first use) with :class:`RagProposer` proposing up to
         ``num_speculative_tokens`` (default: ``config.max_draft_tokens``, capped at 16) tokens a step.
-        ``speculate=False``: plain vLLM (the baseline). Other keywords go to ``vllm.LLM``."""
+        ``speculation="off"``: plain vLLM (the baseline); ``"ngram"``: vLLM's own prompt lookup
+        (references are then ignored; stats count no drafts). Other keywords go to ``vllm.LLM``."""
         try:
             from vllm import LLM
         except ImportError as e:
@@ -560,9 +604,10 @@ class VllmDecoder:
         k = num_speculative_tokens if num_speculative_tokens is not None else min(cfg.max_draft_tokens, 16)
         path = str(default_model_path()) if name_or_path == DEFAULT_MODEL else name_or_path
         kwargs: dict[str, Any] = dict(model=path, dtype=dtype, max_model_len=max_model_len, seed=0)
-        if speculate:
-            kwargs["speculative_config"] = {"method": "custom_class", "model": PROPOSER_PATH,
-                                            "num_speculative_tokens": int(k)}
+        spec = speculative_config(speculation, int(k))
+        if spec is not None:
+            kwargs["speculative_config"] = spec
+        if speculation == "ours":
             kwargs["logits_processors"] = [TRACKER_PATH]
         kwargs.update(llm_kwargs)
         return cls(LLM(**kwargs), cfg.replace(max_draft_tokens=max(cfg.max_draft_tokens, int(k))))
@@ -673,60 +718,105 @@ class VllmDecoder:
     # ------------------------------------------------------------ the engine loop
     def _run(self, reqs: list[tuple[list[int], list[str], Any]],
              outputs: list[GenerationOutput | None]) -> Iterator[tuple[int, str]]:
-        """Drive the engine until every request is done; yields ``(request index, text piece)``
-        and fills ``outputs``. Stop strings are ours (the same rule as the HF decoder): a
-        request that hits one is aborted in the engine."""
+        """Run ``reqs`` until each is done; yields ``(request index, text piece)`` and fills
+        ``outputs``. Stop strings are ours (the same rule as the HF decoder): a request that
+        hits one is aborted in the engine.
+
+        Calls from several threads run together in vLLM's batch: whichever caller needs an
+        output and finds none waiting takes the engine lock for ONE ``engine.step()`` and
+        hands every request's output to its owner (:meth:`_pump`); the lock is never held
+        while a caller processes or yields. A paused stream's request keeps decoding in
+        the batch (its outputs wait in its queue); a stream closed early aborts its requests.
+        """
         from vllm.sampling_params import RequestOutputKind
 
-        engine = self.llm.llm_engine
-        with self._lock:
-            t0 = time.perf_counter()
-            state: dict[str, dict[str, Any]] = {}
-            try:
+        t0 = time.perf_counter()
+        mine: dict[str, dict[str, Any]] = {}
+        try:
+            with self._lock:
                 for i, (ids, stops, params) in enumerate(reqs):
                     params.output_kind = RequestOutputKind.DELTA
                     rid = params.extra_args["rag_accel_id"]
-                    engine.add_request(rid, {"prompt_token_ids": ids}, params)
                     eos = set(self.eos_token_ids)  # grows if vLLM stops on a token we did not know
                     out = OutputText(self.tokenizer, stops, eos, params.max_tokens)  # type: ignore[arg-type]
-                    state[rid] = dict(i=i, prompt=len(ids), out=out, eos=eos)
-                live = set(state)
-                while live:
-                    for res in engine.step():
-                        s = state.get(res.request_id)
-                        if s is None or res.request_id not in live:
-                            continue
-                        out, comp = s["out"], res.outputs[0]
-                        new = list(comp.token_ids)
-                        if res.finished and comp.finish_reason == "stop" and new and new[-1] not in s["eos"]:
-                            s["eos"].add(new[-1])  # a stop token of vLLM's (generation config) we did not know
-                        _, piece = out.push(new)
-                        if piece:
+                    mine[rid] = dict(i=i, prompt=len(ids), out=out, eos=eos, inbox=queue.SimpleQueue())
+                    self._inboxes[rid] = mine[rid]["inbox"]
+                    self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            live = set(mine)
+            while live:
+                got = False
+                for rid in list(live):
+                    s = mine[rid]
+                    while rid in live:
+                        try:
+                            res = s["inbox"].get_nowait()
+                        except queue.Empty:
+                            break
+                        got = True
+                        for piece in self._take(rid, s, res, live):
                             yield s["i"], piece
-                        if out.finish is not None:
-                            live.discard(res.request_id)
-                            if not res.finished:  # a stop string: ours, not vLLM's
-                                engine.abort_request([res.request_id])
-            finally:
-                unfinished = [rid for rid, s in state.items() if s["out"].finish is None]
+                if not got:
+                    self._pump(live)
+        finally:
+            with self._lock:
+                for rid in mine:
+                    self._inboxes.pop(rid, None)
+                unfinished = [rid for rid, s in mine.items() if s["out"].finish is None]
                 if unfinished:
-                    engine.abort_request(unfinished)
-            elapsed = time.perf_counter() - t0
-            found = self._pop_stats(list(state)) if self.speculative else [None] * len(state)
-            for (rid, s), st in zip(state.items(), found):
-                out = s["out"]
-                stats = GenerationStats(prompt_tokens=s["prompt"], new_tokens=len(out.token_ids),
-                                        finish_reason=out.finish, time_s=elapsed)
-                if st is not None:
-                    stats.steps = st["steps"]
-                    stats.drafted, stats.accepted = st["drafted"], st["accepted"]
-                    stats.by_drafter = st["by_drafter"]
-                    stats.trace = [(a, b) for a, b in st["trace"]]
-                else:
-                    stats.steps = len(out.token_ids)
-                    stats.trace = [("", 1)] * len(out.token_ids)
-                outputs[s["i"]] = GenerationOutput(text=out.text, token_ids=out.token_ids, stats=stats)
+                    self.llm.llm_engine.abort_request(unfinished)
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            found = self._pop_stats(list(mine)) if self.speculation == "ours" else [None] * len(mine)
+        for (rid, s), st in zip(mine.items(), found):
+            outputs[s["i"]] = self._output(s, st, elapsed)
 
+    def _take(self, rid: str, s: dict[str, Any], res: Any, live: set[str]) -> Iterator[str]:
+        """One engine output of this caller's request ``rid``: its text piece, if any."""
+        out, comp = s["out"], res.outputs[0]
+        new = list(comp.token_ids)
+        if res.finished and comp.finish_reason == "stop" and new and new[-1] not in s["eos"]:
+            s["eos"].add(new[-1])  # a stop token of vLLM's (generation config) we did not know
+        _, piece = out.push(new)
+        if piece:
+            yield piece
+        if out.finish is not None:
+            live.discard(rid)
+            if not res.finished:  # a stop string: ours, not vLLM's
+                with self._lock:
+                    self.llm.llm_engine.abort_request([rid])
+        elif res.finished:  # vLLM ended it where our rules do not (aborted elsewhere): say so
+            live.discard(rid)
+            raise RuntimeError(f"rag_accel: vLLM ended request {rid} early ({comp.finish_reason!r} after "
+                               f"{len(out.token_ids)} tokens)")
+
+    def _pump(self, live: set[str]) -> None:
+        """One engine step, if nothing of ``live`` arrived meanwhile; outputs go to their owners."""
+        with self._lock:
+            if any(not self._inboxes[rid].empty() for rid in live if rid in self._inboxes):
+                return  # another caller's step brought ours
+            engine = self.llm.llm_engine
+            if not engine.has_unfinished_requests():
+                raise RuntimeError("rag_accel: the vLLM engine has no request of this call left "
+                                   "(aborted outside this decoder?)")
+            for res in engine.step():
+                inbox = self._inboxes.get(res.request_id)
+                if inbox is not None:
+                    inbox.put(res)
+
+    def _output(self, s: dict[str, Any], st: dict[str, Any] | None, elapsed: float) -> GenerationOutput:
+        out = s["out"]
+        stats = GenerationStats(prompt_tokens=s["prompt"], new_tokens=len(out.token_ids),
+                                finish_reason=out.finish, time_s=elapsed)
+        if st is not None:
+            stats.steps = st["steps"]
+            stats.drafted, stats.accepted = st["drafted"], st["accepted"]
+            stats.by_drafter = st["by_drafter"]
+            stats.trace = [(a, b) for a, b in st["trace"]]
+        elif self.speculation == "off":
+            stats.steps = len(out.token_ids)
+            stats.trace = [("", 1)] * len(out.token_ids)
+        # else: vLLM's own speculation: its steps and drafts per request are not known here (0)
+        return GenerationOutput(text=out.text, token_ids=out.token_ids, stats=stats)
 
     def _pop_stats(self, keys: list[str]) -> list[dict[str, Any] | None]:
         # A method name, not a pickled function: every executor (uni, mp) and both engine modes (in

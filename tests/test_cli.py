@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rag_accel.bench import ALL_METHODS
+from rag_accel.bench import ALL_METHODS, VLLM_METHODS
 from rag_accel.cli import app
 
 runner = CliRunner()
@@ -38,19 +38,22 @@ def test_demo_two_queries():
 
 @pytest.mark.slow
 def test_bench_all_methods_writes_json_md_png(tmp_path):
+    # The transformers methods (the vllm-* ones need the vLLM venv: tests/test_vllm.py runs them).
+    methods = [m for m in ALL_METHODS if m not in VLLM_METHODS]
     prefix = tmp_path / "b"
-    code, out = run("bench", "--items", "3", "--max-new-tokens", "12", "--methods", ",".join(ALL_METHODS),
+    code, out = run("bench", "--items", "3", "--max-new-tokens", "12", "--methods", ",".join(methods),
                     "--draft-model", "int8", "--out", str(prefix), "--save-outputs", str(tmp_path / "saved.json"))
     assert code == 0, out
     r = json.loads(prefix.with_suffix(".json").read_text())
-    assert set(r["summary"]) == set(ALL_METHODS)
+    assert set(r["summary"]) == set(methods)
     for s in r["summary"].values():
         assert {"median_latency_s", "tokens_per_s", "speedup_geomean", "speedup_worst", "tokens_per_step",
                 "identical_rate"} <= set(s)
         assert s["identical_rate"] == 1.0
     assert {"device", "model", "dtype", "date"} <= set(r["environment"]) and r["command"].startswith("rag-accel bench")
     assert r["environment"]["draft_model"] == "int8"
-    assert len(r["runs"]) == 3 * len(ALL_METHODS)
+    assert len(r["runs"]) == 3 * len(methods)
+    assert "machine load" in prefix.with_suffix(".md").read_text()
     assert prefix.with_suffix(".png").stat().st_size > 1000 and "| ours |" in prefix.with_suffix(".md").read_text()
     saved = json.loads((tmp_path / "saved.json").read_text())["outputs"]
     assert len(saved) == 3
@@ -95,7 +98,7 @@ def test_help_lists_types_defaults_and_choices_in_full(command):
     assert "<bool>" not in out and "…" not in out  # flags shown without a type, defaults never cut off
     assert re.search(r"--device <str>\s+cpu, cuda", out) and re.search(r"--dtype <str>\s+float32, float16", out)
     if command == "bench":
-        flat = " ".join(out.split())
+        flat = " ".join(re.sub(r"-\s+", "-", out).split())  # help text wraps at hyphens too
         assert all(m in flat for m in ALL_METHODS), flat
         assert "[default: greedy,hf-pld,ours,ours-fixed,ours-ref,ours-pld,ours-ngram]" in flat
 
@@ -188,3 +191,68 @@ def test_bench_repeats_runs_every_method_per_round():
     assert all(r.identical for r in runs)
     with pytest.raises(ValueError, match="repeats"):
         run_benchmark(dec, items, ["greedy"], 4, repeats=0)
+
+
+def _tiny_decoder():
+    from rag_accel.decoder import ReferenceDecoder
+    from rag_accel.models import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer("random:tiny", torch.device("cpu"), torch.float32)
+    return ReferenceDecoder(model, tok)
+
+
+def test_bench_reworded_case_gives_the_cached_answer_as_a_reference_outside_the_prompt():
+    from rag_accel.bench import REWORDED, reworded_items, run_benchmark, summarize
+    from rag_accel.data import load_msmarco_sample, rag_messages
+
+    items = load_msmarco_sample(with_answers=True, limit=2)
+    (item, refs), = reworded_items(items[:1], ["the cached answer"])
+    assert item.query == REWORDED.format(query=items[0].query.rstrip("?")) != items[0].query
+    assert refs == [*items[0].passages, "the cached answer"]
+    assert "the cached answer" not in str(rag_messages(item.query, item.passages))
+
+    dec = _tiny_decoder()
+    runs = run_benchmark(dec, items, ["greedy", "ours"], 12, reworded=1)
+    cases = sorted({(r.case, r.item) for r in runs})
+    assert cases == sorted([("rag", items[0].id), ("rag", items[1].id), ("reworded", f"{items[0].id}~reworded")])
+    assert all(r.identical and r.identical_hf for r in runs)  # ours equals greedy in both cases
+    s = summarize(runs, "reworded")
+    assert set(s) == {"greedy", "ours"} and s["ours"]["items"] == 1
+    assert summarize(runs)["ours"]["items"] == 2  # the default case leaves the reworded runs out
+    with pytest.raises(ValueError, match="reworded"):
+        run_benchmark(dec, items, ["greedy"], 4, reworded=3)
+
+
+def test_bench_vllm_methods_need_their_engines_and_cannot_be_target_forced():
+    from rag_accel.bench import run_benchmark
+    from rag_accel.data import load_msmarco_sample
+
+    dec = _tiny_decoder()
+    items = load_msmarco_sample(with_answers=True, limit=1)
+    with pytest.raises(ValueError, match="needs its vLLM engine"):
+        run_benchmark(dec, items, ["greedy", "vllm-ours"], 4)
+    with pytest.raises(ValueError, match="cannot force vLLM"):
+        run_benchmark(dec, items, ["vllm-ours"], 4, targets={items[0].id: [1, 2]})
+    code, out = run("bench", "--model", "random:tiny", "--target-forced", "human", "--items", "1",
+                    "--methods", "greedy,ours", "--concurrency", "4")
+    assert code == 2 and "--concurrency measures the vLLM methods" in out
+    try:
+        import vllm  # noqa: F401
+    except ImportError:  # this environment (the dev venv): the vllm-* methods say what to install
+        code, out = run("bench", "--items", "1", "--max-new-tokens", "4", "--methods", "greedy,vllm-ours")
+        assert code == 2 and "pip install 'rag-accel[vllm]'" in out
+
+
+def test_concurrency_summary_is_throughput_against_vllm_greedy_at_the_same_level():
+    from rag_accel.bench import BatchRun, concurrency_table, summarize_concurrency
+
+    runs = [BatchRun("vllm-greedy", 4, 0, 2.0, 400, 4, 4), BatchRun("vllm-ours", 4, 0, 1.0, 400, 4, 4),
+            BatchRun("vllm-greedy", 4, 1, 2.0, 400, 4, 4), BatchRun("vllm-ours", 4, 1, 3.0, 400, 3, 4),
+            BatchRun("vllm-greedy", 16, 0, 4.0, 1600, 16, 16), BatchRun("vllm-ours", 16, 0, 5.0, 1600, 16, 16)]
+    s = summarize_concurrency(runs)
+    assert s["vllm-ours@4"]["tokens_per_s"] == pytest.approx(800 / 4.0)
+    assert s["vllm-ours@4"]["vs_vllm_greedy"] == pytest.approx((800 / 4.0) / (800 / 4.0))
+    assert s["vllm-ours@4"]["identical_rate"] == pytest.approx(7 / 8)
+    assert s["vllm-ours@16"]["vs_vllm_greedy"] == pytest.approx(4.0 / 5.0)
+    table = concurrency_table(s)
+    assert "| vllm-ours | 200.0 (1.00x) | 320.0 (0.80x) | 88% / 100% |" in table

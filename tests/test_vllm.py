@@ -100,6 +100,30 @@ def test_step_costs_noise_never_makes_drafts_free():
     assert costs.batch_scale * BatchStepCosts.CURVE_SLOPE == pytest.approx(costs.slope)
 
 
+def test_step_costs_remember_a_busy_batch_after_it_stops_drafting():
+    """Sixteen compute-bound rows: every scheduled token costs its share (t = 20 ms x T). While
+    drafts vary T the slope is learnt; when the rows stop drafting (T = 16 for hundreds of
+    steps) the cost must stay what was learnt, not drift back to the cheap prior (which made
+    the rows draft again and lose: the cycle behind -3.3% at 16 in flight)."""
+    costs = BatchStepCosts()
+    rng = np.random.default_rng(1)
+    for _ in range(150):
+        tokens = 16 + int(rng.integers(0, 25))
+        costs.observe(tokens, 0.020 * tokens)
+    costs.set_batch(16, 16)
+    learnt = costs.slope
+    assert learnt == pytest.approx(1.0, rel=0.1)  # 16 rows x 20 ms / 320 ms: a draft token costs a step
+    for _ in range(400):
+        costs.observe(16, 0.020 * 16)
+    costs.set_batch(16, 16)
+    assert costs.slope == pytest.approx(learnt, rel=0.1)
+    fresh = BatchStepCosts()  # without that memory: the prior's cheap drafts
+    for _ in range(400):
+        fresh.observe(16, 0.020 * 16)
+    fresh.set_batch(16, 16)
+    assert fresh.slope < 0.5 * learnt
+
+
 def _fake_config(k=4, vocab=100):
     mc = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: vocab, tokenizer="unused")
     return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k), model_config=mc)
@@ -171,15 +195,15 @@ def baseline(items):
     """vLLM's own greedy outputs, speculation off (an engine without a speculative config):
     each item alone (batch 1), and the 8 concurrent requests of the batch test."""
     t0 = time.perf_counter()
-    dec = VllmDecoder.from_pretrained(MODEL, speculate=False, **ENGINE)
+    dec = VllmDecoder.from_pretrained(MODEL, speculation="off", **ENGINE)
     start = time.perf_counter() - t0
     alone = [dec.generate(rag_messages(it.query, it.passages), max_new_tokens=MAX_NEW).token_ids
              for it in items[:N_ITEMS]]
     batch = [o.token_ids for o in dec.generate_batch([rag_messages(it.query, it.passages) for it in items[:8]],
                                                      max_new_tokens=MAX_NEW)]
     texts = [dec.tokenizer.decode(ids, skip_special_tokens=True) for ids in alone]
+    yield SimpleNamespace(alone=alone, batch=batch, texts=texts, start_s=start, plain=dec)
     _shutdown(dec)
-    return SimpleNamespace(alone=alone, batch=batch, texts=texts, start_s=start)
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +271,62 @@ def test_eight_concurrent_requests_with_different_references(dec, items, baselin
     for i, out in enumerate(outs):
         assert out.token_ids == baseline.batch[i], f"request {i} ({kinds[i]}) differs from vLLM greedy"
     assert sum(o.stats.accepted for o in outs) > 0
+
+
+@pytest.mark.slow
+def test_calls_from_threads_share_the_batch(dec, items, baseline):
+    """Eight threads call ``generate`` at once, each with its own references: they run together in
+    vLLM's batch (no lock held across a call), and each output is vLLM's greedy output.
+
+    The reference outputs are the 8 requests of one ``generate_batch`` with speculation off and
+    the items alone: on this engine both are the same (asserted), so the arrival order of the
+    threads cannot change an exact comparison."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert baseline.batch[:N_ITEMS] == baseline.alone  # vLLM's CPU greedy does not depend on the batch here
+    kinds = ["passages", "right", "wrong", "other", "passages", "right", "wrong", "other"]
+    refs = [_references(k, i % N_ITEMS, items, baseline) for i, k in enumerate(kinds)]
+    prompts = [rag_messages(it.query, it.passages) for it in items[:8]]
+    most = [0]
+    real_step = dec.llm.llm_engine.step
+
+    def counting_step():
+        outs = real_step()
+        most[0] = max(most[0], dec.llm.llm_engine.get_num_unfinished_requests())
+        return outs
+
+    dec.llm.llm_engine.step = counting_step
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda i: dec.generate(prompts[i], refs[i], max_new_tokens=MAX_NEW), range(8)))
+    finally:
+        del dec.llm.llm_engine.step
+    for i, out in enumerate(outs):
+        assert out.token_ids == baseline.batch[i], f"thread {i} ({kinds[i]}) differs from vLLM greedy"
+    assert most[0] >= 4, f"at most {most[0]} requests were in the engine together: calls did not overlap"
+    assert sum(o.stats.accepted for o in outs) > 0
+
+
+@pytest.mark.slow
+def test_a_paused_stream_blocks_nobody_and_a_closed_one_leaves_nothing(dec, items, baseline):
+    msgs = [rag_messages(it.query, it.passages) for it in items[:2]]
+    stream = dec.stream(msgs[0], items[0].passages, max_new_tokens=MAX_NEW)
+    it = iter(stream)
+    first = next(it)  # the stream's request is in the engine now; nobody reads it for a while
+    import threading
+
+    other: list = []
+    t = threading.Thread(target=lambda: other.append(dec.generate(msgs[1], items[1].passages,
+                                                                  max_new_tokens=MAX_NEW)))
+    t.start()
+    t.join(timeout=300)
+    assert not t.is_alive() and other[0].token_ids == baseline.alone[1]
+    assert first + "".join(it) == stream.output.text and stream.output.token_ids == baseline.alone[0]
+    half = dec.stream(msgs[0], items[0].passages, max_new_tokens=MAX_NEW)
+    next(iter(half))
+    half.close()  # dropped half-read: its request is aborted, nothing waits for it
+    assert dec.llm.llm_engine.get_num_unfinished_requests() == 0
+    assert dec.generate(msgs[1], items[1].passages, max_new_tokens=MAX_NEW).token_ids == baseline.alone[1]
 
 
 @pytest.mark.slow
@@ -342,3 +422,30 @@ def test_agreement_with_transformers_generate(dec, items, baseline, record_prope
     record_property("vllm_hf_agreement", f"{agree}/{N_ITEMS}")
     print(f"\nvLLM float32 CPU greedy == transformers generate on {agree}/{N_ITEMS} items; "
           f"first differing token where not: {first_diff}")
+
+
+@pytest.mark.slow
+def test_bench_runs_the_vllm_methods_beside_the_transformers_ones(dec, items, baseline):
+    """``rag-accel bench``'s loop with vLLM engines: the same prompt ids for every method,
+    vLLM outputs compared with vllm-greedy (and with transformers' greedy), steps from the
+    engine; then the throughput loop with 2 requests in flight."""
+    from rag_accel.bench import run_benchmark, run_concurrency, summarize, summarize_concurrency
+    from rag_accel.decoder import ReferenceDecoder
+
+    hf = ReferenceDecoder.from_pretrained(MODEL)
+    engines = {"vllm-greedy": baseline.plain, "vllm-ours": dec}
+    runs = run_benchmark(hf, items[:2], ["greedy", "ours", "vllm-ours"], 24, engines=engines, reworded=1)
+    assert {(r.method, r.case) for r in runs} == {(m, c) for m in ("greedy", "ours", "vllm-ours", "vllm-greedy")
+                                                  for c in ("rag", "reworded")}
+    assert all(r.identical for r in runs)  # each equals its engine's greedy
+    by = {(r.method, r.item): r for r in runs}
+    for it in items[:2]:
+        assert by["vllm-greedy", it.id].steps == by["vllm-greedy", it.id].new_tokens  # one token a step
+        assert by["vllm-ours", it.id].steps < by["vllm-ours", it.id].new_tokens  # drafts were accepted
+    s = summarize(runs)
+    assert s["vllm-ours"]["tokens_per_step"] > 1.0 and "speedup_vs_vllm_greedy_geomean" in s["vllm-ours"]
+    assert 0.0 <= s["vllm-ours"]["identical_to_hf_greedy_rate"] <= 1.0
+    batch = run_concurrency(engines, hf, items, [2], 24, n_items=4)
+    c = summarize_concurrency(batch)
+    assert set(c) == {"vllm-greedy@2", "vllm-ours@2"} and c["vllm-ours@2"]["requests"] == 4
+    assert c["vllm-ours@2"]["identical_rate"] == 1.0
