@@ -33,7 +33,11 @@ def engine_section(path: Path) -> str:
     png = path.with_suffix(".png")
     if png.is_file():
         lines += ["", f"![per-item speed-up and tokens per step]({png.relative_to(ROOT)})"]
-    lines += ["", f"Reproduce: `{r['command']}`"]
+    if r.get("code_commit"):  # a run of code that is no longer on the branch: say where it runs
+        lines += ["", f"Reproduce (at commit {r['code_commit']}: {r['reproduce_note']}): "
+                      f"`git checkout {r['code_commit']} && {r['command']}`"]
+    else:
+        lines += ["", f"Reproduce: `{r['command']}`"]
     if r.get("note"):
         lines += ["", f"Note: {r['note']}"]
     return "\n".join(lines)

@@ -451,7 +451,21 @@ def environment(dec: ReferenceDecoder, model_name: str | None = None) -> dict[st
     }
 
 
-def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
+TABLE_LEGEND = """\
+- speed-up: per item, greedy's latency over the method's (an item's latency: the median of its runs);
+  geo-mean: the geometric mean over items.
+- worst item: the lowest per-item speed-up, and which item it was.
+- tokens/step: new tokens per model forward pass, prefill included, over all runs (greedy: 1.00).
+- tokens/s: new tokens over seconds, all runs together. median latency: the median over items.
+- identical: the share of runs whose token ids equal the item's first greedy run of the method's engine
+  (transformers' greedy; vllm-greedy for vllm-* methods), token for token."""
+ENGINES_LEGEND = """\
+- vs vllm-greedy: the geo-mean speed-up against vllm-greedy, per item as above (vllm-* methods).
+- identical to transformers' greedy: the same share against transformers' greedy, for every method."""
+
+
+def markdown_table(summary: dict[str, dict[str, Any]], legend: bool = True) -> str:
+    """The summary as a markdown table; with ``legend``, the definitions of its columns below it."""
     engines = any(m in VLLM_METHODS for m in summary)
     lines = [
         "| method | speed-up (geo-mean) | worst item | tokens/step | tokens/s | median latency (s) | identical |"
@@ -461,11 +475,13 @@ def markdown_table(summary: dict[str, dict[str, Any]]) -> str:
     for m, s in summary.items():
         vs = s.get("speedup_vs_vllm_greedy_geomean")
         lines.append(
-            f"| {m} | {s['speedup_geomean']:.2f}x | {s['speedup_worst']:.2f}x | {s['tokens_per_step']:.2f} | "
-            f"{s['tokens_per_s']:.1f} | {s['median_latency_s']:.2f} | {s['identical_rate']:.0%} |"
+            f"| {m} | {s['speedup_geomean']:.2f}x | {s['speedup_worst']:.2f}x ({s['worst_item']}) | "
+            f"{s['tokens_per_step']:.2f} | {s['tokens_per_s']:.1f} | {s['median_latency_s']:.2f} | "
+            f"{s['identical_rate']:.0%} |"
             + (f" {'-' if vs is None else f'{vs:.2f}x'} | {s['identical_to_hf_greedy_rate']:.0%} |" if engines else "")
         )
-    return "\n".join(lines)
+    notes = [TABLE_LEGEND, *([ENGINES_LEGEND] if engines else [])] if legend else []
+    return "\n".join(lines + ([""] + notes if notes else []))
 
 
 def plot(runs: Sequence[Run], path: str | Path, title: str) -> None:
@@ -482,9 +498,12 @@ def plot(runs: Sequence[Run], path: str | Path, title: str) -> None:
         sp = [seconds["greedy", it] / t for (mm, it), t in seconds.items() if mm == m]
         a.scatter([i + (j % 7 - 3) * 0.03 for j in range(len(sp))], sp, s=10, alpha=0.6)
         a.hlines(math.exp(sum(map(math.log, sp)) / len(sp)), i - 0.3, i + 0.3, colors="k")
-        b.bar(i, sum(r.new_tokens for r in runs if r.method == m) / sum(r.steps for r in runs if r.method == m))
-    for ax in (a, b):
-        ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
+    a.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
+    with_greedy = ["greedy", *methods]  # greedy's bar (1.00) is the baseline the others are read against
+    for i, m in enumerate(with_greedy):
+        b.bar(i, sum(r.new_tokens for r in runs if r.method == m) / sum(r.steps for r in runs if r.method == m),
+              color="grey" if m == "greedy" else f"C{i - 1}")
+    b.set_xticks(range(len(with_greedy)), with_greedy, rotation=30, ha="right")
     a.axhline(1.0, color="grey", lw=0.8, ls="--")
     a.set_ylabel("speed-up vs greedy (per item; bar = geo-mean)")
     b.set_ylabel("tokens per verification step")

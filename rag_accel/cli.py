@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,8 +15,16 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+from .bench import ALL_METHODS
+
+# Plain help (no rich panels): this typer's panels show flags such as --help with a "<bool>" type and cut
+# long defaults off with an ellipsis; click's own layout wraps them.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  context_settings={"max_content_width": 120},
                   help="Lossless reference decoding for RAG: see it work, and measure it against the peers.")
+DEVICE_HELP = "cpu, cuda, cuda:1 ... (default: CUDA if available, else cpu)."
+DTYPE_HELP = ("float32, float16, bfloat16 (default: float32 on CPU; on CUDA bfloat16, or float16 where bf16 is "
+              "unsupported).")
 
 
 class CliError(Exception):
@@ -37,93 +46,216 @@ def _load_decoder(model: str, device: Optional[str], dtype: Optional[str], draft
     return ReferenceDecoder.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model)
 
 
-def _index_for(corpus_items, embedder_name: str, corpus_path: Path, progress: bool):
-    """FAISS index over the corpus passages, cached on disk keyed by corpus + embedder."""
+def _index_path(corpus_items, embedder_name: str, corpus_path: Path) -> tuple[Path, dict[str, str]]:
+    """Where the index over these corpus passages is cached (keyed by corpus file, item count and
+    embedder), and the passages by id."""
     from .models import cache_home
+
+    passages = {f"{it.id}#{j}": p for it in corpus_items for j, p in enumerate(it.passages)}
+    st = corpus_path.stat()
+    key = hashlib.sha256(f"{corpus_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{len(passages)}|{embedder_name}"
+                         .encode())
+    return cache_home() / "indexes" / f"{key.hexdigest()[:16]}.idx", passages
+
+
+def _index_for(corpus_items, embedder_name: str, corpus_path: Path, progress: bool):
+    """FAISS index over the corpus passages, cached on disk; and whether it came from the cache."""
     from .retrieval import Embedder, VectorIndex
 
+    path, passages = _index_path(corpus_items, embedder_name, corpus_path)
     emb = Embedder(embedder_name)
-    passages, ids = {}, []
-    for it in corpus_items:
-        for j, p in enumerate(it.passages):
-            pid = f"{it.id}#{j}"
-            passages[pid] = p
-            ids.append(pid)
-    st = corpus_path.stat()
-    key = hashlib.sha256(f"{corpus_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{len(ids)}|{emb.name}".encode())
-    path = cache_home() / "indexes" / f"{key.hexdigest()[:16]}.idx"
     if path.is_file():
         try:
-            return VectorIndex.load(path, emb)
+            return VectorIndex.load(path, emb), True
         except ValueError:
             path.unlink()  # a stale or damaged cache file is rebuilt, never trusted
     index = VectorIndex(emb)
-    index.add([passages[i] for i in ids], ids=ids, show_progress=progress)
+    index.add(list(passages.values()), ids=list(passages), show_progress=progress)
     index.save(path)
-    return index
+    return index, False
+
+
+# The demo's answers: short, and ended at a blank line (SmolLM2-135M otherwise tends to go on with
+# more "Passage N: ..." text after its answer). bench keeps data.SYSTEM_PROMPT and no stop, as measured.
+DEMO_SYSTEM = "You are a helpful assistant. Answer the question in one or two sentences, using the passages."
+DEMO_STOPS = ["\n\n"]
+DEMO_CORPUS_ITEMS = 100  # 833 passages: about 2 min to embed on a 2-core CPU (all 300: 2,626, 6+ min)
+
+
+class _ForwardTimes:
+    """How many forward passes a call made and how long its first one (the prefill) took: hooks on the
+    model, the same for plain greedy and for us. Syncs a GPU around the first forward only."""
+
+    def __init__(self, model) -> None:
+        import torch
+
+        self.count, self.prefill_s, self._t0 = 0, 0.0, 0.0
+        self._sync = torch.cuda.synchronize if next(model.parameters()).device.type == "cuda" else (lambda: None)
+        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    def _pre(self, *_) -> None:
+        if self.count == 0:
+            self._sync()
+            self._t0 = time.perf_counter()
+
+    def _post(self, *_) -> None:
+        if self.count == 0:
+            self._sync()
+            self.prefill_s = time.perf_counter() - self._t0
+        self.count += 1
+
+    def run(self, fn):
+        """``fn()``'s output and its timing: total seconds, prefill seconds, forward passes."""
+        self.count = 0
+        self._sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self._sync()
+        return out, (time.perf_counter() - t0, self.prefill_s, self.count)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _median_run(timings: list[tuple[float, float, int]]) -> tuple[float, float, int, float]:
+    """The run of median total time (prefill and forwards from that same run), and the spread of the
+    totals: the largest distance from the median, relative."""
+    ordered = sorted(timings)
+    total, prefill, forwards = ordered[(len(ordered) - 1) // 2]
+    spread = max(abs(t - total) for t, _, _ in timings) / total
+    return total, prefill, forwards, spread
+
+
+def _where_the_time_went(name: str, total: float, prefill: float, forwards: int) -> str:
+    steps = forwards - 1
+    per_step = f" + {steps} steps x {1000 * (total - prefill) / steps:.0f} ms" if steps else ""
+    return f"{name} {total:.2f} s = prefill {prefill:.2f} s{per_step}"
 
 
 @app.command()
 def demo(
-    model: str = typer.Option("smollm2-135m-instruct", help="HF name, local folder, or the offline default."),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: CUDA if available)."),
-    dtype: Optional[str] = typer.Option(None, help="float32, float16, bfloat16 (default: auto)."),
+    model: str = typer.Option("smollm2-135m-instruct", help="HF name, local folder, or the offline default "
+                              "(SmolLM2-135M-Instruct de-quantised from a Q4_1 GGUF: tiny, runs anywhere offline)."),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     queries: int = typer.Option(3, min=1, help="How many sample questions to answer."),
-    corpus: Optional[Path] = typer.Option(None, help="MS-MARCO RAG jsonl (default: the bundled sample)."),
-    corpus_items: Optional[int] = typer.Option(None, min=1, help="Index only the first N corpus items."),
+    corpus: Optional[Path] = typer.Option(None, help="MS-MARCO RAG jsonl (default: the bundled 300-item sample)."),
+    corpus_items: int = typer.Option(DEMO_CORPUS_ITEMS, min=1, help="Index the passages of the first N corpus "
+                                     "items; the questions come from these items (the bundled sample has 300)."),
     embedder: str = typer.Option("multilingual-e5-small", help="sentence-transformers model for retrieval."),
     k: int = typer.Option(3, min=1, help="Passages retrieved per question."),
-    max_new_tokens: int = typer.Option(128, min=1),
+    max_new_tokens: int = typer.Option(128, min=1, help="Most new tokens per answer (it also ends at a blank line)."),
+    repeats: int = typer.Option(3, min=1, help="Timed runs of each decoder per question, interleaved; the median "
+                                "counts."),
 ) -> None:
-    """Index the MS-MARCO sample (FAISS + E5), answer sample questions with streaming,
-    and compare each answer with plain greedy decoding of the same prompt."""
+    """Answer sample questions over the MS-MARCO sample (FAISS + E5) and compare with plain greedy.
 
+    Each answer is streamed, then timed against the model's own greedy decoding of the same prompt
+    (median of --repeats interleaved runs each); the two outputs are compared token for token."""
     from .data import load_msmarco_sample, rag_messages, sample_path
+    from .models import DEFAULT_MODEL, cache_home, default_model_cached
+    from .retrieval import embedder_cached
 
     try:
         corpus_path = Path(corpus) if corpus else sample_path()
         items = load_msmarco_sample(corpus_path, limit=corpus_items)
         if not items:
             raise CliError(f"corpus {corpus_path} has no items")
-        typer.echo(f"Indexing {sum(len(i.passages) for i in items)} passages of {len(items)} items "
-                   f"from {corpus_path.name} with {embedder} ...")
-        index = _index_for(items, embedder, corpus_path, progress=True)
+        index_path, passages = _index_path(items, embedder, corpus_path)
+        first = [what for what, todo in (
+            (f"de-quantises {DEFAULT_MODEL} to float32 (about 30 s)",
+             model == DEFAULT_MODEL and not default_model_cached()),
+            (f"converts the {embedder} embedder (about 10 s)", not embedder_cached(embedder)),
+            (f"embeds {len(passages)} passages into a FAISS index (about {max(1, round(len(passages) / 400))} "
+             "min on a 2-core CPU, longer when it is busy)", not index_path.is_file())) if todo]
+        if first:
+            typer.echo(f"First run: this {'; '.join(first)}. All of it is cached under {cache_home()}, so later "
+                       "runs start in seconds.")
+        if index_path.is_file():
+            index, _ = _index_for(items, embedder, corpus_path, progress=True)  # (rebuilt if damaged)
+            typer.echo(f"Index: {len(index)} passages of the first {len(items)} items of {corpus_path.name} "
+                       f"({embedder}, from the cache)")
+        else:
+            typer.echo(f"Index: embedding {len(passages)} passages of the first {len(items)} items of "
+                       f"{corpus_path.name} with {embedder} ...")
+            index, _ = _index_for(items, embedder, corpus_path, progress=True)
         dec = _load_decoder(model, device, dtype)
     except (FileNotFoundError, ValueError, TypeError, CliError) as e:
         _fail(str(e))
-    typer.echo(f"Model {model} on {dec.device} ({str(dec.model.dtype).replace('torch.', '')}); "
-               "measuring the verification cost curve once ...")
+    what = (" (SmolLM2-135M-Instruct de-quantised from a Q4_1 GGUF: a tiny model that runs anywhere offline; "
+            "--model NAME_OR_PATH for a real one)" if model == DEFAULT_MODEL else "")
+    typer.echo(f"Model: {model}{what} on {dec.device}, {str(dec.model.dtype).replace('torch.', '')}")
+    typer.echo("Measuring once how much a forward pass costs with 1-10 draft tokens ...")
     dec.cost_curve(dec.config.max_draft_tokens)
     answered = [it for it in items if it.answers][:queries] or items[:queries]
-    for it in answered:
-        hits = index.search(it.query, k)
-        passages = [h.text for h in hits]
-        messages = rag_messages(it.query, passages)
-        typer.secho(f"\nQ: {it.query}", bold=True)
-        typer.echo("   retrieved: " + ", ".join(f"{h.doc_id} ({h.score:.3f})" for h in hits))
-        typer.echo("A: ", nl=False)
-        stream = dec.stream(messages, references=passages, max_new_tokens=max_new_tokens)
-        for piece in stream:
-            typer.echo(piece, nl=False)
-        out = stream.output
-        plain = dec.generate_greedy(messages, max_new_tokens=max_new_tokens)
-        greedy_s = plain.stats.time_s
-        s = out.stats
-        typer.secho(f"\n   {s.new_tokens} tokens, {s.tokens_per_step:.2f} tokens/step, {s.time_s:.2f}s vs plain "
-                    f"greedy {greedy_s:.2f}s: {greedy_s / s.time_s:.2f}x; identical to greedy: "
-                    f"{plain.token_ids == out.token_ids}", fg=typer.colors.GREEN)
+    timer = _ForwardTimes(dec.model)
+    gen = dict(max_new_tokens=max_new_tokens, stop=DEMO_STOPS)
+    totals = {"ours": [0.0, 0, 0], "greedy": [0.0, 0, 0]}  # seconds, tokens, forward passes
+    all_identical = True
+    try:
+        dec.generate_greedy(rag_messages(answered[0].query, [], DEMO_SYSTEM), max_new_tokens=8)  # warm-up
+        for it in answered:
+            hits = index.search(it.query, k)
+            texts = [h.text for h in hits]
+            messages = rag_messages(it.query, texts, DEMO_SYSTEM)
+            typer.secho(f"\nQ: {it.query}", bold=True)
+            typer.echo("   retrieved: " + ", ".join(f"{h.doc_id} ({h.score:.3f})" for h in hits))
+            typer.echo("A: ", nl=False)
+            stream = dec.stream(messages, references=texts, **gen)
+            for piece in stream:
+                typer.echo(piece, nl=False)
+            out = stream.output
+            s = out.stats
+            by = ", ".join(f"{n} {row['accepted']}/{row['drafted']}" for n, row in s.by_drafter.items())
+            typer.echo(f"\n   {s.new_tokens} tokens in {s.steps} forward passes ({s.tokens_per_step:.2f} tokens/step): "
+                       f"{s.accepted} of {s.drafted} drafted tokens accepted{' (' + by + ')' if by else ''}")
+            # Timing: the streamed run above is not counted (printing); `repeats` runs of each, interleaved.
+            runs = {"ours": [], "greedy": []}
+            identical = True
+            for r in range(repeats):
+                for name in (("greedy", "ours") if r % 2 == 0 else ("ours", "greedy")):
+                    if name == "ours":
+                        o, t = timer.run(lambda: dec.generate(messages, references=texts, **gen))
+                    else:
+                        o, t = timer.run(lambda: dec.generate_greedy(messages, **gen))
+                    identical &= o.token_ids == out.token_ids
+                    runs[name].append(t)
+            ours_t, greedy_t = _median_run(runs["ours"]), _median_run(runs["greedy"])
+            all_identical &= identical
+            for name, t in (("ours", ours_t), ("greedy", greedy_t)):
+                totals[name][0] += t[0]
+                totals[name][1] += len(out.token_ids)
+                totals[name][2] += t[2]
+            noise = max(ours_t[3], greedy_t[3])
+            typer.secho(f"   {_where_the_time_went('ours', *ours_t[:3])} | "
+                        f"{_where_the_time_went('greedy', *greedy_t[:3])}: {greedy_t[0] / ours_t[0]:.2f}x; "
+                        f"identical to greedy: {identical}", fg=typer.colors.GREEN)
+            if repeats > 1:
+                which = f"median of {repeats}" if repeats % 2 else f"lower middle of {repeats}"
+                typer.echo(f"   ({which} interleaved runs each; a side's runs varied by up to {noise:.0%})")
+    finally:
+        timer.close()
+    (o_s, o_tok, o_fw), (g_s, g_tok, g_fw) = totals["ours"], totals["greedy"]
+    typer.secho(f"\nAll {len(answered)} questions: ours {o_s:.2f} s vs greedy {g_s:.2f} s, {g_s / o_s:.2f}x; "
+                f"{o_tok} tokens in {o_fw} forward passes vs {g_fw} ({o_tok / o_fw:.2f} tokens/step); "
+                f"every answer identical to greedy: {all_identical}", bold=True)
+    typer.echo("Ours saves the forward passes whose tokens were accepted drafts; a step that verifies a draft "
+               "costs a little more than a plain one. Timings are this machine's, now: on a busy machine they move "
+               "by several percent between runs.")
 
 
 @app.command()
 def bench(
     model: str = typer.Option("smollm2-135m-instruct", help="HF name, local folder, offline default, or "
                               "random:<tiny|llama-1b|llama-8b> (random weights; use with --target-forced)."),
-    device: Optional[str] = typer.Option(None),
-    dtype: Optional[str] = typer.Option(None),
+    device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
+    dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     items: int = typer.Option(50, min=1, help="Answered sample items to run."),
-    max_new_tokens: int = typer.Option(128, min=1),
+    max_new_tokens: int = typer.Option(128, min=1, help="Most new tokens per answer."),
     methods: str = typer.Option("greedy,hf-pld,ours,ours-fixed,ours-ref,ours-pld,ours-ngram",
-                                help="Comma-separated; greedy always runs (it is the reference)."),
+                                help="Comma-separated, from: " + ", ".join(ALL_METHODS) + " (see the README's "
+                                "Command line section). greedy always runs (it is the reference)."),
     corpus: Optional[Path] = typer.Option(None, help="MS-MARCO RAG jsonl (default: the bundled sample)."),
     target_forced: Optional[str] = typer.Option(
         None, help="'human': force every method to decode the item's human answer; 'saved:FILE': force the "
@@ -224,7 +356,7 @@ def bench(
     if reworded_summary:
         extra_tables += ["", f"Cached-answer case ({reworded} items): the question reworded, greedy's answer to the "
                          "original as an extra reference that is not in the prompt:", "",
-                         markdown_table(reworded_summary)]
+                         markdown_table(reworded_summary, legend=False)]
     if batch_summary:
         extra_tables += ["", f"Throughput with several requests in flight (vLLM; {concurrency_items} items per level, "
                          "one generate_batch per group; the transformers methods run one request at a time):", "",

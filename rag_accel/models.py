@@ -9,8 +9,12 @@ a second afterwards.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +47,60 @@ def gguf_folder() -> Path:
     return folder
 
 
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers' progress bars off for a load or conversion that announces itself in one line instead:
+    "Loading weights", "Writing model shards", "Converting and de-quantizing GGUF tensors" (the GGUF
+    reader uses tqdm directly). Restored afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # a transformers without GGUF support: nothing to silence there
+        gguf_utils = None
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def announce(message: str) -> None:
+    """One line on stderr for a one-off step that takes a while (a conversion into the cache)."""
+    print(f"rag_accel: {message}", file=sys.stderr, flush=True)
+
+
+def _default_copy() -> Path:
+    return cache_home() / "smollm2-135m-instruct-f32"
+
+
+def default_model_cached() -> bool:
+    """Whether the float32 copy of the offline default model is made already (else the first use makes it)."""
+    return (_default_copy() / "config.json").is_file()
+
+
 def default_model_path() -> Path:
     """A float32 transformers copy of the offline default model, made on first use."""
-    target = cache_home() / "smollm2-135m-instruct-f32"
-    if (target / "config.json").is_file():
+    target = _default_copy()
+    if default_model_cached():
         return target
+    folder = gguf_folder()
+    announce(f"first use of {DEFAULT_MODEL}: de-quantising its Q4_1 GGUF to a float32 copy in {target} "
+             "(once, about 30 s) ...")
+    with quiet_loading():
+        return _convert_default_model(folder, target)
+
+
+def _convert_default_model(folder: Path, target: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = gguf_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
     # save_pretrained refuses a model still marked as GGUF-quantised; the weights are plain float32 now.
@@ -113,8 +163,10 @@ def load_model_and_tokenizer(
         )
     tok_kwargs = {k: model_kwargs[k] for k in ("gguf_file", "revision", "trust_remote_code") if k in model_kwargs}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, **tok_kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+        # The default model loads from the local copy in about a second: no progress bar for that.
+        with quiet_loading() if str(name_or_path) == DEFAULT_MODEL else nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(path, **tok_kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
     except OSError as e:
         raise FileNotFoundError(f"could not load model {name_or_path!r}: {e}") from e
     model.to(device)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+_short = reprlib.Repr()
+_short.maxstring = 80  # text in a repr: its start and end
+_short.maxlist = 8
 
 
 @dataclass
@@ -62,6 +67,17 @@ class GenerationStats:
         d["acceptance_rate"] = self.acceptance_rate
         return d
 
+    def __repr__(self) -> str:
+        # One readable line: the per-step trace (one entry per forward pass) is summarised by its
+        # length; ``stats.trace`` / ``to_dict()`` have it whole.
+        times = ", ".join(f"{k}={getattr(self, k):.3f}" for k in ("time_s", "prefill_s", "draft_s", "calibration_s")
+                          if getattr(self, k))
+        return (f"GenerationStats(new_tokens={self.new_tokens}, steps={self.steps}, "
+                f"tokens_per_step={'None' if self.tokens_per_step is None else f'{self.tokens_per_step:.2f}'}, "
+                f"drafted={self.drafted}, accepted={self.accepted}, "
+                f"by_drafter={self.by_drafter}, finish_reason={self.finish_reason!r}, "
+                f"prompt_tokens={self.prompt_tokens}{', ' + times if times else ''}, trace=<{len(self.trace)} steps>)")
+
 
 @dataclass
 class GenerationOutput:
@@ -72,6 +88,10 @@ class GenerationOutput:
     @property
     def finish_reason(self) -> str:
         return self.stats.finish_reason
+
+    def __repr__(self) -> str:
+        return (f"GenerationOutput(text={_short.repr(self.text)}, token_ids=<{len(self.token_ids)} ids>, "
+                f"stats={self.stats!r})")
 
     def steps(self) -> list[tuple[str, list[int]]]:
         """The output split by forward pass: (drafter whose draft was verified, ``""`` for a

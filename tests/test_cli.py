@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -21,11 +22,18 @@ def run(*args):
 
 @pytest.mark.slow
 def test_demo_two_queries():
-    code, out = run("demo", "--queries", "2", "--corpus-items", "4", "--max-new-tokens", "24")
+    args = ("demo", "--queries", "2", "--corpus-items", "4", "--max-new-tokens", "24", "--repeats", "2")
+    code, out = run(*args)
     assert code == 0, out
     assert out.count("Q: ") == 2
-    assert out.count("identical to greedy: True") == 2
+    assert out.count("identical to greedy: True") == 2 and "every answer identical to greedy: True" in out
     assert "retrieved: msmarco-" in out and "tokens/step" in out
+    assert out.count("ours ") >= 2 and "prefill" in out and "lower middle of 2 interleaved runs" in out
+    assert "All 2 questions: ours " in out
+    code, again = run(*args)  # the index now comes from the cache
+    assert code == 0, again
+    assert "(multilingual-e5-small, from the cache)" in again and "embedding" not in again
+    assert "First run" not in again
 
 
 @pytest.mark.slow
@@ -80,6 +88,51 @@ def test_bad_arguments_give_a_clear_message(args, msg):
     code, out = run(*args)
     assert code == 2
     assert msg in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_help_lists_types_defaults_and_choices_in_full(command):
+    result = runner.invoke(app, [command, "--help"], terminal_width=200)  # 80 columns break names at hyphens
+    code, out = result.exit_code, result.output
+    assert code == 0, out
+    assert "<bool>" not in out and "…" not in out  # flags shown without a type, defaults never cut off
+    assert re.search(r"--device <str>\s+cpu, cuda", out) and re.search(r"--dtype <str>\s+float32, float16", out)
+    if command == "bench":
+        flat = " ".join(re.sub(r"-\s+", "-", out).split())  # help text wraps at hyphens too
+        assert all(m in flat for m in ALL_METHODS), flat
+        assert "[default: greedy,hf-pld,ours,ours-fixed,ours-ref,ours-pld,ours-ngram]" in flat
+
+
+def test_bench_markdown_defines_its_columns_and_the_plot_shows_greedy(tmp_path):
+    from rag_accel.bench import Run, markdown_table, plot, summarize
+
+    rs = [Run("greedy", "a", 1.0, 10, 10, True), Run("ours", "a", 0.5, 10, 4, True),
+          Run("greedy", "b", 1.0, 10, 10, True), Run("ours", "b", 2.0, 10, 9, False)]
+    table = markdown_table(summarize(rs))
+    assert "| ours | 1.00x | 0.50x (b) |" in table
+    assert "- worst item: the lowest per-item speed-up" in table and "- identical: " in table
+    assert markdown_table(summarize(rs), legend=False).splitlines()[-1].startswith("| ours |")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    saved = {}
+    real_savefig = plt.Figure.savefig
+
+    def keep(fig, path, **kw):
+        saved["fig"] = fig
+        return real_savefig(fig, path, **kw)
+
+    plt.Figure.savefig = keep
+    try:
+        plot(rs, tmp_path / "p.png", "t")
+    finally:
+        plt.Figure.savefig = real_savefig
+    speedups, steps = saved["fig"].axes
+    assert [t.get_text() for t in steps.get_xticklabels()] == ["greedy", "ours"]
+    assert [round(b.get_height(), 2) for b in steps.patches] == [1.0, round(20 / 13, 2)]
+    assert [t.get_text() for t in speedups.get_xticklabels()] == ["ours"]
 
 
 def test_malformed_corpus(tmp_path):

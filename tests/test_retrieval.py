@@ -46,6 +46,16 @@ def test_e5_uses_its_prefixes_and_normalises(e5, minilm):
     assert not np.allclose(e5.embed_queries(["hello world"]), v)  # the prefix matters
 
 
+def test_progress_bar_counts_passages_and_keeps_their_order(passages, capsys):
+    texts = passages[:40]  # chunks of 4 batches, encoded longest first, returned in the given order
+    small = Embedder(OFFLINE_MINILM, batch_size=4)
+    quiet = small.embed_passages(texts)
+    shown = small.embed_passages(texts, show_progress=True)
+    assert np.allclose(shown, quiet, atol=1e-5)
+    err = capsys.readouterr().err
+    assert "Embedding passages" in err and "40/40" in err and "Batches" not in err
+
+
 @pytest.mark.parametrize("which", ["e5", "minilm"])
 @pytest.mark.parametrize("kind", ["flat", "hnsw"])
 def test_search_returns_the_planted_passage(request, passages, which, kind):

@@ -95,6 +95,17 @@ def test_steps_split_the_output_by_forward_pass(setup):
     assert sum(len(t) - 1 for s, t in steps[1:]) == out.stats.accepted  # each step: accepted + 1 own token
 
 
+def test_reprs_stay_one_short_line(setup):
+    dec, prompt, want, text = setup
+    out = dec.generate(prompt, max_new_tokens=40,
+                       drafters=[OracleDrafter(want, len(prompt), "mix", dec.vocab_size, seed=3)])
+    r = repr(out)
+    assert "\n" not in r and len(r) < 600, r  # not the whole per-step trace nor every token id
+    assert f"token_ids=<{len(out.token_ids)} ids>" in r and f"trace=<{out.stats.steps} steps>" in r
+    assert f"new_tokens={out.stats.new_tokens}" in repr(out.stats) and "tokens_per_step=" in repr(out.stats)
+    assert len(out.stats.trace) == out.stats.steps  # the trace itself is all there
+
+
 def test_copy_spans_locate_copied_runs_and_render(setup, tokenizer):
     from rag_accel import ReferenceDrafter
     from rag_accel.viz import copy_spans, steps_html
