@@ -172,19 +172,14 @@ def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: di
     return run_ours
 
 
-def _accepted(vdec: Any) -> int:
-    """vLLM's spec-decode counter of accepted draft tokens (all requests so far)."""
-    return int(sum(m.value for m in vdec.llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens"))
-
-
 def _vllm_runner(vdec: Any, method: str, max_new_tokens: int) -> Runner:
     ours = method == "vllm-ours"
 
     def run_vllm(ids: list[int], refs: list[str]) -> tuple[list[int], int | None]:
-        before = _accepted(vdec) if method == "vllm-ngram" else 0
+        # steps: the engine steps that gave this request tokens (VllmDecoder counts them for every kind of
+        # speculation). Not vLLM's Prometheus counters: each engine made in a process unregisters the
+        # earlier engines' collectors, so with three engines the n-gram one's counts read as 0.
         out = vdec.generate(ids, refs if ours else None, max_new_tokens=max_new_tokens)
-        if method == "vllm-ngram":  # one request at a time: the counter's change is this request's
-            return out.token_ids, len(out.token_ids) - (_accepted(vdec) - before)
         return out.token_ids, out.stats.steps
 
     return run_vllm
@@ -194,8 +189,8 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
                  max_model_len: int = 4096) -> dict[str, Any]:
     """One :class:`rag_accel.vllm.VllmDecoder` per vLLM method in ``methods`` (``vllm-greedy``
     always, the baseline): float32 unless ``dtype``, eager mode, prefix caching off (a repeated
-    prompt must not skip its prefill for one method and not another), stats on (the n-gram
-    counters), up to ``k`` draft tokens a step for both proposers."""
+    prompt must not skip its prefill for one method and not another), up to ``k`` draft tokens a
+    step for both proposers."""
     try:
         import vllm  # noqa: F401
 
@@ -209,8 +204,7 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
         for m in wanted:
             engines[m] = VllmDecoder.from_pretrained(
                 model, speculation=VLLM_METHODS[m], num_speculative_tokens=k, dtype=dtype,
-                max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
-                disable_log_stats=False)
+                max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False)
     except BaseException:
         for e in engines.values():
             e.close()

@@ -236,7 +236,7 @@ def demo(
                 typer.echo(f"   ({which} interleaved runs each; a side's runs varied by up to {noise:.0%})")
     finally:
         timer.close()
-    (o_s, o_tok, o_fw), (g_s, g_tok, g_fw) = totals["ours"], totals["greedy"]
+    (o_s, o_tok, o_fw), (g_s, _, g_fw) = totals["ours"], totals["greedy"]
     typer.secho(f"\nAll {len(answered)} questions: ours {o_s:.2f} s vs greedy {g_s:.2f} s, {g_s / o_s:.2f}x; "
                 f"{o_tok} tokens in {o_fw} forward passes vs {g_fw} ({o_tok / o_fw:.2f} tokens/step); "
                 f"every answer identical to greedy: {all_identical}", bold=True)

@@ -619,8 +619,8 @@ class VllmDecoder:
     step by step (see :meth:`_run`). Stats: ``steps`` counts the engine steps the request
     took part in (its prefill included); ``drafted`` / ``accepted`` per drafter come from
     the proposer (``time_s`` is the wall time of the call, shared with whatever ran beside
-    it). On an engine with vLLM's own speculation (``speculation="ngram"``) the per-request
-    steps and drafts are unknown and left 0.
+    it). On an engine with vLLM's own speculation (``speculation="ngram"``) ``steps`` counts
+    the engine steps that gave the request tokens (one output each), and drafts are unknown (0).
     """
 
     def __init__(self, llm: Any, config: DecoderConfig | None = None) -> None:
@@ -802,7 +802,7 @@ class VllmDecoder:
                     rid = params.extra_args["rag_accel_id"]
                     eos = set(self.eos_token_ids)  # grows if vLLM stops on a token we did not know
                     out = OutputText(self.tokenizer, stops, eos, params.max_tokens)  # type: ignore[arg-type]
-                    mine[rid] = dict(i=i, prompt=len(ids), out=out, eos=eos, inbox=queue.SimpleQueue())
+                    mine[rid] = dict(i=i, prompt=len(ids), out=out, eos=eos, inbox=queue.SimpleQueue(), steps=0)
                     self._inboxes[rid] = mine[rid]["inbox"]
                     self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params)
             live = set(mine)
@@ -837,6 +837,7 @@ class VllmDecoder:
         """One engine output of this caller's request ``rid``: its text piece, if any."""
         out, comp = s["out"], res.outputs[0]
         new = list(comp.token_ids)
+        s["steps"] += bool(new)  # one output with tokens per engine step that verified this request
         if res.finished and comp.finish_reason == "stop" and new and new[-1] not in s["eos"]:
             s["eos"].add(new[-1])  # a stop token of vLLM's (generation config) we did not know
         _, piece = out.push(new)
@@ -875,10 +876,10 @@ class VllmDecoder:
             stats.drafted, stats.accepted = st["drafted"], st["accepted"]
             stats.by_drafter = st["by_drafter"]
             stats.trace = [(a, b) for a, b in st["trace"]]
-        elif self.speculation == "off":
-            stats.steps = len(out.token_ids)
-            stats.trace = [("", 1)] * len(out.token_ids)
-        # else: vLLM's own speculation: its steps and drafts per request are not known here (0)
+        else:  # no proposer of ours: the engine steps that gave this request tokens (drafts unknown: 0)
+            stats.steps = s["steps"]
+            if self.speculation == "off":
+                stats.trace = [("", 1)] * len(out.token_ids)
         return GenerationOutput(text=out.text, token_ids=out.token_ids, stats=stats)
 
     def _pop_stats(self, keys: list[str]) -> list[dict[str, Any] | None]:

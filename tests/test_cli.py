@@ -63,11 +63,10 @@ def test_bench_all_methods_writes_json_md_png(tmp_path):
 
 def test_target_forced_makes_every_method_decode_the_target(tmp_path):
     from rag_accel.bench import run_benchmark
+    from rag_accel.config import DecoderConfig
     from rag_accel.data import load_msmarco_sample
     from rag_accel.decoder import ReferenceDecoder
     from rag_accel.models import load_model_and_tokenizer
-
-    from rag_accel.config import DecoderConfig
 
     model, tok = load_model_and_tokenizer("random:tiny", torch.device("cpu"), torch.float32)
     # A verify step costs the same with or without a draft, as the curve says and as the decoder's

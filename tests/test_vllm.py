@@ -262,6 +262,25 @@ def test_our_counts_are_vllms_counts(dec, items, baseline):
 
 
 @pytest.mark.slow
+def test_vllm_ngram_engine_equals_greedy_and_counts_its_steps(items, baseline):
+    """The benchmark's peer, vLLM's own n-gram speculation, through the same decoder: outputs
+    equal vLLM greedy, and ``steps`` counts the engine steps that gave the request tokens
+    (the answers copy from the passages in the prompt, so some steps bring several tokens;
+    with speculation off every step brings one)."""
+    plain = baseline.plain.generate(rag_messages(items[0].query, items[0].passages), max_new_tokens=MAX_NEW)
+    assert plain.stats.steps == plain.stats.new_tokens == len(baseline.alone[0])
+    ngram = VllmDecoder.from_pretrained(MODEL, speculation="ngram", num_speculative_tokens=K, **ENGINE)
+    try:
+        outs = [ngram.generate(rag_messages(it.query, it.passages), max_new_tokens=MAX_NEW) for it in items[:N_ITEMS]]
+    finally:
+        _shutdown(ngram)
+    assert [o.token_ids for o in outs] == baseline.alone
+    assert all(0 < o.stats.steps <= o.stats.new_tokens for o in outs)
+    assert sum(o.stats.steps for o in outs) < sum(o.stats.new_tokens for o in outs)
+    assert all(o.stats.drafted == o.stats.accepted == 0 for o in outs)  # vLLM's drafts are not ours to count
+
+
+@pytest.mark.slow
 def test_eight_concurrent_requests_with_different_references(dec, items, baseline):
     kinds = ["passages", "right", "wrong", "other", "passages", "right", "wrong", "other"]
     prompts = [rag_messages(it.query, it.passages) for it in items[:8]]
