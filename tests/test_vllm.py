@@ -271,10 +271,10 @@ def test_vllm_ngram_engine_equals_greedy_and_counts_its_steps(items, baseline):
     assert plain.stats.steps == plain.stats.new_tokens == len(baseline.alone[0])
     ngram = VllmDecoder.from_pretrained(MODEL, speculation="ngram", num_speculative_tokens=K, **ENGINE)
     try:
-        outs = [ngram.generate(rag_messages(it.query, it.passages), max_new_tokens=MAX_NEW) for it in items[:N_ITEMS]]
+        outs = [ngram.generate(rag_messages(it.query, it.passages), max_new_tokens=MAX_NEW) for it in items[:3]]
     finally:
         _shutdown(ngram)
-    assert [o.token_ids for o in outs] == baseline.alone
+    assert [o.token_ids for o in outs] == baseline.alone[:3]
     assert all(0 < o.stats.steps <= o.stats.new_tokens for o in outs)
     assert sum(o.stats.steps for o in outs) < sum(o.stats.new_tokens for o in outs)
     assert all(o.stats.drafted == o.stats.accepted == 0 for o in outs)  # vLLM's drafts are not ours to count
