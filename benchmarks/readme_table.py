@@ -30,6 +30,19 @@ def engine_section(path: Path) -> str:
     for m, v in s.items():
         lines.append(f"| {m} | {v['speedup_geomean']:.2f}x | {v['speedup_worst']:.2f}x | "
                      f"{v['tokens_per_step']:.2f} | {v['tokens_per_s']:.1f} | {v['identical_rate']:.0%} |")
+    if env.get("vllm"):  # the vLLM methods beside the transformers ones: the bench's own tables
+        from rag_accel.bench import concurrency_table, markdown_table
+
+        lines[2:] = [f"vLLM {env['vllm']}, {env['num_speculative_tokens']} draft tokens per step, env "
+                     f"`{env.get('vllm_env', {})}`; machine load (1/5/15 min, 2 cores) before {env.get('load_before')}, "
+                     f"after {env.get('load_after')}.", "", markdown_table(s)]
+        if r.get("reworded_summary"):
+            lines += ["", f"Cached-answer case ({r['reworded']} items): the question reworded, greedy's answer to the "
+                          "original as an extra reference that is not in the prompt:", "",
+                      markdown_table(r["reworded_summary"], legend=False)]
+        if r.get("concurrency_summary"):
+            lines += ["", "Throughput with several requests in flight (vLLM; the transformers methods run one "
+                          "request at a time):", "", concurrency_table(r["concurrency_summary"])]
     png = path.with_suffix(".png")
     if png.is_file():
         lines += ["", f"![per-item speed-up and tokens per step]({png.relative_to(ROOT)})"]
