@@ -155,6 +155,20 @@ def vllm_section(path: Path) -> str:
     return "\n".join(lines)
 
 
+def serve_section(path: Path) -> str:
+    from serve_bench import table  # benchmarks/serve_bench.py (this folder is on sys.path when run as a script)
+
+    r = json.loads(path.read_text())
+    a = r["args"]
+    return "\n".join([
+        f"**Serving through HTTP** ({r['model']}, {r['device']}, {r['vllm']}, {r['date'][:10]}; {r['label']}; "
+        f"[json]({path.relative_to(ROOT)})): `rag-accel serve` with `--speculation off | ngram | ours`, one server "
+        f"after the other, the same {r['items']} MS-MARCO items ({a['new']} new tokens, greedy, the passages in the "
+        "prompt and as `vllm_xargs` references) sent by the real `openai` client with c requests in flight: "
+        "tokens/s over all requests, request latency p50 / p99, outputs identical to the off server's, tokens per "
+        "step from the server's spec-decode counters.", "", *table(r), "", f"Reproduce: `{r['command']}`"])
+
+
 def main() -> None:
     res = ROOT / "benchmarks" / "results"
     parts = [engine_section(p) for p in sorted(res.glob("bench_*.json"))]
@@ -164,6 +178,8 @@ def main() -> None:
     parts += [cache_section(p) for p in sorted(res.glob("cache_multiturn_*.json"))]
     parts += [coupling_section(p) for p in sorted(res.glob("coupling_*.json"))]
     parts += [vllm_section(p) for p in sorted(res.glob("vllm_cpu_*.json")) if not p.stem.endswith("_rerun")]
+    # the busy smoke run shows the script works, its speeds compare nothing (its own note says so)
+    parts += [serve_section(p) for p in sorted(res.glob("serve_*.json")) if not p.stem.endswith("_busy")]
     readme = ROOT / "README.md"
     text = readme.read_text()
     a, b = text.index(START) + len(START), text.index(END)

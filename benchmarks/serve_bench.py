@@ -117,7 +117,8 @@ def bench_server(method, prompts, refs, args, env, baseline):
     return r
 
 
-def write_md(res, path):
+def table(res) -> list[str]:
+    """The results table, then one line per speculating server: its tokens/s over the off server's."""
     cs = res["args"]["concurrency"]
     levels = " | ".join(f"tok/s c={c} | p50 / p99 s c={c}" for c in cs)
     head = f"| server | {levels} | identical vs off | tokens/step |"
@@ -140,6 +141,10 @@ def write_md(res, path):
                 if a.get("tokens_per_s") and b.get("tokens_per_s"):
                     parts.append(f"c={c} {a['tokens_per_s'] / b['tokens_per_s']:.2f}x")
             ratios.append(f"- {m} vs off (tokens/s): " + ", ".join(parts))
+    return [*rows, "", *ratios]
+
+
+def write_md(res, path):
     loads = [f"- {m}: load before {r['load_before']}, after {r['load_after']}; start {r.get('server_start_s')} s; "
              f"stopped cleanly: {r.get('stopped_cleanly')}" for m, r in res["methods"].items()]
     text = "\n".join([
@@ -148,7 +153,7 @@ def write_md(res, path):
         f"- command: `{res['command']}`", f"- vLLM: {res['vllm']}; server env: {json.dumps(res['server_env'])}",
         f"- {res['items']} MS-MARCO items, {res['args']['new']} new tokens each, greedy, float32, prefix caching "
         "off, `--enforce-eager`; the same items at every concurrency c (requests in flight)",
-        f"- status: {res['status']}", "", *rows, "", *ratios, "",
+        f"- status: {res['status']}", "", *table(res), "",
         "Machine load (`os.getloadavg`, 1/5/15 min):", *loads, ""])
     Path(path).write_text(text)
 
