@@ -54,7 +54,13 @@ OUR_METHODS: dict[str, dict[str, Any]] = {
 BASELINES = ("greedy", "hf-pld", "hf-assisted")
 NEEDS_DRAFT_MODEL = ("ours-draft", "ours-hybrid", "hf-assisted")
 # name -> the engine's speculation (rag_accel.vllm.SPECULATION); each runs on its own vLLM engine.
-VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-ours": "ours"}
+VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-suffix": "suffix", "vllm-ours": "ours"}
+# Methods whose engine copies from its own earlier outputs (vLLM's suffix decoding keeps a tree of past
+# responses): run on a prompt it has answered before, it copies that answer. So the benchmark never shows
+# them a prompt twice: the warm-up is an item that is not timed, one round per item, and they sit out the
+# concurrency table (its levels repeat the items). In the reworded case they have the original question's
+# answer in that tree, as a deployed engine would: the peer of our cached-answer reference.
+REMEMBERS_OUTPUTS = ("vllm-suffix",)
 ALL_METHODS = (*BASELINES, *OUR_METHODS, *VLLM_METHODS)
 REWORDED = "Could you tell me: {query}?"  # the reworded question of the cached-answer case
 
@@ -230,6 +236,7 @@ def run_benchmark(
     repeats: int = 1,
     engines: dict[str, Any] | None = None,
     reworded: int = 0,
+    warmup: RagItem | None = None,
 ) -> list[Run]:
     """Run ``methods`` on ``items``, ``repeats`` rounds per item; with ``targets``
     (item id -> token ids) every method is forced to decode that target (see
@@ -237,7 +244,8 @@ def run_benchmark(
     its engine's greedy (:func:`baseline_of`) and with transformers' greedy. ``engines``:
     the vLLM methods' decoders (:func:`vllm_engines`). ``reworded``: then that many of the
     items again as :func:`reworded_items` (references: the passages + greedy's answer to the
-    original question), all methods, ``case="reworded"``."""
+    original question), all methods, ``case="reworded"``. ``warmup``: the item of the untimed
+    warm-up (default: the first item; one not among ``items`` for :data:`REMEMBERS_OUTPUTS`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if "greedy" not in methods:
@@ -248,6 +256,13 @@ def run_benchmark(
         raise ValueError("--target-forced hooks the transformers model; it cannot force vLLM's engines")
     if reworded < 0 or reworded > len(items):
         raise ValueError(f"reworded must be in [0, {len(items)}] (the items run), got {reworded}")
+    remembers = [m for m in methods if m in REMEMBERS_OUTPUTS]
+    if remembers and repeats > 1:
+        raise ValueError(f"{remembers} copy their own earlier outputs: a second round of an item would copy the "
+                         "first; run them with repeats=1")
+    if remembers and (warmup is None or warmup.id in {it.id for it in items}):
+        raise ValueError(f"{remembers} copy their own earlier outputs: warm up on an item that is not timed "
+                         "(warmup=...)")
     runners = {m: _runner(dec, m, max_new_tokens, engines) for m in methods}
     cases = [(it, list(it.passages), "rag") for it in items]
     forcing = None
@@ -261,11 +276,12 @@ def run_benchmark(
     answers: dict[str, list[int]] = {}  # item id -> greedy's output (the cached answer of the reworded case)
     try:
         # Warm-up on the first item, untimed (also measures our cost curve once, outside the timings).
-        ids0 = dec.encode_prompt(rag_messages(items[0].query, items[0].passages))
+        first = warmup or items[0]
+        ids0 = dec.encode_prompt(rag_messages(first.query, first.passages))
         for m in methods:
             if forcing is not None:
-                forcing.set(len(ids0), targets[items[0].id])
-            runners[m](ids0, list(items[0].passages))
+                forcing.set(len(ids0), targets[first.id])
+            runners[m](ids0, list(first.passages))
         i = 0
         while i < len(cases):
             item, refs, case = cases[i]
@@ -325,10 +341,11 @@ def run_concurrency(engines: dict[str, Any], dec: ReferenceDecoder, items: Seque
     """Throughput of the vLLM methods with ``c`` requests in flight, for each ``c`` in ``levels``:
     the first ``n_items`` items in groups of ``c`` (one ``generate_batch`` each, every request
     with its own passages as references), the methods' order rotating per group; outputs
-    compared with ``vllm-greedy``'s for the same group."""
+    compared with ``vllm-greedy``'s for the same group. :data:`REMEMBERS_OUTPUTS` sit out (the
+    items were answered before)."""
     if any(c < 1 for c in levels):
         raise ValueError(f"concurrency levels must be >= 1, got {list(levels)}")
-    methods = list(engines)
+    methods = [m for m in engines if m not in REMEMBERS_OUTPUTS]
     prompts = [dec.encode_prompt(rag_messages(it.query, it.passages)) for it in items[:n_items]]
     refs = [list(it.passages) for it in items[:n_items]]
     runs: list[BatchRun] = []

@@ -272,12 +272,13 @@ def bench(
                                     "comma-separated (e.g. 4,16)."),
     concurrency_items: int = typer.Option(16, min=1, help="Items run at each --concurrency level."),
     num_speculative_tokens: int = typer.Option(10, min=1, max=64, help="vLLM methods: draft tokens per step "
-                                               "(both vllm-ngram and vllm-ours)."),
+                                               "(vllm-ngram, vllm-suffix and vllm-ours)."),
     max_model_len: int = typer.Option(4096, min=64, help="vLLM methods: the engines' context length."),
     out: Path = typer.Option(Path("benchmarks/results/bench"), help="Output prefix: .json, .md, .png"),
 ) -> None:
     """Run greedy, Hugging Face prompt lookup and our configurations side by side on the same items
-    (and vLLM: vllm-greedy, vllm-ngram, vllm-ours, with rag-accel[vllm] installed)."""
+    (and vLLM: vllm-greedy, vllm-ngram, vllm-suffix, vllm-ours, with rag-accel[vllm] installed;
+    vllm-suffix needs arctic-inference)."""
     from .bench import (
         ALL_METHODS,
         VLLM_METHODS,
@@ -310,9 +311,11 @@ def bench(
     engines: dict = {}
     try:
         want_answers = target_forced == "human"
-        sample = load_msmarco_sample(corpus, with_answers=True, limit=items)
+        sample = load_msmarco_sample(corpus, with_answers=True, limit=items + 1)
         if not sample:
             raise CliError("no answered items in the corpus")
+        # the warm-up item is one that is not timed (vllm-suffix would otherwise copy its own answer to it)
+        warmup, sample = (sample[items], sample[:items]) if len(sample) > items else (None, sample)
         dec = _load_decoder(model, device, dtype, draft_model)
         targets = None
         if target_forced is not None:
@@ -328,7 +331,8 @@ def bench(
             engines = vllm_engines(method_list, model, dtype or "float32", k=num_speculative_tokens,
                                    max_model_len=max_model_len)
         runs = run_benchmark(dec, sample, method_list, max_new_tokens, targets=targets, repeats=repeats,
-                             progress=lambda s: typer.echo(s, err=True), engines=engines, reworded=reworded)
+                             progress=lambda s: typer.echo(s, err=True), engines=engines, reworded=reworded,
+                             warmup=warmup)
         batch_runs = run_concurrency(engines, dec, sample, levels, max_new_tokens, concurrency_items,
                                      progress=lambda s: typer.echo(s, err=True)) if levels else []
     except (FileNotFoundError, ValueError, TypeError, CliError, json.JSONDecodeError, KeyError) as e:
@@ -380,6 +384,11 @@ def bench(
         *([f"- per-item latency: median of {repeats} interleaved runs"] if repeats > 1 else []),
         *([f"- vLLM {env['vllm']}, {num_speculative_tokens} draft tokens per step, env {env['vllm_env']}; "
            "vLLM methods' identical = equal to vllm-greedy (the same engine, speculation off)"] if uses_vllm else []),
+        *(["- vllm-suffix: vLLM's suffix decoding (arctic-inference), vLLM's defaults but at most "
+           f"{num_speculative_tokens} tokens a step; it also copies from its engine's earlier answers, so it warms up "
+           "on an untimed item, runs each item once and sits out the in-flight table (its levels repeat the items); "
+           "in the reworded case it holds the original question's answer, as a deployed engine would"]
+          if "vllm-suffix" in method_list else []),
         f"- machine load (1/5/15-min averages, {os.cpu_count()} cores): before {env['load_before']}, "
         f"after {env['load_after']}",
         "", table, *extra_tables, "", f"![per-item speed-up]({out.with_suffix('.png').name})", ""]))
@@ -431,7 +440,8 @@ def serve(
                                         "CPU, auto on a GPU)."),
     max_model_len: Optional[int] = typer.Option(None, min=1, help="Context window (default: the model's)."),
     speculation: str = typer.Option("ours", help="ours: our proposer (references, prompt lookup, n-grams); "
-                                    "ngram: vLLM's own n-gram proposer (lookup 2-4); off: none."),
+                                    "ngram: vLLM's own n-gram proposer (lookup 2-4); suffix: vLLM's suffix "
+                                    "decoding (needs arctic-inference); off: none."),
     num_speculative_tokens: int = typer.Option(10, "--num-speculative-tokens", "-k", min=1, max=64,
                                                help="Most draft tokens verified per step (ours, ngram)."),
     max_reference_tokens: Optional[int] = typer.Option(

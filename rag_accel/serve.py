@@ -21,8 +21,9 @@ Without references a request drafts from its prompt and its own output (prompt l
 Bad ``vllm_xargs`` (wrong types, references over ``--max-reference-tokens``) are refused for that
 request with HTTP 400 (:meth:`rag_accel.vllm.RowTracker.validate_params`); the server serves on.
 
-``--speculation ngram`` (vLLM's own n-gram proposer, ``-k`` tokens, lookup 2-4) and ``off`` (no
-speculation) start the same server without our proposer, for comparison; they ignore ``vllm_xargs``.
+``--speculation ngram`` (vLLM's own n-gram proposer, ``-k`` tokens, lookup 2-4), ``suffix`` (vLLM's suffix
+decoding, with arctic-inference installed) and ``off`` (no speculation) start the same server without our
+proposer, for comparison; they ignore ``vllm_xargs``.
 """
 
 from __future__ import annotations

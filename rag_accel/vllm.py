@@ -85,13 +85,19 @@ PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "c
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
 _INSTALL_HINT = "the vLLM backend needs vLLM: pip install 'rag-accel[vllm]' (CPU) or pip install vllm (GPU)"
 _KEYS = ("references", "speculate", "rag_accel")
-# How an engine speculates: our proposer, vLLM's own n-gram lookup (the peer users would pick), or not at all.
-SPECULATION = ("ours", "ngram", "off")
+# How an engine speculates: our proposer, vLLM's own n-gram lookup (the peer users would pick), vLLM's suffix
+# decoding (needs arctic-inference; a suffix tree over the prompt and the engine's earlier outputs), or not at all.
+SPECULATION = ("ours", "ngram", "suffix", "off")
+_SUFFIX_HINT = ("speculation='suffix' is vLLM's suffix decoding, which needs arctic-inference: pip install "
+                "arctic-inference (on a CPU it builds from source: pip wheel --no-build-isolation in an environment "
+                "with torch, ninja, cmake, nanobind==2.9.2, protobuf==5.29.6 and grpcio-tools, a few minutes)")
 
 
 def speculative_config(speculation: str, k: int) -> dict[str, Any] | None:
     """vLLM's ``speculative_config`` for ``"ours"`` (:class:`RagProposer`, up to ``k`` tokens a
-    step), ``"ngram"`` (vLLM's prompt lookup: ``k`` tokens, n-grams of 2 to 4, as benchmarked)
+    step), ``"ngram"`` (vLLM's prompt lookup: ``k`` tokens, n-grams of 2 to 4, as benchmarked),
+    ``"suffix"`` (vLLM's suffix decoding, up to ``k`` tokens, its other settings vLLM's defaults:
+    it also copies from the engine's earlier outputs; ImportError without arctic-inference)
     or ``"off"`` (``None``). ``"ours"`` also needs ``logits_processors=[TRACKER_PATH]``."""
     if speculation not in SPECULATION:
         raise ValueError(f"speculation must be one of {list(SPECULATION)}, got {speculation!r}")
@@ -101,6 +107,12 @@ def speculative_config(speculation: str, k: int) -> dict[str, Any] | None:
         return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": k}
     if speculation == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if speculation == "suffix":
+        import importlib.util
+
+        if importlib.util.find_spec("arctic_inference") is None:
+            raise ImportError(_SUFFIX_HINT)
+        return {"method": "suffix", "num_speculative_tokens": k}
     return None
 
 
@@ -650,8 +662,8 @@ class VllmDecoder:
         """A ``vllm.LLM`` on ``name_or_path`` (``"smollm2-135m-instruct"``: the offline default,
         converted on first use) with :class:`RagProposer` proposing up to
         ``num_speculative_tokens`` (default: ``config.max_draft_tokens``, capped at 16) tokens a step.
-        ``speculation="off"``: plain vLLM (the baseline); ``"ngram"``: vLLM's own prompt lookup
-        (references are then ignored; stats count no drafts). Other keywords go to ``vllm.LLM``."""
+        ``speculation="off"``: plain vLLM (the baseline); ``"ngram"`` / ``"suffix"``: vLLM's own
+        prompt lookup / suffix decoding (references are then ignored; stats count no drafts). Other keywords go to ``vllm.LLM``."""
         try:
             from vllm import LLM
         except ImportError as e:

@@ -73,6 +73,16 @@ def test_serve_command_per_speculation_mode():
         serve.serve_command("/m", extra=["--speculative-config", "{}"])
     with pytest.raises(ValueError, match="speculation"):
         serve.serve_command("/m", speculation="eagle")
+    import importlib.util
+
+    if importlib.util.find_spec("arctic_inference") is None:  # vLLM's suffix decoding: say what it needs
+        with pytest.raises(ImportError, match="pip install arctic-inference"):
+            serve.serve_command("/m", speculation="suffix")
+    else:
+        suffix = serve.serve_command("/m", speculation="suffix", num_speculative_tokens=12)
+        assert json.loads(suffix[suffix.index("--speculative-config") + 1]) == {"method": "suffix",
+                                                                                "num_speculative_tokens": 12}
+        assert "--logits-processors" not in suffix
 
 
 def test_cli_serve_dry_run_prints_the_command():
