@@ -663,7 +663,8 @@ class VllmDecoder:
         converted on first use) with :class:`RagProposer` proposing up to
         ``num_speculative_tokens`` (default: ``config.max_draft_tokens``, capped at 16) tokens a step.
         ``speculation="off"``: plain vLLM (the baseline); ``"ngram"`` / ``"suffix"``: vLLM's own
-        prompt lookup / suffix decoding (references are then ignored; stats count no drafts). Other keywords go to ``vllm.LLM``."""
+        prompt lookup / suffix decoding (references are then ignored; stats count no drafts).
+        Other keywords go to ``vllm.LLM``."""
         try:
             from vllm import LLM
         except ImportError as e:
