@@ -35,6 +35,7 @@ import torch
 from .data import RagItem, rag_messages
 from .decoder import ReferenceDecoder
 from .drafters import ReferenceDrafter
+from .kv import cache_of
 
 # name -> DecoderConfig changes
 COPY_DRAFTERS = ("reference", "prompt_lookup", "ngram")
@@ -119,7 +120,7 @@ class TargetForcing:
         self.prompt_len, self.target = prompt_len, list(target)
 
     def _pre(self, module: Any, args: Any, kwargs: dict) -> None:
-        cache = kwargs.get("past_key_values")
+        cache = cache_of(kwargs)
         self._past = cache.get_seq_length() if cache is not None else 0
 
     def _post(self, module: Any, args: Any, kwargs: dict, output: Any) -> Any:

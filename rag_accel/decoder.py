@@ -21,7 +21,7 @@ from .attention import packed_gqa
 from .config import DecoderConfig
 from .drafters import Draft, Drafter
 from .inputs import check_lengths, check_stops, encode_prompt, encode_references
-from .kv import context_window, new_cache, rollback_cache
+from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
 from .outputs import GenerationOutput, GenerationStats, GenerationStream
@@ -119,6 +119,7 @@ class ReferenceDecoder:
         )
         self._check_generation_config(gen_cfg)
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_kwarg = cache_kwarg(model)
         install_packed_gqa()  # inert until a forward of ours asks for it (see _forward)
         install_transposed_head(model)  # likewise
         # (max_draft, pack_gqa, fast_head) -> curve: each forward path is timed as it runs
@@ -352,7 +353,7 @@ class ReferenceDecoder:
     def _forward(self, ids: list[int], cache: Any, last_only: bool = False, pack_gqa: bool = False,
                  fast_head: bool = True) -> torch.Tensor:
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
-        kwargs: dict[str, Any] = {"past_key_values": cache, "use_cache": True}
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
         if last_only and self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
         with packed_gqa(pack_gqa), transposed_head(fast_head):

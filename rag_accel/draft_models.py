@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .drafters import NO_DRAFT, Draft
-from .kv import context_window, new_cache, rollback_cache
+from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .policy import leading_matches
 from .sampling import GumbelNoise, warp
 from .stopping import IncrementalDetokenizer
@@ -63,6 +63,7 @@ class ModelDrafter:
         self._cached: list[int] = []  # the ids whose keys/values are in the cache
         self._synced = 0  # leading ids of _cached known to equal the context
         self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_kwarg = cache_kwarg(model)
         self._warpers: list = []
         self._noise: GumbelNoise | None = None
         self._first_position = 0  # context length at output position 0
@@ -92,7 +93,7 @@ class ModelDrafter:
 
     def _forward(self, ids: Sequence[int]) -> torch.Tensor:
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # [1, S]
-        kwargs: dict[str, Any] = {"past_key_values": self._cache, "use_cache": True}
+        kwargs: dict[str, Any] = {self._cache_kwarg: self._cache, "use_cache": True}
         if self._keep:
             kwargs["logits_to_keep"] = 1
         return self.model(input_ids=x, **kwargs).logits[0, -1]  # [V_draft]

@@ -27,6 +27,25 @@ def rollback_cache(cache: Any, remove: int) -> None:
         cache.crop(cache.get_seq_length() - remove)  # older: crop(max_length)
 
 
+def cache_kwarg(model: Any) -> str:
+    """The name under which ``model.forward`` takes its KV cache: ``cache`` from transformers 5.24
+    on (``past_key_values`` is deprecated there, to be removed in 5.40), ``past_key_values`` before."""
+    return _cache_kwarg(type(model))
+
+
+@functools.cache
+def _cache_kwarg(model_type: type) -> str:
+    params = inspect.signature(model_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_of(kwargs: dict[str, Any]) -> Any:
+    """The KV cache among a forward call's keyword arguments, under either name (a hook sees
+    what the caller passed: ``generate`` of transformers >= 5.24 passes ``cache``)."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
+
+
 def new_cache(model: Any) -> Any:
     """An empty KV cache for ``model`` (``DynamicCache``, configured from the model where supported)."""
     from transformers import DynamicCache

@@ -8,6 +8,7 @@ from helpers import OracleDrafter, hf_greedy, tiny_model
 
 import rag_accel.attention as attention
 from rag_accel import DecoderConfig, ReferenceDecoder
+from rag_accel.kv import cache_kwarg
 
 
 def _reference(query, key, value, mask, scaling):
@@ -97,7 +98,8 @@ def test_packing_is_off_outside_the_decoder_and_in_other_threads(tokenizer, monk
     x = torch.arange(3, 23)[None]
     with torch.inference_mode():
         out = model(x, use_cache=True)
-        model(torch.tensor([[7, 8, 9]]), past_key_values=out.past_key_values)  # multi-token, cached, masked
+        past = getattr(out, "cache", None) or out.past_key_values  # the output's name changes with the argument's
+        model(torch.tensor([[7, 8, 9]]), **{cache_kwarg(model): past})  # multi-token, cached, masked
     assert count.calls == 0
     seen = []
     with attention.packed_gqa():
