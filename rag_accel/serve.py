@@ -205,7 +205,8 @@ class Server:
         >>> with Server(options=["--max-model-len", "2048"], vllm_args=["--enforce-eager"]) as srv:  # doctest: +SKIP
         ...     RemoteDecoder(srv.base_url).generate("Hello", max_new_tokens=8)
 
-    It runs in its own session (process group) with its output in ``log_path``; :meth:`wait_ready`
+    It runs in its own session (process group) with its output in ``log_path`` (default: a temporary
+    file, removed when :meth:`stop` is clean, kept to read otherwise); :meth:`wait_ready`
     polls ``/health`` until it answers 200, the process dies (``RuntimeError`` with the log's tail)
     or ``timeout`` passes; :meth:`stop` sends SIGINT (vLLM shuts its engine down), then SIGTERM,
     then SIGKILL to the whole group, each after a bounded wait, and says whether the group is gone.
@@ -229,6 +230,7 @@ class Server:
             self.cmd += ["--", *vllm_args]
         self.env = {**os.environ, **(env or {})}
         self.log_path = Path(log_path) if log_path else None
+        self._own_log = False  # a temporary log made by start(): removed by a clean stop()
         self.proc: Any = None
         self._log: Any = None
 
@@ -248,7 +250,7 @@ class Server:
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="rag-accel-serve-", suffix=".log")
             os.close(fd)
-            self.log_path = Path(name)
+            self.log_path, self._own_log = Path(name), True
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
                                      start_new_session=True)
@@ -325,7 +327,11 @@ class Server:
         if self._log is not None:
             self._log.close()
             self._log = None
-        return clean and not _group_alive(pgid)
+        clean = clean and not _group_alive(pgid)
+        if clean and self._own_log:  # nothing to diagnose: leave no temporary file behind
+            self.log_path.unlink(missing_ok=True)
+            self.log_path, self._own_log = None, False
+        return clean
 
     def __enter__(self) -> Server:
         self.start()

@@ -350,6 +350,8 @@ def test_remote_calls_from_threads_run_together(server, baseline):
 
 @pytest.mark.slow
 def test_the_server_shuts_down_cleanly(server):
-    pgid = server.proc.pid
+    pgid, log = server.proc.pid, server.log_path
+    assert log.is_file() and log.name.startswith("rag-accel-serve-")  # its own temporary log
     assert server.stop(), f"SIGINT did not end the server and its engine in time:\n{server.log_tail()}"
     assert server.proc.returncode is not None and serve.group_processes(pgid) == []
+    assert not log.exists() and server.log_path is None  # a clean stop leaves no file behind
