@@ -98,7 +98,7 @@ def test_packing_is_off_outside_the_decoder_and_in_other_threads(tokenizer, monk
     x = torch.arange(3, 23)[None]
     with torch.inference_mode():
         out = model(x, use_cache=True)
-        past = getattr(out, "cache", None) or out.past_key_values  # the output's name changes with the argument's
+        past = out.cache if cache_kwarg(model) == "cache" else out.past_key_values  # renamed with the argument
         model(torch.tensor([[7, 8, 9]]), **{cache_kwarg(model): past})  # multi-token, cached, masked
     assert count.calls == 0
     seen = []
