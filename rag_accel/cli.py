@@ -444,9 +444,11 @@ def serve(
                                     "decoding (needs arctic-inference); off: none."),
     num_speculative_tokens: int = typer.Option(10, "--num-speculative-tokens", "-k", min=1, max=64,
                                                help="Most draft tokens verified per step (ours, ngram)."),
-    max_reference_tokens: Optional[int] = typer.Option(
-        None, min=1, help="Refuse (HTTP 400) requests whose references hold more tokens "
-                          "(default: DecoderConfig's, 4,000,000)."),
+    max_reference_tokens: int = typer.Option(
+        32_768, min=1, max=4_000_000, help="Refuse (HTTP 400) requests whose references hold more tokens, "
+                                           "before any tokenising (text counts as a token per 8 characters; "
+                                           "the exact count, off the engine's step loop, drops references "
+                                           "over it). RAG documents are thousands of tokens."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and exit."),
 ) -> None:
     """Start vLLM's OpenAI-compatible server with our proposer: prints the `vllm serve` command, then
@@ -454,7 +456,7 @@ def serve(
     Per request: extra_body={"vllm_xargs": {"references": [...], "speculate": false}}."""
     import os
 
-    from .serve import cpu_hints, default_dtype, exec_server, resolve_model, serve_command, shell_line
+    from .serve import cpu_hints, default_dtype, exec_server, model_vocab_size, resolve_model, serve_command, shell_line
 
     if model.startswith("-"):
         _fail(f"{model!r} is not a model: give MODEL before `--` (rag-accel serve MODEL -- --vllm-option ...)")
@@ -465,10 +467,17 @@ def serve(
                             served_model_name=name, extra=ctx.args)
     except (FileNotFoundError, ValueError, ImportError) as e:
         _fail(str(e))
-    env = {"RAG_ACCEL_MAX_REFERENCE_TOKENS": str(max_reference_tokens)} if max_reference_tokens else {}
+    env = {"RAG_ACCEL_MAX_REFERENCE_TOKENS": str(max_reference_tokens)}
+    vocab = model_vocab_size(path)
+    if vocab is not None:  # admission refuses reference ids outside the vocabulary (HTTP 400)
+        env["RAG_ACCEL_VOCAB_SIZE"] = str(vocab)
     typer.echo(shell_line(cmd, env))
     if dry_run:
         return
+    if speculation == "ours":
+        typer.secho("note: vLLM runs rag_accel's proposer on its V1 model runner (on GPUs, where Model Runner V2 "
+                    "is the default, vLLM falls back to V1 and logs a warning saying so)", fg=typer.colors.YELLOW,
+                    err=True)
     if (dtype or default_dtype()) == "float32":  # a CPU (or float32 asked for): the CPU backend's settings
         for hint in cpu_hints(os.environ):
             typer.secho(f"note: {hint}", fg=typer.colors.YELLOW, err=True)

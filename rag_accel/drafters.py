@@ -183,8 +183,24 @@ class DrafterChain:
 
     def __init__(self, drafters: Sequence[Drafter]) -> None:
         self.drafters = list(drafters)
+        self._split()
+
+    def _split(self) -> None:
         self.costly = [d for d in self.drafters if getattr(d, "costly", False)]
         self._cheap = [d for d in self.drafters if not getattr(d, "costly", False)]
+
+    def insert(self, position: int, drafter: Drafter) -> None:
+        """Add ``drafter`` at ``position`` mid-request (a reference index that was built off the
+        step loop); it sees the updates from here on.
+
+        Example:
+            >>> chain = DrafterChain([NgramDrafter([1, 2, 3])])
+            >>> chain.insert(0, ReferenceDrafter([[7, 8, 9]]))
+            >>> [d.name for d in chain.drafters]
+            ['reference', 'ngram']
+        """
+        self.drafters.insert(position, drafter)
+        self._split()
 
     def propose(self, context: Sequence[int], max_len: int) -> Draft:
         if max_len <= 0:

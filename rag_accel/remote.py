@@ -431,16 +431,16 @@ def _config_changes(config: Any) -> dict[str, Any]:
     """DecoderConfig changes for one request, checked here as the server would check them."""
     if config is None:
         return {}
-    from .vllm import _REQUEST_FIELDS, _request_config  # (imports vLLM where it is installed)
+    from .vllm.requests import REQUEST_FIELDS, request_config  # (no vLLM import)
 
     if isinstance(config, DecoderConfig):
         default = DecoderConfig()
-        changes = {f: getattr(config, f) for f in _REQUEST_FIELDS if getattr(config, f) != getattr(default, f)}
+        changes = {f: getattr(config, f) for f in REQUEST_FIELDS if getattr(config, f) != getattr(default, f)}
     elif isinstance(config, Mapping):
         changes = dict(config)
     else:
         raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
-    _request_config(DecoderConfig(), changes)
+    request_config(DecoderConfig(), changes)
     if "drafters" in changes:
         changes["drafters"] = list(changes["drafters"])
     return changes

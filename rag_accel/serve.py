@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Server", "free_port", "group_processes", "resolve_model", "serve_command", "shared_server",
+__all__ = ["Server", "free_port", "group_processes", "model_vocab_size", "resolve_model", "serve_command", "shared_server",
            "spec_decode_counters", "speculative_options", "vllm_cli", "vllm_executable"]
 
 DEFAULT_K = 10
@@ -55,6 +55,21 @@ def resolve_model(model: str) -> tuple[str, str | None]:
     return model, None
 
 
+def model_vocab_size(model: str) -> int | None:
+    """The vocabulary size vLLM will serve for ``model`` (its config's ``vocab_size``, or its text
+    config's), read from a local folder's ``config.json``; ``None`` when that cannot be read here
+    (a hub name: the worker then checks reference ids itself)."""
+    config = Path(model) / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    for cfg in (data, data.get("text_config") or {}):
+        if isinstance(cfg.get("vocab_size"), int):
+            return int(cfg["vocab_size"])
+    return None
+
+
 def speculative_options(speculation: str, num_speculative_tokens: int = DEFAULT_K) -> list[str]:
     """The vLLM options of one speculation mode (:func:`rag_accel.vllm.speculative_config`: ``ours`` also
     loads the :class:`~rag_accel.vllm.RowTracker`).
@@ -67,7 +82,7 @@ def speculative_options(speculation: str, num_speculative_tokens: int = DEFAULT_
         >>> speculative_options("off")
         []
     """
-    from .vllm import TRACKER_PATH, speculative_config  # (imports vLLM where it is installed)
+    from .vllm.requests import TRACKER_PATH, speculative_config  # (no vLLM import)
 
     spec = speculative_config(speculation, num_speculative_tokens)
     if spec is None:
@@ -122,6 +137,23 @@ def _given(extra: Sequence[str], option: str) -> bool:
     return any(a == option or a.startswith(option + "=") for a in extra)
 
 
+def _option_value(extra: Sequence[str], names: Sequence[str]) -> int | None:
+    """The integer value of the first of ``names`` given in ``extra`` (``--x 2`` or ``--x=2``)."""
+    for i, a in enumerate(extra):
+        for name in names:
+            if a == name and i + 1 < len(extra):
+                value = extra[i + 1]
+            elif a.startswith(name + "="):
+                value = a.split("=", 1)[1]
+            else:
+                continue
+            try:
+                return int(value)
+            except ValueError:
+                return None  # vLLM's own parser says what is wrong
+    return None
+
+
 def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
                   max_model_len: int | None = None, speculation: str = "ours",
                   num_speculative_tokens: int = DEFAULT_K, served_model_name: str | None = None,
@@ -138,6 +170,10 @@ def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtyp
     for option in ("--speculative-config", "--logits-processors"):
         if speculation != "off" and _given(extra, option):
             raise ValueError(f"{option} is set by --speculation; pass --speculation off to give your own")
+    if speculation == "ours":
+        from .vllm.requests import check_layout
+
+        check_layout(_option_value(extra, ("--pipeline-parallel-size", "-pp")) or 1)
     cmd = [*vllm_executable(), "serve", model, "--host", host, "--port", str(port)]
     if dtype:
         cmd += ["--dtype", dtype]

@@ -100,6 +100,25 @@ def test_cli_serve_dry_run_prints_the_command():
     assert res.exit_code == 2 and "before `--`" in res.output
 
 
+def test_cli_serve_defaults_for_untrusted_clients_and_refuses_pipeline_parallelism(tmp_path):
+    """An untrusted client gets at most 32,768 reference tokens by default, and reference ids are
+    checked against the served model's vocabulary at admission (read from its config.json)."""
+    from typer.testing import CliRunner
+
+    from rag_accel.cli import app
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 1234}')
+    res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    line = res.output.strip().splitlines()[-1]
+    assert line.startswith("RAG_ACCEL_MAX_REFERENCE_TOKENS=32768 RAG_ACCEL_VOCAB_SIZE=1234 ")
+    for pp in (["--pipeline-parallel-size", "2"], ["-pp=2"]):
+        res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dry-run", "--", *pp])
+        assert res.exit_code != 0 and "pipeline parallelism" in res.output, res.output
+    res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dry-run", "--speculation", "off", "--", "-pp", "2"])
+    assert res.exit_code == 0 and res.output.strip().endswith("-pp 2")
+
+
 def test_extra_args_as_the_server_delivers_them():
     """vllm_xargs holds strings, numbers and flat lists only; JSON booleans arrive as 0/1."""
     assert request_inputs({"references": ["a", "b"], "reference_ids": "[[1, 2], [3]]", "speculate": 0,

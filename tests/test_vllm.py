@@ -162,19 +162,63 @@ def test_rows_follow_batch_updates_and_draft_from_their_own_references():
     assert set(tracker.rows) == {0, 1} and not tracker.rows[0].speculate
 
 
-def test_a_bad_row_never_stops_the_others():
+def test_a_bad_row_never_stops_the_others(monkeypatch):
+    """Off-vocabulary reference ids: refused at admission where the server knows the vocabulary
+    (rag-accel serve sets RAG_ACCEL_VOCAB_SIZE: HTTP 400); a row that reaches the worker anyway
+    is not drafted, and the others are."""
     proposer = RagProposer(_fake_config(vocab=100))
     tracker = RowTracker(_fake_config())
     proposer.tracker = tracker
     bad = SamplingParams(temperature=0, max_tokens=20, extra_args={"references": [[5, 6, 10**6]]})  # off-vocab
     good = SamplingParams(temperature=0, max_tokens=20, extra_args={"references": [[5, 6, 7, 8]]})
+    monkeypatch.setenv("RAG_ACCEL_VOCAB_SIZE", "100")
+    with pytest.raises(ValueError, match="token id 1000000, outside the model's vocabulary"):
+        RowTracker.validate_params(bad)
+    RowTracker.validate_params(good)
     tokens = np.zeros((2, 64), dtype=np.int64)
     tokens[0, :3] = tokens[1, :3] = [1, 5, 6]
     tracker.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
                                      added=[(0, bad, [1, 5], []), (1, good, [1, 5], [])]))
     drafts = proposer.propose([[6], [6]], np.array([3, 3]), tokens)
-    assert drafts[0] == [] and tracker.rows[0].error is not None
+    assert drafts[0] == [] and 0 not in tracker.rows
     assert drafts[1][:2] == [7, 8]
+
+
+class _SlowTokenizer:
+    """Splits on spaces into ids; waits for a signal first, as a big reference's tokenising would take time."""
+
+    def __init__(self):
+        import threading
+
+        self.go = threading.Event()
+
+    def __call__(self, text, add_special_tokens=False):
+        assert self.go.wait(10)
+        return {"input_ids": [int(w) for w in text.split()]}
+
+
+def test_text_references_are_indexed_off_the_step_loop():
+    """A text reference is tokenised and indexed on a background thread: the row's steps go on
+    (drafting from its prompt) while it is, and its reference drafts start once it is ready."""
+    proposer = RagProposer(_fake_config(vocab=100))
+    proposer.tracker = tracker = RowTracker(_fake_config())
+    proposer._tokenizer = tok = _SlowTokenizer()
+    params = SamplingParams(temperature=0, max_tokens=30, extra_args={"references": ["9 5 6 40 41 42 43 44"]})
+    tokens = np.zeros((1, 64), dtype=np.int64)
+    tokens[0, :4] = [3, 5, 6, 3]  # prompt [3, 5, 6], first token 3
+    tracker.update_state(BatchUpdate(batch_size=1, removed=[], moved=[], added=[(0, params, [3, 5, 6], [])]))
+    first = proposer.propose([[3]], np.array([4]), tokens)  # returns while the tokenizer waits
+    row = tracker.rows[0]
+    assert row.pending is not None and not row.pending.done()
+    assert first[0][:2] == [5, 6]  # prompt lookup: "3" was followed by "5 6" in the prompt
+    tok.go.set()
+    row.pending.result(10)
+    n = 4
+    new = first[0][:2] + [40]  # the model accepted "5 6" (the prompt lookup), then said "40" itself
+    tokens[0, n:n + 3] = new
+    drafts = proposer.propose([new], np.array([n + 3]), tokens)
+    assert row.pending is None and [d.name for d in row.drafting.chain.drafters][0] == "reference"
+    assert drafts[0][:3] == [41, 42, 43]  # the reference's "5 6 40" continues "41 42 43"
 
 
 # --------------------------------------------------------------------------- real engines

