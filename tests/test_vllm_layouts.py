@@ -1,0 +1,113 @@
+"""Our proposer in vLLM's parallel layouts, on this CPU: tensor parallel 2 in process, data parallel 2
+through ``rag-accel serve``, pipeline parallel refused by name.
+
+The model is a small random-weight Llama whose head counts divide by 2 (4 query, 2 KV heads; SmolLM2's
+9 heads refuse TP 2), saved to a folder with SmolLM2's tokenizer. What matters is exactness against
+the same engine with speculation off for the request (``speculate=False``), token for token, with
+drafts always right (the answer itself as the reference), none, and always wrong; and that drafts
+are accepted, as the rank that drafts reports them. Random weights repeat themselves, so prompt
+lookup drafts too.
+
+Without vLLM installed the module is skipped, unless RAG_ACCEL_REQUIRE_VLLM=1 (CI), where that is
+an error.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
+    import vllm  # noqa: F401 - CI: a missing vLLM fails here instead of skipping
+else:
+    pytest.importorskip("vllm")
+
+from rag_accel.vllm import VllmDecoder  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PROMPTS = ["Water boils at", "List of colours: red, green, blue, red, green,", "The history of Paris begins",
+           "One, two, three, four,"]
+MAX_NEW = 30
+WRONG = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A 4-layer random Llama (hidden 128, 4 heads, 2 KV heads) with SmolLM2's tokenizer, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from rag_accel.models import default_model_path
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(str(default_model_path()))
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=2048, vocab_size=len(tok),
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+                      initializer_range=0.2)  # decisive logits: no near-ties for float32 to flip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).to(torch.float32).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def _exact_and_drafting(generate):
+    """Each prompt: speculation off for the request, then right / no / wrong references; all equal."""
+    accepted = 0
+    for prompt in PROMPTS:
+        off = generate(prompt, None, speculate=False)
+        for refs in ([off.text], None, [WRONG]):
+            on = generate(prompt, refs)
+            assert on.token_ids == off.token_ids, (prompt, refs)
+            if refs == [off.text] and on.stats.accepted is not None:
+                accepted += on.stats.accepted
+    return accepted
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_is_exact_and_drafts_on_every_rank(tiny_llama, monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    dec = VllmDecoder.from_pretrained(tiny_llama, tensor_parallel_size=2, max_model_len=1024, enforce_eager=True)
+    try:
+        accepted = _exact_and_drafting(
+            lambda p, r, **kw: dec.generate(p, r, max_new_tokens=MAX_NEW, **kw))
+        right = dec.generate(PROMPTS[0], [dec.generate(PROMPTS[0], max_new_tokens=MAX_NEW, speculate=False).text],
+                             max_new_tokens=MAX_NEW)
+    finally:
+        dec.close()
+    assert accepted > len(PROMPTS) * MAX_NEW // 2  # the answer as its reference: most tokens come from drafts
+    ref = right.stats.by_drafter["reference"]  # per-drafter stats, from the ranks that draft
+    assert ref["accepted"] > 0 and right.stats.steps < right.stats.new_tokens
+
+
+def test_pipeline_parallel_is_refused_before_an_engine_starts(tiny_llama):
+    with pytest.raises(ValueError, match="does not run with pipeline parallelism"):
+        VllmDecoder.from_pretrained(tiny_llama, pipeline_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_data_parallel_2_through_the_server_is_exact_and_drafts(tiny_llama):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rag_accel.remote import RemoteDecoder
+    from rag_accel.serve import Server
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    with Server(tiny_llama, options=["--max-model-len", "1024"],
+                vllm_args=["--data-parallel-size", "2", "--enforce-eager"], env=env) as srv:
+        dec = RemoteDecoder(srv.base_url)
+        drafts0, accepted0 = srv.spec_decode_counters()
+
+        def generate(p, r, **kw):
+            return dec.generate(p, r, max_new_tokens=MAX_NEW, **kw)
+
+        _exact_and_drafting(generate)
+        with ThreadPoolExecutor(4) as pool:  # in flight together: both engines get requests
+            offs = list(pool.map(lambda p: generate(p, None, speculate=False), PROMPTS))
+            ons = list(pool.map(lambda po: generate(po[0], [po[1].text]), zip(PROMPTS, offs)))
+        assert [o.token_ids for o in ons] == [o.token_ids for o in offs]
+        drafts1, accepted1 = srv.spec_decode_counters()
+    assert accepted1 - accepted0 > len(PROMPTS) * MAX_NEW // 2
