@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
 
+import pytest
 import torch
 
 from rag_accel import Draft
@@ -105,3 +107,13 @@ def trained_bpe_tokenizer(texts, vocab_size=600):
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def import_vllm_or_skip():
+    """vLLM, or skip the calling test module without it; with RAG_ACCEL_REQUIRE_VLLM=1 (CI's vLLM
+    suite) a missing vLLM is an error instead."""
+    if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
+        import vllm
+
+        return vllm
+    return pytest.importorskip("vllm")

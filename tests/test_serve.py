@@ -23,10 +23,9 @@ from types import SimpleNamespace
 
 import pytest
 
-if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401 - CI: a missing vLLM fails here instead of skipping
-else:
-    pytest.importorskip("vllm")
+from helpers import import_vllm_or_skip  # noqa: E402
+
+import_vllm_or_skip()
 
 import openai  # noqa: E402 - a dependency of vLLM
 

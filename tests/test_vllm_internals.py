@@ -7,16 +7,14 @@ is skipped, unless RAG_ACCEL_REQUIRE_VLLM=1 (CI), where that is an error.
 
 from __future__ import annotations
 
-import os
 from importlib.metadata import entry_points
 from types import SimpleNamespace
 
 import pytest
 
-if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401 - CI: a missing vLLM fails here instead of skipping
-else:
-    pytest.importorskip("vllm")
+from helpers import import_vllm_or_skip  # noqa: E402
+
+import_vllm_or_skip()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -18,10 +18,9 @@ import os
 
 import pytest
 
-if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401 - CI: a missing vLLM fails here instead of skipping
-else:
-    pytest.importorskip("vllm")
+from helpers import import_vllm_or_skip  # noqa: E402
+
+import_vllm_or_skip()
 
 from rag_accel.vllm import VllmDecoder  # noqa: E402
 
