@@ -280,8 +280,8 @@ def run_benchmark(
         first = warmup or items[0]
         ids0 = dec.encode_prompt(rag_messages(first.query, first.passages))
         for m in methods:
-            if forcing is not None:
-                forcing.set(len(ids0), targets[first.id])
+            if forcing is not None:  # (the warm-up item may have no target of its own: any target warms up)
+                forcing.set(len(ids0), targets.get(first.id, targets[items[0].id]))
             runners[m](ids0, list(first.passages))
         i = 0
         while i < len(cases):

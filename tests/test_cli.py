@@ -90,6 +90,23 @@ def test_target_forced_makes_every_method_decode_the_target(tmp_path):
     assert sum(r.new_tokens for r in ours) > 1.5 * sum(r.steps for r in ours)  # the answers copy from passages
 
 
+def test_readme_gpu_bench_command_runs_on_the_cpu_with_a_small_model(tmp_path):
+    """The README's target-forced command (random weights of a real size, the human answers as
+    targets), here with random:tiny: its untimed warm-up item has no target of its own (it once
+    ended the run with a bare KeyError before any item was timed)."""
+    from typer.testing import CliRunner
+
+    from rag_accel.cli import app
+
+    out = tmp_path / "forced"
+    res = CliRunner().invoke(app, ["bench", "--model", "random:tiny", "--target-forced", "human", "--items", "2",
+                                   "--max-new-tokens", "8", "--methods", "greedy,ours", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert set(result["summary"]) >= {"greedy", "ours"} and result["target_forced"] == "human"
+    assert all(r["identical"] for r in result["runs"])  # every method decoded the forced target
+
+
 @pytest.mark.parametrize("args, msg", [
     (["bench", "--model", "/no/such/model", "--items", "1"], "'/no/such/model' is not a local folder"),
     (["bench", "--methods", "greedy,warp-drive", "--items", "1"], "unknown method"),
