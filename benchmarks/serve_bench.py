@@ -182,6 +182,8 @@ def write_png(res, path):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--items", type=int, default=32, help="MS-MARCO sample items (the same at every concurrency)")
+    ap.add_argument("--last", action="store_true",
+                    help="take the sample's LAST --items items (not the first): items no default was tuned on")
     ap.add_argument("--new", type=int, default=128, help="new tokens per request")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
@@ -213,7 +215,7 @@ def main() -> None:
         if not sep:
             ap.error(f"--server-env takes NAME=VALUE, got {kv!r}")
         env[name] = value
-    items = load_msmarco_sample(limit=args.items)
+    items = load_msmarco_sample()[-args.items:] if args.last else load_msmarco_sample(limit=args.items)
     prompts = [rag_messages(it.query, it.passages) for it in items]
     refs = [list(it.passages) for it in items]
     try:
@@ -223,6 +225,7 @@ def main() -> None:
         vllm_version = "?"
     res = {"label": args.label, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+           "item_ids": [it.id for it in items],
            "device_short": "CPU", "model": "SmolLM2-135M-Instruct float32", "vllm": vllm_version,
            "command": "python " + shlex.join(sys.argv), "server_env": env, "items": len(items),
            "args": {k: v for k, v in vars(args).items() if k != "label"}, "methods": {}, "status": "running"}
