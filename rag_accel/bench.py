@@ -238,6 +238,7 @@ def run_benchmark(
     engines: dict[str, Any] | None = None,
     reworded: int = 0,
     warmup: RagItem | None = None,
+    cold: bool = False,
 ) -> list[Run]:
     """Run ``methods`` on ``items``, ``repeats`` rounds per item; with ``targets``
     (item id -> token ids) every method is forced to decode that target (see
@@ -246,7 +247,10 @@ def run_benchmark(
     the vLLM methods' decoders (:func:`vllm_engines`). ``reworded``: then that many of the
     items again as :func:`reworded_items` (references: the passages + greedy's answer to the
     original question), all methods, ``case="reworded"``. ``warmup``: the item of the untimed
-    warm-up (default: the first item; one not among ``items`` for :data:`REMEMBERS_OUTPUTS`)."""
+    warm-up (default: the first item; one not among ``items`` for :data:`REMEMBERS_OUTPUTS`).
+    ``cold``: our transformers methods forget what earlier requests taught before each timed run
+    (:meth:`ReferenceDecoder.reset_learning`: a fresh process's first request, the cost curve
+    measured at the warm-up kept)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if "greedy" not in methods:
@@ -293,6 +297,8 @@ def run_benchmark(
             for rep in range(repeats):
                 k = (i * repeats + rep) % len(methods)
                 for m in list(methods[k:]) + list(methods[:k]):
+                    if cold and m.startswith("ours"):
+                        dec.reset_learning()
                     counter.count = 0
                     t0 = time.perf_counter()
                     out_ids, steps = runners[m](ids, refs)

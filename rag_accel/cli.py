@@ -268,6 +268,10 @@ def bench(
                                 "median of its rounds (less machine noise in per-item speed-ups)."),
     reworded: int = typer.Option(0, min=0, help="Then this many items again, reworded, with greedy's answer to "
                                  "the original as an extra reference (not in the prompt): the cached-answer case."),
+    cold: bool = typer.Option(False, "--cold", help="Our methods forget what earlier requests taught before each "
+                              "timed run: every item is a fresh process's first request (transformers methods)."),
+    last: bool = typer.Option(False, "--last", help="Take the corpus's LAST --items items (the bundled sample's "
+                              "last ones: no default was tuned on them) instead of the first."),
     concurrency: str = typer.Option("", help="vLLM methods only: requests in flight for the throughput table, "
                                     "comma-separated (e.g. 4,16)."),
     concurrency_items: int = typer.Option(16, min=1, help="Items run at each --concurrency level."),
@@ -311,11 +315,14 @@ def bench(
     engines: dict = {}
     try:
         want_answers = target_forced == "human"
-        sample = load_msmarco_sample(corpus, with_answers=True, limit=items + 1)
+        sample = load_msmarco_sample(corpus, with_answers=True, limit=None if last else items + 1)
         if not sample:
             raise CliError("no answered items in the corpus")
         # the warm-up item is one that is not timed (vllm-suffix would otherwise copy its own answer to it)
-        warmup, sample = (sample[items], sample[:items]) if len(sample) > items else (None, sample)
+        if last:
+            warmup, sample = (sample[-items - 1], sample[-items:]) if len(sample) > items else (None, sample)
+        else:
+            warmup, sample = (sample[items], sample[:items]) if len(sample) > items else (None, sample)
         dec = _load_decoder(model, device, dtype, draft_model)
         targets = None
         if target_forced is not None:
@@ -332,7 +339,7 @@ def bench(
                                    max_model_len=max_model_len)
         runs = run_benchmark(dec, sample, method_list, max_new_tokens, targets=targets, repeats=repeats,
                              progress=lambda s: typer.echo(s, err=True), engines=engines, reworded=reworded,
-                             warmup=warmup)
+                             warmup=warmup, cold=cold)
         batch_runs = run_concurrency(engines, dec, sample, levels, max_new_tokens, concurrency_items,
                                      progress=lambda s: typer.echo(s, err=True)) if levels else []
     except (FileNotFoundError, ValueError, TypeError, CliError, json.JSONDecodeError, KeyError) as e:
@@ -368,7 +375,8 @@ def bench(
     typer.echo("\n".join([table, *extra_tables]))
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"environment": env, "command": command, "items": len(sample), "max_new_tokens": max_new_tokens,
-              "repeats": repeats, "target_forced": target_forced, "cost_curve": {
+              "repeats": repeats, "target_forced": target_forced, "cold": cold, "last": last,
+              "item_ids": [it.id for it in sample], "cost_curve": {
                   f"{n}{'' if packed else '-unpacked'}{'' if head else '-nohead'}": v
                   for (n, packed, head), v in dec._cost_curves.items()},
               "summary": summary, "reworded": reworded, "reworded_summary": reworded_summary,
@@ -376,7 +384,9 @@ def bench(
               "concurrency_runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in batch_runs],
               "runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in runs]}
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    title = (f"{env['model']} {env['dtype']} on {env['device']}, {len(sample)} MS-MARCO items, {max_new_tokens} "
+    title = (f"{env['model']} {env['dtype']} on {env['device']}, {len(sample)} {'last ' if last else ''}MS-MARCO "
+             f"items{' (cold: our methods forget what earlier requests taught before each run)' if cold else ''}, "
+             f"{max_new_tokens} "
              f"tokens{', target-forced: ' + target_forced if target_forced else ''}, {env['date']}")
     out.with_suffix(".md").write_text("\n".join([
         f"# {title}", "", f"- command: `{command}`", f"- torch {env['torch']}, transformers {env['transformers']}",

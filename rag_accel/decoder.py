@@ -375,9 +375,11 @@ class ReferenceDecoder:
         return self._cost_curves[key]
 
     def reset_learning(self) -> None:
-        """Forget the acceptance rates learnt from earlier requests."""
+        """Forget what earlier requests taught: the acceptance rates and the learnt step costs (the
+        decoder of a fresh process; the measured cost curve is kept)."""
         with self._lock:
             self.acceptance = AcceptanceStats()
+            self.step_costs = StepCosts()
 
     # ------------------------------------------------------------ the loop
     def _decode(self, prompt_ids: list[int], ref_ids: list[list[int]], max_new_tokens: int, stops: list[str],

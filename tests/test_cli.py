@@ -107,6 +107,29 @@ def test_readme_gpu_bench_command_runs_on_the_cpu_with_a_small_model(tmp_path):
     assert all(r["identical"] for r in result["runs"])  # every method decoded the forced target
 
 
+def test_bench_cold_on_the_last_items(tmp_path, monkeypatch):
+    """--last times the sample's last items (untuned), --cold makes each of our runs a fresh process's
+    first request: the decoder forgets its acceptance rates and step costs before each one."""
+    from typer.testing import CliRunner
+
+    from rag_accel.cli import app
+    from rag_accel.data import load_msmarco_sample
+    from rag_accel.decoder import ReferenceDecoder
+
+    resets = []
+    reset = ReferenceDecoder.reset_learning
+    monkeypatch.setattr(ReferenceDecoder, "reset_learning", lambda self: (resets.append(1), reset(self)))
+    out = tmp_path / "cold"
+    res = CliRunner().invoke(app, ["bench", "--model", "random:tiny", "--target-forced", "human", "--items", "2",
+                                   "--max-new-tokens", "6", "--methods", "greedy,ours,ours-ref", "--cold", "--last",
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["cold"] and result["item_ids"] == [it.id for it in load_msmarco_sample(with_answers=True)[-2:]]
+    assert len(resets) == 2 * 2  # before each timed run of ours and ours-ref, not of greedy
+    assert "2 last MS-MARCO items (cold" in out.with_suffix(".md").read_text()
+
+
 @pytest.mark.parametrize("args, msg", [
     (["bench", "--model", "/no/such/model", "--items", "1"], "'/no/such/model' is not a local folder"),
     (["bench", "--methods", "greedy,warp-drive", "--items", "1"], "unknown method"),
