@@ -88,12 +88,15 @@ def test_pipeline_parallel_is_refused_before_an_engine_starts(tiny_llama):
 
 
 @pytest.mark.slow
-def test_data_parallel_2_through_the_server_is_exact_and_drafts(tiny_llama):
+def test_data_parallel_2_through_the_server_is_exact_and_drafts(tiny_llama, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     from rag_accel.remote import RemoteDecoder
     from rag_accel.serve import Server
 
+    # vLLM places each engine's threads itself: an inherited binding of both cores (test_vllm.py sets 0-1 for
+    # its engines) made both data-parallel engines bind the same cores and fail to start (CI, 2026-11-25).
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     with Server(tiny_llama, options=["--max-model-len", "1024"],
                 vllm_args=["--data-parallel-size", "2", "--enforce-eager"], env=env) as srv:
