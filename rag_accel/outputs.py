@@ -32,6 +32,7 @@ class GenerationStats:
     prefill_s: float | None = 0.0
     draft_s: float | None = 0.0  # drafting + choosing the length (host side)
     calibration_s: float = 0.0  # one-off measurement of the cost curve, if this call did it
+    setup_s: float | None = 0.0  # per-request set-up: tokenising the references, building the drafters
     # Per forward pass: (drafter whose draft was verified, "" for none; tokens that step produced:
     # accepted draft tokens + the model's own next one). The last entry may exceed what a stop kept.
     trace: list[tuple[str, int]] = field(default_factory=list)
@@ -70,7 +71,8 @@ class GenerationStats:
     def __repr__(self) -> str:
         # One readable line: the per-step trace (one entry per forward pass) is summarised by its
         # length; ``stats.trace`` / ``to_dict()`` have it whole.
-        times = ", ".join(f"{k}={getattr(self, k):.3f}" for k in ("time_s", "prefill_s", "draft_s", "calibration_s")
+        times = ", ".join(f"{k}={getattr(self, k):.3f}" for k in ("time_s", "setup_s", "prefill_s", "draft_s",
+                                                                      "calibration_s")
                           if getattr(self, k))
         return (f"GenerationStats(new_tokens={self.new_tokens}, steps={self.steps}, "
                 f"tokens_per_step={'None' if self.tokens_per_step is None else f'{self.tokens_per_step:.2f}'}, "

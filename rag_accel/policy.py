@@ -33,6 +33,19 @@ from .drafters import NO_DRAFT, Draft
 # Lower edges of the match-length buckets.
 _BUCKET_EDGES = (0, 1, 2, 3, 4, 6, 9, 16, 32)
 
+# What a drafter with no evidence yet is expected to get right, per match-length bucket (its lower
+# edge): (first token, each later token). Copy drafts on a 1-token match are mostly wrong, on a
+# 6-token match mostly right: one flat prior (0.5, as before) made a fresh process draft on weak
+# matches and lose, and hold back on strong ones. Measured on the bundled sample's FIRST 40 items
+# (the defaults are judged on the last ones), pooled over the reference, prompt-lookup and n-gram
+# drafters, then rounded down to 0.05 (cautious: the learnt rates earn their way up):
+# benchmarks/results/cold_rates_cpu_smollm2.md (`python benchmarks/cold_rates.py`). Bucket 0 holds
+# drafts with no copy evidence (draft models), which keep the flat 0.5.
+COLD_RATES: dict[int, tuple[float, float]] = {
+    0: (0.5, 0.5), 1: (0.2, 0.25), 2: (0.35, 0.75), 3: (0.45, 0.75), 4: (0.55, 0.85),
+    6: (0.75, 0.9), 9: (0.75, 0.9), 16: (0.85, 0.9), 32: (0.9, 0.9),
+}
+
 
 def _bucket(match_len: int) -> int:
     return bisect_right(_BUCKET_EDGES, match_len) - 1
@@ -92,11 +105,13 @@ class DraftLengthPolicy:
         cost_curve: ``cost_curve[L]`` = time of a forward over ``1 + L`` tokens
             relative to one token (``cost_curve[0] == 1``).
         adaptive: if ``False``, always verify the whole draft.
-        prior: prior acceptance rate for a drafter not seen yet.
+        prior: prior acceptance rate for a drafter not seen yet; ``None``
+            (default): :data:`COLD_RATES`, by the draft's match length.
         prior_weight: pseudo-observations behind the prior, and behind the
             drafter-wide rate when it is used as the prior of a bucket.
         min_gain: a draft must beat a plain step by this fraction of its value.
-        exploration: plain steps any request may lose before its loss budget grows.
+        exploration: plain steps any request may lose on top of its loss budget
+            (default 0: the budget alone bounds the loss; it counts the prefill).
         request_prior: pseudo-hits behind :meth:`request_factor` (smaller: it
             falls faster after the first misses of a request); ``None``: no
             request factor, each drafter and bucket learns on its own.
@@ -107,10 +122,10 @@ class DraftLengthPolicy:
         cost_curve: Sequence[float],
         adaptive: bool = True,
         stats: AcceptanceStats | None = None,
-        prior: float = 0.5,
+        prior: float | None = None,
         prior_weight: float = 2.0,
         min_gain: float = 0.1,
-        exploration: float = 1.0,
+        exploration: float = 0.0,
         request_prior: float | None = 0.5,
     ) -> None:
         self.base_cost = [float(c) / float(cost_curve[0]) for c in cost_curve]
@@ -147,13 +162,15 @@ class DraftLengthPolicy:
 
     def _learnt_rates(self, source: str, match_len: int) -> tuple[float, float]:
         w = self.w
+        bucket = _bucket(match_len)
+        p0, p1 = COLD_RATES[_BUCKET_EDGES[bucket]] if self.prior is None else (self.prior, self.prior)
         o = self._overall.get(source)
         if o is None:
-            g0 = g1 = self.prior
+            g0, g1 = p0, p1
         else:
-            g0 = (o.s0 + w * self.prior) / (o.s0 + o.f0 + w)
-            g1 = (o.s1 + w * self.prior) / (o.s1 + o.f1 + w)
-        key = (source, _bucket(match_len))
+            g0 = (o.s0 + w * p0) / (o.s0 + o.f0 + w)
+            g1 = (o.s1 + w * p1) / (o.s1 + o.f1 + w)
+        key = (source, bucket)
         # Shrink: drafter-wide rate -> this bucket's rate (all requests) -> this bucket in this request.
         for r in (self._buckets.get(key), self._local.get(key)):
             if r is not None:

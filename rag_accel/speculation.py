@@ -152,6 +152,12 @@ class BatchStepCosts(StepCosts):
     def scale_at(self, context_len: int) -> float:
         return self.batch_scale
 
+    def prefill_steps(self, prompt_tokens: int) -> float:
+        """What prefilling ``prompt_tokens`` costs in one row's plain steps, ``t(P) / t(1)`` on the
+        learnt line (the prior's before any step): a request's loss budget counts its prefill."""
+        a, b = self.line() or (1.0, self.prior_slope)
+        return (a + b * prompt_tokens) / (a + b)
+
     def learn_step(self, policy: Any, n_send: int, seconds: float, plain_s: float | None,
                    context_len: int) -> float | None:
         return None  # learnt per step for the whole batch (observe), not per row
@@ -175,6 +181,7 @@ class RequestDrafting:
         self.max_draft_tokens, self.max_loss, self.probe_every = max_draft_tokens, max_loss, probe_every
         self.candidates: list[Draft] = []  # the last step's drafts, sent or not: they learn from its tokens
         self.prefill_s = 0.0  # the request's prefill time, for the loss budget
+        self.prefill_steps: float | None = None  # or its cost in plain steps, where the engine knows that instead
         self.plain_s: float | None = None  # running time of this request's plain (one-token) steps
         self._since_model = 0  # steps since a draft model was last asked
 
@@ -217,10 +224,16 @@ class RequestDrafting:
         return draft, n_send
 
     def loss_budget(self, n_generated: int) -> float:
-        """Plain steps failed drafts may still cost: ``max_loss`` of the plain-greedy time so far."""
-        if not self.plain_s:
-            return 0.0
-        return self.max_loss * (self.prefill_s / self.plain_s + n_generated)
+        """Plain steps failed drafts may still cost: ``max_loss`` of the plain-greedy time so far,
+        prefill included (before this request has timed a plain step, at the engine's running
+        one-token step time: a fresh request may draft from its first step)."""
+        prefill = self.prefill_steps
+        if prefill is None:
+            plain = self.plain_s or self.costs.step_s
+            if not plain:
+                return 0.0
+            prefill = self.prefill_s / plain
+        return self.max_loss * (prefill + n_generated)
 
     def _ask_draft_models(self, context: Sequence[int], max_len: int, loss_budget: float,
                           remaining: int) -> tuple[Draft, int]:

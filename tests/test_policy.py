@@ -104,9 +104,9 @@ def test_loss_budget_charges_the_timed_cost_when_the_decoder_gives_it():
     good = Draft([1] * 8, 8, "reference")
     for p in (modelled, timed):
         train(p, "reference", 8, right=True)
-    # Budget 0.5 + exploration 1.0: the modelled debt still fits, the real one does not.
-    assert modelled.select([good], loss_budget=0.5)[1] == 8
-    assert timed.select([good], loss_budget=0.5) == (Draft(), 0)
+    # A budget of 1.3 plain steps: the modelled debt still fits, the real one does not.
+    assert modelled.select([good], loss_budget=1.3)[1] == 8
+    assert timed.select([good], loss_budget=1.3) == (Draft(), 0)
     timed.record(8, 8, timed_cost=2.6)  # accepted tokens pay back against the timed cost too
     assert abs(timed.debt - (1.6 + 1.6 - 8)) < 1e-9
 
@@ -155,3 +155,28 @@ def test_request_factor_can_be_turned_off():
     for _ in range(5):
         p.observe(Draft([1, 2], 2, "reference"), [9])
     assert p.request_factor() == 1.0
+
+
+MEASURED_CPU_CURVE = [1.0, 1.5, 1.5, 1.5, 1.5, 1.51, 1.51, 1.52, 1.56, 1.6, 1.64]  # SmolLM2 f32, this CPU
+
+
+def test_a_fresh_policy_drafts_on_strong_evidence_only():
+    """Nothing learnt yet (a fresh process): the cold rates depend on the match length, so a
+    1-token match is not worth a verify step, a long match is worth a long draft."""
+    for curve in (CPU_CURVE, MEASURED_CPU_CURVE):
+        p = DraftLengthPolicy(curve)
+        n = len(curve) - 1
+        assert p.choose(Draft([1] * n, 1, "reference")) == 0
+        assert p.choose(Draft([1] * n, 6, "reference")) >= 8
+        assert p.choose(Draft([1] * n, 9, "a drafter never seen")) >= 8
+
+
+def test_cold_rates_rise_with_the_evidence_and_give_way_to_what_is_learnt():
+    p = DraftLengthPolicy(CPU_CURVE)
+    cold = [p.rates("reference", m)[0] for m in (1, 2, 3, 4, 6, 16, 32)]
+    assert cold == sorted(cold) and cold[0] < 0.3 < 0.7 < cold[-1]
+    train(p, "reference", 1, right=True, times=40)  # this model copies even on 1-token matches
+    assert p.rates("reference", 1)[0] > 0.9
+    assert p.choose(Draft([1] * 16, 1, "reference")) == 16
+    flat = DraftLengthPolicy(CPU_CURVE, prior=0.5)  # the old flat prior, still available
+    assert flat.rates("reference", 1) == flat.rates("reference", 32) == (0.5, 0.5)

@@ -425,6 +425,17 @@ def test_speculate_false_drafts_nothing_and_right_references_draft(dec, items, b
 
 
 @pytest.mark.slow
+def test_a_reset_engine_drafts_from_its_first_request(dec, items, baseline):
+    """reset_learning reaches the drafting worker (the stats RPC with forget=True); a proposer that
+    has learnt nothing still drafts on strong matches (the cold rates) and stays exact."""
+    it = items[0]
+    dec.reset_learning()
+    out = dec.generate(rag_messages(it.query, it.passages), [baseline.texts[0]], max_new_tokens=MAX_NEW)
+    assert out.token_ids == baseline.alone[0]
+    assert out.stats.by_drafter["reference"]["accepted"] > 0
+
+
+@pytest.mark.slow
 def test_stream_stops_and_prompt_forms(dec, items, baseline):
     it = items[0]
     msgs = rag_messages(it.query, it.passages)

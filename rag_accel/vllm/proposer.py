@@ -209,6 +209,7 @@ class RagProposer:
         row.drafting = RequestDrafting.from_config(
             row.config, context, [], self.curve[:row.config.max_draft_tokens + 1],
             self.acceptance[row.greedy], self.costs)
+        row.drafting.prefill_steps = self.costs.prefill_steps(row.prompt_len)
         small = all(not isinstance(r, str) for r in row.refs) and \
             sum(len(r) for r in row.refs) <= _INLINE_REFERENCE_TOKENS
         if row.refs and small:
@@ -306,6 +307,12 @@ class RagProposer:
         self.draft_s += time.perf_counter() - t0
         return drafts
 
+    def reset_learning(self) -> None:
+        """Forget what earlier requests taught (acceptance rates, step costs): a fresh engine's
+        proposer. Requests in flight keep their own state until they finish."""
+        self.costs = BatchStepCosts()
+        self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}
+
     def pop_stats(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
         """The stats of these requests as dicts (``None``: unknown), forgotten here."""
         out = []
@@ -315,11 +322,14 @@ class RagProposer:
         return out
 
 
-def pop_stats_rpc(worker: Any, keys: list[str]) -> dict[str, Any]:
+def pop_stats_rpc(worker: Any, keys: list[str], forget: bool = False) -> dict[str, Any]:
     """Runs in each worker (``LLM.collective_rpc("rag_accel_pop_stats", ...)``, added by
     :mod:`~rag_accel.vllm.patches`): whether this rank drafts with a :class:`RagProposer`, and its
-    stats for ``keys`` (pipeline stages before the last build no proposer)."""
+    stats for ``keys`` (pipeline stages before the last build no proposer). ``forget``: first
+    forget what earlier requests taught (:meth:`RagProposer.reset_learning`)."""
     proposer = getattr(getattr(worker, "model_runner", None), "drafter", None)
     if not isinstance(proposer, RagProposer):
         return {"proposer": False, "stats": [None] * len(keys)}
+    if forget:
+        proposer.reset_learning()
     return {"proposer": True, "stats": proposer.pop_stats(keys)}
