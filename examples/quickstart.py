@@ -29,7 +29,6 @@ def main() -> None:
 
     dec = ReferenceDecoder.from_pretrained(args.model, device=args.device)
     print(f"model {args.model} on {dec.device}, {dec.model.dtype}")
-    dec.cost_curve(dec.config.max_draft_tokens)  # one-off measurement, kept out of the timings below
     for item in load_msmarco_sample(with_answers=True, limit=args.queries):
         messages = rag_messages(item.query, item.passages)
         print(f"\nQ: {item.query}\nA: ", end="", flush=True)

@@ -36,33 +36,16 @@ from .data import RagItem, rag_messages
 from .decoder import ReferenceDecoder
 from .drafters import ReferenceDrafter
 from .kv import cache_of
+from .methods import (  # noqa: F401 - the method tables, re-exported
+    ALL_METHODS,
+    BASELINES,
+    COPY_DRAFTERS,
+    NEEDS_DRAFT_MODEL,
+    OUR_METHODS,
+    REMEMBERS_OUTPUTS,
+    VLLM_METHODS,
+)
 
-# name -> DecoderConfig changes
-COPY_DRAFTERS = ("reference", "prompt_lookup", "ngram")
-OUR_METHODS: dict[str, dict[str, Any]] = {
-    "ours": {"drafters": COPY_DRAFTERS},
-    "ours-fixed": {"adaptive": False, "max_draft_tokens": 10},
-    "ours-nopack": {"drafters": COPY_DRAFTERS, "pack_gqa": False},  # the model's own attention path (A/B)
-    "ours-nopool": {"drafters": COPY_DRAFTERS, "pool_misses": False},  # each drafter learns misses alone (A/B)
-    "ours-nohead": {"drafters": COPY_DRAFTERS, "fast_head": False},  # the model's own output projection (A/B)
-    "ours-ref": {"drafters": ("reference",)},
-    "ours-pld": {"drafters": ("prompt_lookup",)},
-    "ours-ngram": {"drafters": ("ngram",)},
-    # With a draft model (--draft-model): the draft model alone, and references first, then the draft model.
-    "ours-draft": {"drafters": ("draft_model",)},
-    "ours-hybrid": {"drafters": (*COPY_DRAFTERS, "draft_model")},
-}
-BASELINES = ("greedy", "hf-pld", "hf-assisted")
-NEEDS_DRAFT_MODEL = ("ours-draft", "ours-hybrid", "hf-assisted")
-# name -> the engine's speculation (rag_accel.vllm.SPECULATION); each runs on its own vLLM engine.
-VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-suffix": "suffix", "vllm-ours": "ours"}
-# Methods whose engine copies from its own earlier outputs (vLLM's suffix decoding keeps a tree of past
-# responses): run on a prompt it has answered before, it copies that answer. So the benchmark never shows
-# them a prompt twice: the warm-up is an item that is not timed, one round per item, and they sit out the
-# concurrency table (its levels repeat the items). In the reworded case they have the original question's
-# answer in that tree, as a deployed engine would: the peer of our cached-answer reference.
-REMEMBERS_OUTPUTS = ("vllm-suffix",)
-ALL_METHODS = (*BASELINES, *OUR_METHODS, *VLLM_METHODS)
 REWORDED = "Could you tell me: {query}?"  # the reworded question of the cached-answer case
 
 
@@ -83,14 +66,30 @@ class Run:
     repeat: int = 0
     case: str = "rag"  # "rag": the item's passages; "reworded": its cached answer, not in the prompt
     identical_hf: bool = False  # equal to transformers' greedy (what vLLM methods are also held to)
+    # Where the time went (transformers methods): seconds until the first forward pass (the prefill) had
+    # finished, from the call; ours also: per-request set-up (references tokenised, drafters built) and
+    # drafting (host time choosing drafts, all steps).
+    first_s: float | None = None
+    setup_s: float | None = None
+    draft_s: float | None = None
 
 
 class _ForwardCounter:
-    def __init__(self, model: torch.nn.Module) -> None:
+    """Counts a model's forward passes and notes when the first one (the prefill) ended."""
+
+    def __init__(self, model: torch.nn.Module, sync: Callable[[], None] = lambda: None) -> None:
         self.count = 0
+        self.first_end: float | None = None
+        self._sync = sync  # (on CUDA the hook runs when the kernels are queued, not done)
         self._handle = model.register_forward_hook(self._hook)
 
+    def reset(self) -> None:
+        self.count, self.first_end = 0, None
+
     def _hook(self, *_: Any) -> None:
+        if self.count == 0:
+            self._sync()
+            self.first_end = time.perf_counter()
         self.count += 1
 
     def close(self) -> None:
@@ -139,12 +138,13 @@ class TargetForcing:
             h.remove()
 
 
-Runner = Callable[[list[int], list[str]], tuple[list[int], "int | None"]]  # (ids, references) -> (ids, steps)
+# (ids, references) -> (output ids, steps or None: counted by hook, our stats or None)
+Runner = Callable[[list[int], list[str]], tuple[list[int], "int | None", Any]]
 
 
 def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: dict[str, Any] | None = None) -> Runner:
-    """One method as ``run(prompt ids, references) -> (output ids, steps)``; steps ``None``:
-    count the model's forward passes (the HF methods)."""
+    """One method as ``run(prompt ids, references) -> (output ids, steps, stats)``; steps ``None``:
+    count the model's forward passes (the HF methods); stats: our :class:`GenerationStats` (else ``None``)."""
     model = dec.model
     if method in VLLM_METHODS:
         if not engines or method not in engines:
@@ -158,23 +158,24 @@ def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: di
             extra = {"prompt_lookup_num_tokens": 10}
         elif method == "hf-assisted":  # transformers' assisted generation with the same draft model
             extra = {"assistant_model": dec.draft_model}
-            if dec._universal:
+            if dec.universal:
                 extra.update(tokenizer=dec.tokenizer, assistant_tokenizer=dec.draft_tokenizer)
 
-        def run_hf(ids: list[int], refs: list[str]) -> tuple[list[int], int | None]:
+        def run_hf(ids: list[int], refs: list[str]) -> tuple[list[int], int | None, Any]:
             x = torch.tensor([ids], device=dec.device)
             with torch.inference_mode():
                 out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                      max_new_tokens=max_new_tokens, **extra)
-            return out[0, len(ids):].tolist(), None
+            return out[0, len(ids):].tolist(), None, None
 
         return run_hf
     if method not in OUR_METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {list(ALL_METHODS)}")
     cfg = dec.config.replace(**OUR_METHODS[method])
 
-    def run_ours(ids: list[int], refs: list[str]) -> tuple[list[int], int | None]:
-        return dec.generate(ids, references=refs, max_new_tokens=max_new_tokens, config=cfg).token_ids, None
+    def run_ours(ids: list[int], refs: list[str]) -> tuple[list[int], int | None, Any]:
+        out = dec.generate(ids, references=refs, max_new_tokens=max_new_tokens, config=cfg)
+        return out.token_ids, None, out.stats
 
     return run_ours
 
@@ -182,12 +183,12 @@ def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: di
 def _vllm_runner(vdec: Any, method: str, max_new_tokens: int) -> Runner:
     ours = method == "vllm-ours"
 
-    def run_vllm(ids: list[int], refs: list[str]) -> tuple[list[int], int | None]:
+    def run_vllm(ids: list[int], refs: list[str]) -> tuple[list[int], int | None, Any]:
         # steps: the engine steps that gave this request tokens (VllmDecoder counts them for every kind of
         # speculation). Not vLLM's Prometheus counters: each engine made in a process unregisters the
         # earlier engines' collectors, so with three engines the n-gram one's counts read as 0.
         out = vdec.generate(ids, refs if ours else None, max_new_tokens=max_new_tokens)
-        return out.token_ids, out.stats.steps
+        return out.token_ids, out.stats.steps, None
 
     return run_vllm
 
@@ -248,9 +249,10 @@ def run_benchmark(
     items again as :func:`reworded_items` (references: the passages + greedy's answer to the
     original question), all methods, ``case="reworded"``. ``warmup``: the item of the untimed
     warm-up (default: the first item; one not among ``items`` for :data:`REMEMBERS_OUTPUTS`).
-    ``cold``: our transformers methods forget what earlier requests taught before each timed run
+    ``cold``: our methods forget what earlier requests taught before each timed run
     (:meth:`ReferenceDecoder.reset_learning`: a fresh process's first request, the cost curve
-    measured at the warm-up kept)."""
+    measured at load kept; ``vllm-ours``: :meth:`VllmDecoder.reset_learning`, a fresh engine's
+    proposer)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if "greedy" not in methods:
@@ -276,7 +278,7 @@ def run_benchmark(
         if missing:
             raise ValueError(f"no target for {len(missing)} item(s), e.g. {missing[0]}")
         forcing = TargetForcing(dec.model, next(iter(dec.eos_token_ids), 0))
-    counter = _ForwardCounter(dec.model)
+    counter = _ForwardCounter(dec.model, torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None))
     runs: list[Run] = []
     answers: dict[str, list[int]] = {}  # item id -> greedy's output (the cached answer of the reworded case)
     try:
@@ -299,14 +301,21 @@ def run_benchmark(
                 for m in list(methods[k:]) + list(methods[:k]):
                     if cold and m.startswith("ours"):
                         dec.reset_learning()
-                    counter.count = 0
+                    elif cold and m == "vllm-ours" and engines:
+                        engines[m].reset_learning()
+                    counter.reset()
                     t0 = time.perf_counter()
-                    out_ids, steps = runners[m](ids, refs)
+                    out_ids, steps, stats = runners[m](ids, refs)
                     if dec.device.type == "cuda":
                         torch.cuda.synchronize()
                     dt = time.perf_counter() - t0
-                    item_runs.append(Run(m, item.id, dt, len(out_ids), counter.count if steps is None else steps,
-                                         False, out_ids, rep, case))
+                    run = Run(m, item.id, dt, len(out_ids), counter.count if steps is None else steps,
+                              False, out_ids, rep, case)
+                    if steps is None and counter.first_end is not None:
+                        run.first_s = counter.first_end - t0
+                    if stats is not None:
+                        run.setup_s, run.draft_s = stats.setup_s, stats.draft_s
+                    item_runs.append(run)
             first = {}
             for r in item_runs:
                 first.setdefault(r.method, r.token_ids)
@@ -445,7 +454,37 @@ def summarize(runs: Sequence[Run], case: str = "rag") -> dict[str, dict[str, Any
         if m in VLLM_METHODS:
             out[m]["speedup_vs_vllm_greedy_geomean"] = _geomean(
                 [seconds["vllm-greedy", it] / seconds[m, it] for it in items])
+        timed = [r for r in rs if r.first_s is not None]
+        if timed:
+            later = sum(r.steps - 1 for r in timed)
+            out[m]["split"] = {
+                "first_forward_s": statistics.mean(r.first_s for r in timed),  # type: ignore[misc]
+                "later_steps": later / len(timed),
+                "ms_per_later_step": 1000 * sum(r.seconds - r.first_s for r in timed) / later if later else None,
+                "setup_ms": (1000 * statistics.mean(r.setup_s for r in timed)  # type: ignore[misc]
+                             if all(r.setup_s is not None for r in timed) else None),
+                "draft_us_per_step": (1e6 * sum(r.draft_s for r in timed) / later  # type: ignore[misc]
+                                      if later and all(r.draft_s is not None for r in timed) else None),
+            }
     return out
+
+
+def split_table(summary: dict[str, dict[str, Any]]) -> str:
+    """Where each transformers method's time went, per request on average (empty: no split measured)."""
+    rows = [(m, s["split"]) for m, s in summary.items() if "split" in s]
+    if not rows:
+        return ""
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = ["| method | first forward done (s) | later steps | ms per later step | set-up (ms) | "
+             "drafting per step (us) |", "|---|---|---|---|---|---|"]
+    for m, sp in rows:
+        lines.append(f"| {m} | {sp['first_forward_s']:.3f} | {sp['later_steps']:.1f} | "
+                     f"{num(sp['ms_per_later_step'], '.1f')} | {num(sp['setup_ms'], '.1f')} | "
+                     f"{num(sp['draft_us_per_step'], '.0f')} |")
+    return "\n".join(lines + ["", SPLIT_LEGEND])
 
 
 def _geomean(xs: Sequence[float]) -> float:
@@ -477,6 +516,12 @@ TABLE_LEGEND = """\
 - tokens/s: new tokens over seconds, all runs together. median latency: the median over items.
 - identical: the share of runs whose token ids equal the item's first greedy run of the method's engine
   (transformers' greedy; vllm-greedy for vllm-* methods), token for token."""
+SPLIT_LEGEND = """\
+- first forward done: seconds from the call until the model's first forward pass (the prefill) had
+  finished: the method's set-up and the prefill. later steps: the forward passes after it, per request;
+  ms per later step: the rest of the request's time over them (drafting, verifying, emitting included).
+- set-up: ours' per-request work before the prefill (references tokenised, drafters built); drafting:
+  host time choosing drafts and their length, per later step. Means over all runs."""
 ENGINES_LEGEND = """\
 - vs vllm-greedy: the geo-mean speed-up against vllm-greedy, per item as above (vllm-* methods).
 - identical to transformers' greedy: the same share against transformers' greedy, for every method."""
@@ -552,7 +597,7 @@ def _propose_cost_row(n: int, queries: int, rng: np.random.Generator) -> dict:
         contexts.append(ctx)
     search, follow = [], []
     for ctx in contexts:
-        drafter._follow = None
+        drafter.forget_span()
         t0 = time.perf_counter()
         d = drafter.propose(ctx, 10)
         search.append(time.perf_counter() - t0)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from .bench import ALL_METHODS
+from .methods import ALL_METHODS
 
 # Plain help (no rich panels): this typer's panels show flags such as --help with a "<bool>" type and cut
 # long defaults off with an ellipsis; click's own layout wraps them.
@@ -186,8 +186,6 @@ def demo(
     what = (" (SmolLM2-135M-Instruct de-quantised from a Q4_1 GGUF: a tiny model that runs anywhere offline; "
             "--model NAME_OR_PATH for a real one)" if model == DEFAULT_MODEL else "")
     typer.echo(f"Model: {model}{what} on {dec.device}, {str(dec.model.dtype).replace('torch.', '')}")
-    typer.echo("Measuring once how much a forward pass costs with 1-10 draft tokens ...")
-    dec.cost_curve(dec.config.max_draft_tokens)
     answered = [it for it in items if it.answers][:queries] or items[:queries]
     timer = _ForwardTimes(dec.model)
     gen = dict(max_new_tokens=max_new_tokens, stop=DEMO_STOPS)
@@ -254,7 +252,7 @@ def bench(
     items: int = typer.Option(50, min=1, help="Answered sample items to run."),
     max_new_tokens: int = typer.Option(128, min=1, help="Most new tokens per answer."),
     methods: str = typer.Option("greedy,hf-pld,ours,ours-fixed,ours-ref,ours-pld,ours-ngram",
-                                help="Comma-separated, from: " + ", ".join(ALL_METHODS) + " (see the README's "
+                                help="Comma-separated, from: " + ", ".join(ALL_METHODS) + " (see docs/usage.md, "
                                 "Command line section). greedy always runs (it is the reference)."),
     corpus: Optional[Path] = typer.Option(None, help="MS-MARCO RAG jsonl (default: the bundled sample)."),
     target_forced: Optional[str] = typer.Option(
@@ -269,7 +267,7 @@ def bench(
     reworded: int = typer.Option(0, min=0, help="Then this many items again, reworded, with greedy's answer to "
                                  "the original as an extra reference (not in the prompt): the cached-answer case."),
     cold: bool = typer.Option(False, "--cold", help="Our methods forget what earlier requests taught before each "
-                              "timed run: every item is a fresh process's first request (transformers methods)."),
+                              "timed run: every item is a fresh process's first request (ours*), or a fresh engine's (vllm-ours)."),
     last: bool = typer.Option(False, "--last", help="Take the corpus's LAST --items items (the bundled sample's "
                               "last ones: no default was tuned on them) instead of the first."),
     concurrency: str = typer.Option("", help="vLLM methods only: requests in flight for the throughput table, "
@@ -292,6 +290,7 @@ def bench(
         plot,
         run_benchmark,
         run_concurrency,
+        split_table,
         summarize,
         summarize_concurrency,
         vllm_engines,
@@ -368,6 +367,9 @@ def bench(
         extra_tables += ["", f"Cached-answer case ({reworded} items): the question reworded, greedy's answer to the "
                          "original as an extra reference that is not in the prompt:", "",
                          markdown_table(reworded_summary, legend=False)]
+    split = split_table(summary)
+    if split:
+        extra_tables += ["", "Where the time went (transformers methods, mean per request):", "", split]
     if batch_summary:
         extra_tables += ["", f"Throughput with several requests in flight (vLLM; {concurrency_items} items per level, "
                          "one generate_batch per group; the transformers methods run one request at a time):", "",
@@ -378,7 +380,7 @@ def bench(
               "repeats": repeats, "target_forced": target_forced, "cold": cold, "last": last,
               "item_ids": [it.id for it in sample], "cost_curve": {
                   f"{n}{'' if packed else '-unpacked'}{'' if head else '-nohead'}": v
-                  for (n, packed, head), v in dec._cost_curves.items()},
+                  for (n, packed, head), v in dec.cost_curves.items()},
               "summary": summary, "reworded": reworded, "reworded_summary": reworded_summary,
               "concurrency_summary": batch_summary,
               "concurrency_runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in batch_runs],

@@ -26,6 +26,7 @@ from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
 from .outputs import GenerationOutput, GenerationStats, GenerationStream
 from .policy import AcceptanceStats, leading_matches
+from .protocol import batch_arguments, sampling_request
 from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
 from .speculation import RequestDrafting, StepCosts
 from .stopping import OutputText
@@ -173,6 +174,7 @@ class ReferenceDecoder:
         dtype: Any = None,
         config: DecoderConfig | None = None,
         draft_model: str | None = None,
+        calibrate: bool = True,
         **model_kwargs: Any,
     ) -> Any:
         """Load model and tokenizer from a hub name or local folder (``"smollm2-135m-instruct"``:
@@ -185,7 +187,11 @@ class ReferenceDecoder:
 
         ``draft_model``: a second model to draft with, loaded the same way with its own
         tokenizer (a different tokenizer selects universal drafting), or ``"int8"``: an
-        int8 dynamically quantised copy of the model itself (CPU only; HF backend)."""
+        int8 dynamically quantised copy of the model itself (CPU only; HF backend).
+
+        ``calibrate``: time what verifying 1..``max_draft_tokens`` draft tokens costs now, at load
+        (about a second for a small model on a CPU), so that no request pays it and the first one
+        already drafts by the measured costs (``False``: the first adaptive request measures it)."""
         if backend == "vllm":
             if draft_model is not None or device not in (None, "auto", "cpu", "cuda"):
                 raise ValueError("backend='vllm' takes no draft_model, and no device beyond 'cpu'/'cuda' "
@@ -205,7 +211,20 @@ class ReferenceDecoder:
             draft = int8_draft_model(model)
         elif draft_model is not None:
             draft, draft_tokenizer = load_model_and_tokenizer(draft_model, dev, torch_dtype)
-        return cls(model, tokenizer, config, draft_model=draft, draft_tokenizer=draft_tokenizer)
+        dec = cls(model, tokenizer, config, draft_model=draft, draft_tokenizer=draft_tokenizer)
+        if calibrate and dec.config.adaptive:
+            dec.cost_curve(dec.config.max_draft_tokens)
+        return dec
+
+    @property
+    def universal(self) -> bool:
+        """Whether the draft model has a tokenizer of its own (universal drafting)."""
+        return self._universal
+
+    @property
+    def cost_curves(self) -> dict[tuple[int, bool, bool], tuple[float, ...]]:
+        """The cost curves measured so far: ``(max_draft, pack_gqa, fast_head) -> curve``."""
+        return dict(self._cost_curves)
 
     @property
     def device(self) -> torch.device:
@@ -254,6 +273,7 @@ class ReferenceDecoder:
         stop: str | Sequence[str] | None = None,
         config: DecoderConfig | Mapping[str, Any] | None = None,
         drafters: Sequence[Drafter] | None = None,
+        speculate: bool = True,
         do_sample: bool = False,
         temperature: float | None = None,
         top_k: int | None = None,
@@ -271,6 +291,8 @@ class ReferenceDecoder:
                 token ids end with the token that completed it).
             config: per-call :class:`DecoderConfig` or a dict of changes to it.
             drafters: use these drafters instead of the configured chain.
+            speculate: ``False``: no drafting for this call (plain steps of the same loop; the
+                output is the same, as every decoder's ``speculate=False``).
             do_sample: sample instead of greedy decoding; drafts are then verified by
                 speculative sampling with a point-mass draft (see :mod:`rag_accel.sampling`),
                 so the output is distributed as the model's own sampling.
@@ -290,32 +312,51 @@ class ReferenceDecoder:
         if drafters is None and cfg.drafters == ("draft_model",) and self.draft_model is None:
             raise ValueError("drafters=('draft_model',) but this decoder has no draft model; "
                              "pass draft_model= to ReferenceDecoder / from_pretrained")
+        if not isinstance(speculate, bool):
+            raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
+        if not speculate:
+            drafters = []
         stops = check_stops(stop)
         prompt_ids = self.encode_prompt(prompt)
         self._check_lengths(len(prompt_ids), max_new_tokens)
+        t0 = self.clock()
         ref_ids = self.encode_references(references, cfg.max_reference_tokens)
+        encode_s = self.clock() - t0
         sampling = self._sampling(do_sample, temperature, top_k, top_p, seed)
-        return GenerationStream(self._decode(prompt_ids, ref_ids, max_new_tokens, stops, cfg, drafters, sampling))
+        return GenerationStream(self._decode(prompt_ids, ref_ids, max_new_tokens, stops, cfg, drafters, sampling,
+                                             encode_s))
 
     def _sampling(self, do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampling | None:
-        if not do_sample:
-            given = {k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                                       ("seed", seed)) if v is not None}
-            if given:
-                raise ValueError(f"{sorted(given)} only apply to sampling: pass do_sample=True "
-                                 "(greedy decoding is the default)")
+        given = sampling_request(do_sample, temperature, top_k, top_p, seed)
+        if given is None:
             return None
         gen_cfg = getattr(self.model, "generation_config", None)
 
-        def given_or_model(value: Any, name: str, fallback: Any) -> Any:
-            if value is not None:
-                return value
+        def given_or_model(name: str, fallback: Any) -> Any:
+            if name in given:
+                return given[name]
             model_value = getattr(gen_cfg, name, None)
             return fallback if model_value is None else model_value
 
-        return Sampling(temperature=given_or_model(temperature, "temperature", 1.0),
-                        top_k=given_or_model(top_k, "top_k", None), top_p=given_or_model(top_p, "top_p", None),
-                        seed=seed)
+        return Sampling(temperature=given_or_model("temperature", 1.0), top_k=given_or_model("top_k", None),
+                        top_p=given_or_model("top_p", None), seed=given.get("seed"))
+
+    def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
+                       **kwargs: Any) -> list[GenerationOutput]:
+        """Several requests (``references[i]`` for ``prompts[i]``), keywords as :meth:`stream`, the
+        same for all; every request is checked before any runs. In process they run one after the
+        other (one model, one sequence per forward); vLLM's decoder runs them in one batch."""
+        prompts, refs, opts = batch_arguments(prompts, references, kwargs)
+        streams = [self.stream(p, r, **opts) for p, r in zip(prompts, refs)]  # (checks every request first)
+        outputs = []
+        for stream in streams:
+            for _ in stream:
+                pass
+            outputs.append(stream.output)
+        return outputs
+
+    def close(self) -> None:
+        """Nothing to release (the model is freed with the decoder); here so that every decoder has it."""
 
     def generate_greedy(
         self, prompt: Any, *, max_new_tokens: int = 256, stop: str | Sequence[str] | None = None
@@ -384,7 +425,7 @@ class ReferenceDecoder:
     # ------------------------------------------------------------ the loop
     def _decode(self, prompt_ids: list[int], ref_ids: list[list[int]], max_new_tokens: int, stops: list[str],
                 cfg: DecoderConfig, custom_drafters: Sequence[Drafter] | None,
-                sampling: Sampling | None) -> Iterator[str]:
+                sampling: Sampling | None, encode_s: float = 0.0) -> Iterator[str]:
         """The decode loop: prefill, then per step 1. draft, 2. verify, 3. accept, 4. roll back;
         then emit what the step produced.
 
@@ -395,6 +436,7 @@ class ReferenceDecoder:
         t_start = self.clock()
         with self._lock, torch.inference_mode():
             req = self._start(prompt_ids, ref_ids, max_new_tokens, stops, cfg, custom_drafters, sampling)
+            req.stats.setup_s += encode_s
             new_tokens = self._prefill(req)
         while True:
             n_kept, piece = req.out.push(new_tokens)  # emit, up to EOS / a stop string / max_new_tokens
@@ -432,11 +474,13 @@ class ReferenceDecoder:
                 stats.calibration_s = self.clock() - t0
         else:
             curve = (1.0,) * (cfg.max_draft_tokens + 1)
+        t_setup = self.clock()
         context = list(prompt_ids)  # prompt + output so far; drafters index it incrementally
         draft_model = (lambda: self._new_draft_drafter(cfg)) if self.draft_model is not None else None
         drafting = RequestDrafting.from_config(cfg, context, ref_ids, curve, self.acceptance, self.step_costs,
                                                drafters=custom_drafters, draft_model=draft_model)
         out = OutputText(self.tokenizer, stops, self.eos_token_ids, max_new_tokens)
+        stats.setup_s = self.clock() - t_setup
         return _Request(context, self._new_cache(), drafting, out, stats, cfg, sampling)
 
     def _prefill(self, req: _Request) -> list[int]:

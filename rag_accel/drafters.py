@@ -63,6 +63,10 @@ class _SpanCopier:
         self._follow: int | None = None  # index in the source of the next expected token
         self._match_len = 0
 
+    def forget_span(self) -> None:
+        """Stop following the current span: the next proposal searches afresh."""
+        self._follow = None
+
     def _source(self) -> Sequence[int]:
         raise NotImplementedError
 

@@ -89,17 +89,25 @@ def token_ids(value: Any, what: str, expected: str = "a list of token ids") -> l
     return [int(t) for t in value]
 
 
-def _is_chat(prompt: Any) -> bool:
+def is_chat(prompt: Any) -> bool:
     return isinstance(prompt, Sequence) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
 
 
-def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+def check_chat(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages checked (each has ``role`` and ``content``; text encodable), as plain dicts."""
+    out = []
     for i, m in enumerate(messages):
         if "role" not in m or "content" not in m:
             raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
         for key, value in m.items():
             if isinstance(value, str):
                 check_text(value, f"chat message {i} {key!r}")
+        out.append(dict(m))
+    return out
+
+
+def _encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    messages = check_chat(messages)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("chat messages given but the tokenizer has no chat template; pass a string")
     text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
@@ -116,7 +124,7 @@ def encode_prompt(tokenizer: Any, prompt: Any, vocab_size: int) -> list[int]:
         ids = tokenizer(prompt)["input_ids"]
     elif isinstance(prompt, (bytes, bytearray)):
         raise TypeError("prompt is bytes; decode it to a string first (e.g. .decode('utf-8'))")
-    elif _is_chat(prompt):
+    elif is_chat(prompt):
         ids = _encode_chat(tokenizer, prompt)
     elif isinstance(prompt, (Sequence, torch.Tensor, np.ndarray)):
         ids = token_ids(prompt, "prompt", "a string, chat messages ({'role', 'content'}) or token ids")
@@ -131,7 +139,7 @@ def encode_prompt(tokenizer: Any, prompt: Any, vocab_size: int) -> list[int]:
     return ids
 
 
-def _reference(ref: Any, i: int, vocab_size: int) -> str | list[int]:
+def check_reference(ref: Any, i: int, vocab_size: int) -> str | list[int]:
     """One reference checked: its text, or its token ids."""
     if isinstance(ref, str):
         check_text(ref, f"reference {i}")
@@ -162,7 +170,7 @@ def encode_references(tokenizer: Any, references: Any, vocab_size: int, max_toke
         raise TypeError(
             f"references must be a list of strings or token-id lists, got {type(references).__name__}"
         )
-    refs = [_reference(ref, i, vocab_size) for i, ref in enumerate(references)]
+    refs = [check_reference(ref, i, vocab_size) for i, ref in enumerate(references)]
     _refuse_certainly_too_long(tokenizer, refs, max_tokens)
     out: list[list[int]] = []
     total = 0

@@ -35,15 +35,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .config import DecoderConfig
-from .inputs import _is_chat, _reference, check_lengths, check_stops, check_text, token_ids
+from .inputs import check_chat, check_lengths, check_reference, check_stops, check_text, is_chat, token_ids
 from .outputs import GenerationOutput, GenerationStats, GenerationStream
+from .protocol import CALL_OPTIONS, batch_arguments, config_changes, sampling_request
 
 __all__ = ["AsyncGenerationStream", "RemoteDecoder", "RemoteError"]
 
 _INSTALL_HINT = "RemoteDecoder needs the openai client: pip install 'rag-accel[remote]' (or pip install openai)"
 _ANY_VOCAB = 1 << 62  # the client does not know the vocabulary: the server checks ids (off-vocab: no drafting)
-_OPTIONS = dict(max_new_tokens=256, stop=None, config=None, speculate=True, do_sample=False,
-                temperature=None, top_k=None, top_p=None, seed=None)
 
 
 class RemoteError(ValueError):
@@ -103,7 +102,8 @@ class _Call:
     def output(self) -> GenerationOutput:
         stats = GenerationStats(prompt_tokens=self.prompt_tokens, new_tokens=len(self.ids), steps=None,
                                 drafted=None, accepted=None, finish_reason=self.finish,
-                                time_s=time.perf_counter() - self.t0, prefill_s=None, draft_s=None)
+                                time_s=time.perf_counter() - self.t0, prefill_s=None, draft_s=None,
+                                setup_s=None)
         return GenerationOutput(text="".join(self.parts), token_ids=list(self.ids), stats=stats)
 
 
@@ -183,6 +183,31 @@ class RemoteDecoder:
         value = getattr(self._model_info(), "max_model_len", None)
         return int(value) if value is not None else None
 
+    def encode_prompt(self, prompt: Any) -> list[int]:
+        """The prompt's token ids as the server encodes it for a request: token ids as they are
+        (checked), text and chat messages through the server's ``/tokenize`` (text with the special
+        tokens ``/v1/completions`` adds, chat messages with the chat template and its generation prompt)."""
+        call = self._call(prompt, None, 1, None, None, True, False, None, None, None, None)
+        args = call.kwargs
+        if call.chat:
+            body: dict[str, Any] = {"messages": args["messages"], "add_generation_prompt": True}
+        elif isinstance(args["prompt"], str):
+            body = {"prompt": args["prompt"], "add_special_tokens": True}
+        else:
+            return list(args["prompt"])
+        root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        import httpx  # (the openai client's own HTTP library)
+
+        try:
+            r = httpx.post(f"{root}/tokenize", json={"model": self.model, **body},
+                           headers={"Authorization": f"Bearer {self.client.api_key}"},
+                           timeout=self._client_kwargs["timeout"])
+        except Exception as e:  # noqa: BLE001 - a transport error, named
+            raise RemoteError(f"{root}/tokenize failed: {e!r}") from e
+        if r.status_code != 200:
+            raise RemoteError(f"{root}/tokenize answered HTTP {r.status_code}: {r.text[:500]}")
+        return [int(t) for t in r.json()["tokens"]]
+
     def _aclient(self) -> Any:
         loop = asyncio.get_running_loop()
         client = self._aclients.get(loop)
@@ -205,28 +230,20 @@ class RemoteDecoder:
             xargs["references"] = texts
         if ids:
             xargs["reference_ids"] = json.dumps(ids, separators=(",", ":"))
-        changes = _config_changes(config)
+        changes = config_changes(config, DecoderConfig())
         if changes:
             xargs["rag_accel"] = json.dumps(changes)
         body: dict[str, Any] = {"vllm_xargs": xargs, "return_token_ids": True}
         kwargs: dict[str, Any] = dict(max_tokens=max_new_tokens)
         if stops:
             kwargs["stop"] = stops
-        if do_sample:
-            kwargs["temperature"] = 1.0 if temperature is None else temperature
-            if top_p is not None:
-                kwargs["top_p"] = top_p
-            if seed is not None:
-                kwargs["seed"] = seed
-            if top_k is not None:
-                body["top_k"] = top_k
-        else:
-            given = [k for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                                    ("seed", seed)) if v is not None]
-            if given:
-                raise ValueError(f"{given} only apply to sampling: pass do_sample=True "
-                                 "(greedy decoding is the default)")
+        given = sampling_request(do_sample, temperature, top_k, top_p, seed)
+        if given is None:
             kwargs["temperature"] = 0.0
+        else:  # what is not given, the server fills from the model's generation config (as in process)
+            kwargs.update({k: v for k, v in given.items() if k != "top_k"})
+            if "top_k" in given:
+                body["top_k"] = given["top_k"]
         kwargs["extra_body"] = body
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
@@ -235,16 +252,8 @@ class RemoteDecoder:
             return _Call(False, dict(kwargs, prompt=prompt))
         if isinstance(prompt, (bytes, bytearray)):
             raise TypeError("prompt is bytes; decode it to a string first (e.g. .decode('utf-8'))")
-        if _is_chat(prompt):
-            messages = []
-            for i, m in enumerate(prompt):
-                if "role" not in m or "content" not in m:
-                    raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
-                for key, value in m.items():
-                    if isinstance(value, str):
-                        check_text(value, f"chat message {i} {key!r}")
-                messages.append(dict(m))
-            return _Call(True, dict(kwargs, messages=messages))
+        if is_chat(prompt):
+            return _Call(True, dict(kwargs, messages=check_chat(prompt)))
         try:
             prompt_ids = token_ids(prompt, "prompt", "a string, chat messages ({'role', 'content'}) or token ids")
         except TypeError:
@@ -270,7 +279,7 @@ class RemoteDecoder:
             raise TypeError(f"references must be a list of strings or token-id lists, got {type(references).__name__}")
         texts, ids = [], []
         for i, ref in enumerate(references):
-            r = _reference(ref, i, _ANY_VOCAB)
+            r = check_reference(ref, i, _ANY_VOCAB)
             if isinstance(r, str):
                 if r:
                     texts.append(r)
@@ -355,12 +364,7 @@ class RemoteDecoder:
                        **kwargs: Any) -> list[GenerationOutput]:
         """Several requests at once, in flight together (``references[i]`` for ``prompts[i]``).
         Keywords as :meth:`stream`, the same for all. Every request is checked before any is sent."""
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-            raise TypeError("prompts must be a list of prompts")
-        refs = list(references) if references is not None else [None] * len(prompts)
-        if len(refs) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(refs)} reference lists")
-        opts = _options(kwargs)
+        prompts, refs, opts = batch_arguments(prompts, references, kwargs)
         for p, r in zip(prompts, refs):
             self._call(p, r, **opts)
         if not prompts:
@@ -421,26 +425,7 @@ class RemoteDecoder:
 
 
 def _options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(kwargs) - set(_OPTIONS))
+    unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
     if unknown:
         raise TypeError(f"unexpected keyword arguments {unknown}")
-    return {**_OPTIONS, **kwargs}
-
-
-def _config_changes(config: Any) -> dict[str, Any]:
-    """DecoderConfig changes for one request, checked here as the server would check them."""
-    if config is None:
-        return {}
-    from .vllm.requests import REQUEST_FIELDS, request_config  # (no vLLM import)
-
-    if isinstance(config, DecoderConfig):
-        default = DecoderConfig()
-        changes = {f: getattr(config, f) for f in REQUEST_FIELDS if getattr(config, f) != getattr(default, f)}
-    elif isinstance(config, Mapping):
-        changes = dict(config)
-    else:
-        raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
-    request_config(DecoderConfig(), changes)
-    if "drafters" in changes:
-        changes["drafters"] = list(changes["drafters"])
-    return changes
+    return {**CALL_OPTIONS, **kwargs}

@@ -13,9 +13,10 @@ from typing import Any
 from ..config import DecoderConfig
 from ..inputs import check_lengths, check_stops, encode_prompt, encode_references
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
+from ..protocol import batch_arguments, config_changes, sampling_request
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
-from .requests import PROPOSER_PATH, REQUEST_FIELDS, TRACKER_PATH, check_layout, request_config, speculative_config
+from .requests import PROPOSER_PATH, TRACKER_PATH, check_layout, request_config, speculative_config
 
 __all__ = ["VllmDecoder"]
 
@@ -116,32 +117,21 @@ class VllmDecoder:
         check_lengths(len(prompt_ids), max_new_tokens, self.context_window)
         if not isinstance(speculate, bool):
             raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
-        changes: dict[str, Any] = {}
-        if isinstance(config, DecoderConfig):
-            changes = {f: getattr(config, f) for f in REQUEST_FIELDS if getattr(config, f) != getattr(self.config, f)}
-        elif isinstance(config, Mapping):
-            changes = dict(config)
-        elif config is not None:
-            raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
+        changes = config_changes(config, self.config)
         cfg = request_config(self.config, changes)
         refs = self.encode_references(references, cfg.max_reference_tokens)
         if "max_draft_tokens" in changes:
             changes["max_draft_tokens"] = min(changes["max_draft_tokens"], self.config.max_draft_tokens)
-        if "drafters" in changes:
-            changes["drafters"] = list(changes["drafters"])
         extra: dict[str, Any] = {"references": refs, "speculate": speculate, "rag_accel_id": f"rag-{next(_ids)}"}
         if changes:
             extra["rag_accel"] = changes
-        if do_sample:
-            sampling = dict(temperature=1.0 if temperature is None else temperature,
-                            top_k=-1 if top_k is None else top_k, top_p=1.0 if top_p is None else top_p, seed=seed)
-        else:
-            given = [k for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                                    ("seed", seed)) if v is not None]
-            if given:
-                raise ValueError(f"{given} only apply to sampling: pass do_sample=True "
-                                 "(greedy decoding is the default)")
-            sampling = dict(temperature=0.0)
+        given = sampling_request(do_sample, temperature, top_k, top_p, seed)
+        if given is None:
+            sampling: dict[str, Any] = dict(temperature=0.0)
+        else:  # unset values: the model's generation config, as vLLM reads it (the HF decoder's defaults too)
+            d = self.llm.get_default_sampling_params()
+            sampling = dict(temperature=given.get("temperature", d.temperature), top_k=given.get("top_k", d.top_k),
+                            top_p=given.get("top_p", d.top_p), seed=given.get("seed"))
         params = SamplingParams(max_tokens=max_new_tokens, detokenize=False, extra_args=extra, **sampling)
         return prompt_ids, stops, params
 
@@ -183,17 +173,7 @@ class VllmDecoder:
                        **kwargs: Any) -> list[GenerationOutput]:
         """Several requests at once, concurrent in vLLM's batch (``references[i]`` for ``prompts[i]``).
         Keywords as :meth:`stream`, the same for all. Every request is checked before any runs."""
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence):
-            raise TypeError("prompts must be a list of prompts")
-        refs = list(references) if references is not None else [None] * len(prompts)
-        if len(refs) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(refs)} reference lists")
-        opts = dict(max_new_tokens=256, stop=None, config=None, speculate=True, do_sample=False,
-                    temperature=None, top_k=None, top_p=None, seed=None)
-        unknown = sorted(set(kwargs) - set(opts))
-        if unknown:
-            raise TypeError(f"unexpected keyword arguments {unknown}")
-        opts.update(kwargs)
+        prompts, refs, opts = batch_arguments(prompts, references, kwargs)
         reqs = [self._request(p, r, **opts) for p, r in zip(prompts, refs)]
         outputs: list[GenerationOutput | None] = [None] * len(reqs)
         for _ in self._run(reqs, outputs):
@@ -292,7 +272,7 @@ class VllmDecoder:
     def _output(self, s: dict[str, Any], st: dict[str, Any] | None, elapsed: float) -> GenerationOutput:
         out = s["out"]
         stats = GenerationStats(prompt_tokens=s["prompt"], new_tokens=len(out.token_ids),
-                                finish_reason=out.finish, time_s=elapsed)
+                                finish_reason=out.finish, time_s=elapsed, setup_s=None)
         if st is not None:
             stats.steps = st["steps"]
             stats.drafted, stats.accepted = st["drafted"], st["accepted"]
@@ -304,12 +284,17 @@ class VllmDecoder:
                 stats.trace = [("", 1)] * len(out.token_ids)
         return GenerationOutput(text=out.text, token_ids=out.token_ids, stats=stats)
 
-    def _pop_stats(self, keys: list[str]) -> list[dict[str, Any] | None]:
+    def reset_learning(self) -> None:
+        """Forget what earlier requests taught, in every drafting worker (a fresh engine's proposer;
+        ``rag-accel bench --cold``). Call it between requests."""
+        self._pop_stats([], forget=True)
+
+    def _pop_stats(self, keys: list[str], forget: bool = False) -> list[dict[str, Any] | None]:
         # A method name, not a pickled function: every executor (uni, mp) and both engine modes (in
         # process or not) run it on the worker without vLLM's insecure serialisation.
         # Every rank answers; the ranks that draft (the last pipeline stage: one per tensor-parallel
         # rank, all with the same stats) say so. None that drafts: the proposer is not running.
-        results = self.llm.collective_rpc(STATS_METHOD, args=(keys,))
+        results = self.llm.collective_rpc(STATS_METHOD, args=(keys, forget))
         drafting = [r["stats"] for r in results if isinstance(r, dict) and r.get("proposer")]
         if not drafting:
             raise RuntimeError(

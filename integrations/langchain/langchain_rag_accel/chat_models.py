@@ -39,8 +39,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without langchain-core
     raise ImportError("langchain_rag_accel needs langchain-core: pip install langchain-core") from e
 
+import rag_accel
 from rag_accel.adapters import (
-    adapter_engine,
     check_decoder,
     check_engine_options,
     iterate_in_thread,
@@ -210,7 +210,7 @@ class ChatRagAccel(BaseChatModel):
         if self.decoder is not None:
             return self.decoder
         if self._decoder is None:
-            self._decoder = adapter_engine(self.model_name, backend=self.backend, base_url=self.base_url,
+            self._decoder = rag_accel.load(self.model_name, backend=self.backend, base_url=self.base_url,
                                            device=self.device, dtype=self.dtype, api_key=self.api_key,
                                            timeout=self.timeout, max_retries=self.max_retries)
         return self._decoder

@@ -1,0 +1,33 @@
+"""The benchmark's methods by name: what ``rag-accel bench --methods`` takes (no heavy imports, so the
+command line can list them without loading torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# name -> DecoderConfig changes
+COPY_DRAFTERS = ("reference", "prompt_lookup", "ngram")
+OUR_METHODS: dict[str, dict[str, Any]] = {
+    "ours": {"drafters": COPY_DRAFTERS},
+    "ours-fixed": {"adaptive": False, "max_draft_tokens": 10},
+    "ours-nopack": {"drafters": COPY_DRAFTERS, "pack_gqa": False},  # the model's own attention path (A/B)
+    "ours-nopool": {"drafters": COPY_DRAFTERS, "pool_misses": False},  # each drafter learns misses alone (A/B)
+    "ours-nohead": {"drafters": COPY_DRAFTERS, "fast_head": False},  # the model's own output projection (A/B)
+    "ours-ref": {"drafters": ("reference",)},
+    "ours-pld": {"drafters": ("prompt_lookup",)},
+    "ours-ngram": {"drafters": ("ngram",)},
+    # With a draft model (--draft-model): the draft model alone, and references first, then the draft model.
+    "ours-draft": {"drafters": ("draft_model",)},
+    "ours-hybrid": {"drafters": (*COPY_DRAFTERS, "draft_model")},
+}
+BASELINES = ("greedy", "hf-pld", "hf-assisted")
+NEEDS_DRAFT_MODEL = ("ours-draft", "ours-hybrid", "hf-assisted")
+# name -> the engine's speculation (rag_accel.vllm.SPECULATION); each runs on its own vLLM engine.
+VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-suffix": "suffix", "vllm-ours": "ours"}
+# Methods whose engine copies from its own earlier outputs (vLLM's suffix decoding keeps a tree of past
+# responses): run on a prompt it has answered before, it copies that answer. So the benchmark never shows
+# them a prompt twice: the warm-up is an item that is not timed, one round per item, and they sit out the
+# concurrency table (its levels repeat the items). In the reworded case they have the original question's
+# answer in that tree, as a deployed engine would: the peer of our cached-answer reference.
+REMEMBERS_OUTPUTS = ("vllm-suffix",)
+ALL_METHODS = (*BASELINES, *OUR_METHODS, *VLLM_METHODS)

@@ -1,0 +1,122 @@
+"""What every decoder shares: its surface, its sampling rule, and how a request's config changes are read.
+
+Three decoders answer the same calls: :class:`~rag_accel.decoder.ReferenceDecoder` (transformers, in
+process), :class:`~rag_accel.vllm.VllmDecoder` (vLLM, in process) and
+:class:`~rag_accel.remote.RemoteDecoder` (a ``rag-accel serve`` server over HTTP). :class:`Decoder`
+is that surface; an application (or an adapter) written against it runs on any of them.
+
+The rules below are the one copy each decoder applies:
+
+* :func:`sampling_request`: greedy unless ``do_sample``; sampling arguments without it are an error;
+  the values not given are the model's own defaults (its ``generation_config``), filled in by the
+  engine that runs the model: transformers' generation config in process, vLLM's default sampling
+  parameters (read from the same file) in process or on the server.
+* :func:`config_changes`: the :class:`~rag_accel.config.DecoderConfig` changes a request asks for,
+  checked as the vLLM worker checks them (:func:`rag_accel.vllm.requests.request_config`).
+
+No engine is imported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from .config import DecoderConfig
+from .outputs import GenerationOutput
+from .vllm.requests import REQUEST_FIELDS, request_config  # (no vLLM import)
+
+SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
+# The per-call options of generate / stream / generate_batch, and their defaults, on every decoder.
+CALL_OPTIONS: dict[str, Any] = dict(max_new_tokens=256, stop=None, config=None, speculate=True, do_sample=False,
+                                    temperature=None, top_k=None, top_p=None, seed=None)
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """The surface of every rag_accel decoder. ``prompt``: text, chat messages or token ids;
+    ``references``: the documents to copy from (strings or token-id lists); ``speculate=False``:
+    no drafting for that call (the engine's plain decoding behind the same surface)."""
+
+    def generate(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
+                 stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
+                 speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None) -> GenerationOutput: ...
+
+    def stream(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
+               stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
+               speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
+               top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None) -> Iterator[str]: ...
+
+    def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
+                       **options: Any) -> list[GenerationOutput]: ...
+
+    def generate_greedy(self, prompt: Any, *, max_new_tokens: int = 256,
+                        stop: str | Sequence[str] | None = None) -> GenerationOutput: ...
+
+    def encode_prompt(self, prompt: Any) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
+def batch_arguments(prompts: Sequence[Any], references: Sequence[Any] | None,
+                    options: Mapping[str, Any]) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    """``generate_batch``'s arguments checked: (prompts, one references entry per prompt, the
+    options with their defaults). Unknown options are a ``TypeError``, as in ``generate``.
+
+    Example:
+        >>> batch_arguments(["a", "b"], None, {"max_new_tokens": 8})[1:]
+        ([None, None], {'max_new_tokens': 8, 'stop': None, 'config': None, 'speculate': True, \
+'do_sample': False, 'temperature': None, 'top_k': None, 'top_p': None, 'seed': None})
+    """
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+        raise TypeError("prompts must be a list of prompts")
+    refs = list(references) if references is not None else [None] * len(prompts)
+    if len(refs) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(refs)} reference lists")
+    unknown = sorted(set(options) - set(CALL_OPTIONS))
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments {unknown}")
+    return list(prompts), refs, {**CALL_OPTIONS, **options}
+
+
+def sampling_request(do_sample: bool, temperature: Any = None, top_k: Any = None, top_p: Any = None,
+                     seed: Any = None) -> dict[str, Any] | None:
+    """``None``: greedy decoding. Otherwise the sampling arguments given (``None`` ones left out: the
+    engine fills them from the model's generation config). Sampling arguments without ``do_sample``
+    are refused, by every decoder alike.
+
+    Example:
+        >>> sampling_request(False) is None
+        True
+        >>> sampling_request(True, temperature=0.7)
+        {'temperature': 0.7}
+    """
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be a bool, got {type(do_sample).__name__}")
+    given = {k: v for k, v in zip(SAMPLING_ARGS, (temperature, top_k, top_p, seed)) if v is not None}
+    if not do_sample:
+        if given:
+            raise ValueError(f"{sorted(given)} only apply to sampling: pass do_sample=True "
+                             "(greedy decoding is the default)")
+        return None
+    return given
+
+
+def config_changes(config: DecoderConfig | Mapping[str, Any] | None, base: DecoderConfig) -> dict[str, Any]:
+    """The per-request :class:`DecoderConfig` changes ``config`` asks for against ``base`` (the
+    decoder's config), checked as the vLLM worker checks them; a JSON-ready dict."""
+    if config is None:
+        return {}
+    if isinstance(config, DecoderConfig):
+        changes = {f: getattr(config, f) for f in REQUEST_FIELDS if getattr(config, f) != getattr(base, f)}
+    elif isinstance(config, Mapping):
+        changes = dict(config)
+    else:
+        raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
+    request_config(base, changes)
+    if "drafters" in changes:
+        changes["drafters"] = list(changes["drafters"])
+    return changes

@@ -1,0 +1,78 @@
+"""One surface for every decoder (rag_accel.protocol): the same methods and options, one sampling rule."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from helpers import hf_greedy, tiny_model
+from rag_accel import ReferenceDecoder
+from rag_accel.protocol import CALL_OPTIONS, Decoder, batch_arguments, config_changes, sampling_request
+from rag_accel.remote import RemoteDecoder
+from rag_accel.vllm.decoder import VllmDecoder
+
+DECODERS = (ReferenceDecoder, VllmDecoder, RemoteDecoder)
+
+
+@pytest.mark.parametrize("cls", DECODERS, ids=lambda c: c.__name__)
+def test_every_decoder_has_the_surface_with_the_same_options_and_defaults(cls):
+    for name in ("generate", "stream", "generate_batch", "generate_greedy", "encode_prompt", "close"):
+        assert callable(getattr(cls, name, None)), f"{cls.__name__} has no {name}"
+    params = inspect.signature(cls.stream).parameters
+    for option, default in CALL_OPTIONS.items():
+        assert option in params, f"{cls.__name__}.stream takes no {option}"
+        assert params[option].default == default, (cls.__name__, option)
+    greedy = inspect.signature(cls.generate_greedy).parameters
+    assert {"max_new_tokens", "stop"} <= set(greedy)
+
+
+def test_the_rule_for_sampling_arguments():
+    assert sampling_request(False) is None
+    assert sampling_request(True) == {}  # nothing given: the model's generation config decides
+    assert sampling_request(True, temperature=0.5, seed=3) == {"temperature": 0.5, "seed": 3}
+    with pytest.raises(ValueError, match="only apply to sampling"):
+        sampling_request(False, top_p=0.9)
+    with pytest.raises(TypeError, match="do_sample"):
+        sampling_request("yes")
+
+
+def test_batch_arguments_and_config_changes_are_checked_before_any_work():
+    from rag_accel import DecoderConfig
+
+    with pytest.raises(TypeError, match="list of prompts"):
+        batch_arguments("one prompt", None, {})
+    with pytest.raises(ValueError, match="2 prompts but 1"):
+        batch_arguments(["a", "b"], [["r"]], {})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        batch_arguments(["a"], None, {"max_tokens": 3})
+    base = DecoderConfig()
+    assert config_changes(None, base) == {}
+    assert config_changes(base.replace(max_loss=0.1), base) == {"max_loss": 0.1}
+    assert config_changes({"drafters": ("reference",)}, base) == {"drafters": ["reference"]}
+    with pytest.raises(ValueError):
+        config_changes({"max_loss": 7}, base)
+
+
+def test_the_in_process_decoder_is_a_decoder_and_its_batch_and_speculate_off_are_greedy(tokenizer):
+    model = tiny_model("llama", vocab_size=len(tokenizer), seed=2)
+    dec = ReferenceDecoder(model, tokenizer)
+    assert isinstance(dec, Decoder)
+    prompts = [list(range(5, 30)), list(range(40, 52))]
+    want = [hf_greedy(model, p, 12) for p in prompts]
+    outs = dec.generate_batch(prompts, [[w[2:]] for w in want], max_new_tokens=12)
+    assert [o.token_ids for o in outs] == want and outs[0].stats.accepted > 0
+    off = dec.generate(prompts[0], [want[0][2:]], max_new_tokens=12, speculate=False)
+    assert off.token_ids == want[0] and off.stats.drafted == 0
+    with pytest.raises(TypeError, match="speculate"):
+        dec.generate(prompts[0], speculate="no")
+    with pytest.raises(TypeError, match="unexpected keyword"):  # checked before any request runs
+        dec.generate_batch(prompts, max_tokens=3)
+    dec.close()
+
+
+def test_the_remote_decoder_encodes_token_ids_without_the_server():
+    dec = RemoteDecoder("http://127.0.0.1:9", model="m")  # nothing listens there: nothing may be sent
+    assert dec.encode_prompt([5, 6, 7]) == [5, 6, 7]
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.encode_prompt([])
