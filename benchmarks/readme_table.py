@@ -1,6 +1,10 @@
-"""Regenerate the README's results section from the committed benchmark JSON.
+"""Regenerate the results pages from the committed benchmark JSON.
 
-    python benchmarks/readme_table.py          # rewrites README.md between the results markers
+    python benchmarks/readme_table.py
+
+rewrites ``benchmarks/results/README.md`` between its results markers (every committed run) and the
+README's summary between its summary markers (the peers side by side, per request and in flight, cold
+and warm).
 """
 
 from __future__ import annotations
@@ -10,6 +14,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
+RESULTS = ROOT / "benchmarks" / "results"
+PEERS = RESULTS / "bench_vllm_cpu_smollm2_f32.json"  # every peer in one run, per request and in flight
+SERVE = RESULTS / "serve_cpu_smollm2.json"
+COLD, WARM = RESULTS / "bench_cpu_smollm2_last30x64_cold.json", RESULTS / "bench_cpu_smollm2_last30x64_warm.json"
 
 
 def engine_section(path: Path) -> str:
@@ -22,7 +31,7 @@ def engine_section(path: Path) -> str:
         f"{', target-forced: ' + r['target_forced'] if r.get('target_forced') else ''}"
         f"{', draft model: ' + env['draft_model'] if env.get('draft_model') else ''}"
         f"{repeats}, {env['date']}** "
-        f"([json]({path.relative_to(ROOT)}))",
+        f"([json]({path.name}))",
         "",
         "| method | speed-up vs greedy (geo-mean) | worst item | tokens/step | tokens/s | identical to greedy |",
         "|---|---|---|---|---|---|",
@@ -45,7 +54,7 @@ def engine_section(path: Path) -> str:
                           "request at a time):", "", concurrency_table(r["concurrency_summary"])]
     png = path.with_suffix(".png")
     if png.is_file():
-        lines += ["", f"![per-item speed-up and tokens per step]({png.relative_to(ROOT)})"]
+        lines += ["", f"![per-item speed-up and tokens per step]({png.name})"]
     if r.get("code_commit"):  # a run of code that is no longer on the branch: say where it runs
         lines += ["", f"Reproduce (at commit {r['code_commit']}: {r['reproduce_note']}): "
                       f"`git checkout {r['code_commit']} && {r['command']}`"]
@@ -60,7 +69,7 @@ def propose_section(path: Path) -> str:
     r = json.loads(path.read_text())
     lines = [
         f"**Drafting cost against reference size** ({r['environment']['device']}, {r['environment']['date']}; "
-        f"[json]({path.relative_to(ROOT)})): one `propose` of the reference drafter, a fresh search and a "
+        f"[json]({path.name})): one `propose` of the reference drafter, a fresh search and a "
         "followed span, against transformers' prompt lookup (`PromptLookupCandidateGenerator`) on the same tokens.",
         "",
         "| reference tokens | index build | index peak memory | propose: search (median / p99) | propose: followed span | HF prompt lookup |",
@@ -77,7 +86,7 @@ def propose_section(path: Path) -> str:
 def retrieval_section(path: Path) -> str:
     r = json.loads(path.read_text())
     lines = [f"**Retrieval quality**: reranking the BM25 top-10 of the {r['queries']} TREC-DL 2019+2020 sample "
-             f"queries, nDCG@10 (ranx) against NIST grades ({r['date']}; [json]({path.relative_to(ROOT)}))", "",
+             f"queries, nDCG@10 (ranx) against NIST grades ({r['date']}; [json]({path.name}))", "",
              "| order | nDCG@10 |", "|---|---|"]
     lines += [f"| {name} | {v:.3f} |" for name, v in r["ndcg@10"].items()]
     lines += ["", f"Reproduce: `{r['command']}`"]
@@ -89,7 +98,7 @@ def cache_section(path: Path) -> str:
     env = r["environment"]
     ok, total = r["identical"]
     lines = [f"**Cached answers and earlier turns as references** ({r['items']} MS-MARCO items, {env['device']}, "
-             f"{env['date']}; outputs identical to greedy {ok}/{total}; [json]({path.relative_to(ROOT)}))", "",
+             f"{env['date']}; outputs identical to greedy {ok}/{total}; [json]({path.name}))", "",
              "| scenario / decoder / references | tokens per step |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in r["tokens_per_step"].items()]
     lines += ["", f"Reproduce: `{r['command']}`"]
@@ -101,7 +110,7 @@ def integrations_section(path: Path) -> str:
     env = r["environment"]
     lines = [f"**Framework adapters end to end** ({env['model']}, {env['dtype']}, {env['device']}, {env['date']}; "
              f"{r['items']} MS-MARCO questions, top-{r['k']} of {r['corpus_passages']} passages, "
-             f"{r['max_new_tokens']} new tokens; [json]({path.relative_to(ROOT)})): the LangChain chain and the "
+             f"{r['max_new_tokens']} new tokens; [json]({path.name})): the LangChain chain and the "
              "LlamaIndex query engine against the same chain / engine with `accelerate=False` (the model's own "
              "`generate(do_sample=False)`); the whole call is timed, retrieval included.", "",
              "| framework | speed-up (geo-mean) | worst question | tokens/step | identical answers |",
@@ -119,7 +128,7 @@ def coupling_section(path: Path) -> str:
     return "\n".join([
         f"**Draft-model acceptance under sampling** ({r['model']} with {r['draft_model']} as draft, {r['device']}, "
         f"temperature {r['temperature']}, top-p {r['top_p']}, {r['positions']} positions of {r['items']} MS-MARCO "
-        f"answers, {r['date']}; [json]({path.relative_to(ROOT)}))",
+        f"answers, {r['date']}; [json]({path.name}))",
         "",
         "| verification rule | acceptance per draft token |",
         "|---|---|",
@@ -134,7 +143,7 @@ def vllm_section(path: Path) -> str:
     r = json.loads(path.read_text())
     a = r["args"]
     lines = [f"**On vLLM** ({r['model']}, {r['device']}, {r['date'][:10]}; requests of {a.get('new', 128)} new tokens; "
-             f"status: {r['status']}; [json]({path.relative_to(ROOT)})): latency per request at concurrency 1, "
+             f"status: {r['status']}; [json]({path.name})): latency per request at concurrency 1, "
              "throughput (tokens/s over all requests) with 4 and 16 in flight, identical-output rate against "
              "vllm-greedy, and a reworded question with the cached answer of the original as its reference "
              "(not in the prompt).", "",
@@ -162,15 +171,69 @@ def serve_section(path: Path) -> str:
     a = r["args"]
     return "\n".join([
         f"**Serving through HTTP** ({r['model']}, {r['device']}, {r['vllm']}, {r['date'][:10]}; {r['label']}; "
-        f"[json]({path.relative_to(ROOT)})): `rag-accel serve` with `--speculation off | ngram | ours`, one server "
+        f"[json]({path.name})): `rag-accel serve` with `--speculation off | ngram | ours`, one server "
         f"after the other, the same {r['items']} MS-MARCO items ({a['new']} new tokens, greedy, the passages in the "
         "prompt and as `vllm_xargs` references) sent by the real `openai` client with c requests in flight: "
         "tokens/s over all requests, request latency p50 / p99, outputs identical to the off server's, tokens per "
         "step from the server's spec-decode counters.", "", *table(r), "", f"Reproduce: `{r['command']}`"])
 
 
+def _replace(path: Path, start: str, end: str, body: str) -> None:
+    text = path.read_text()
+    a, b = text.index(start) + len(start), text.index(end)
+    path.write_text(text[:a] + "\n" + body + "\n" + text[b:])
+
+
+def summary_section() -> str:
+    """The README's results: the peers of one run side by side, the serving run, cold against warm."""
+    from rag_accel.bench import concurrency_table, markdown_table
+
+    r = json.loads(PEERS.read_text())
+    env = r["environment"]
+    lines = [f"Per request, {r['items']} MS-MARCO items x {r['max_new_tokens']} new tokens, {env['model']} "
+             f"{env['dtype']} on a {env['cpu_threads']}-core CPU, vLLM {env['vllm']}, {env['date']} "
+             f"([all of this run](benchmarks/results/{PEERS.with_suffix('.md').name})):", "",
+             markdown_table(r["summary"])]
+    if r.get("concurrency_summary"):
+        lines += ["", "In flight (vLLM, the same run):", "", concurrency_table(r["concurrency_summary"])]
+    if SERVE.is_file():
+        sv = json.loads(SERVE.read_text())
+        off = sv["methods"].get("off", {})
+        said = []
+        for m in ("ngram", "ours"):
+            got = sv["methods"].get(m, {})
+            parts = [f"c={c} {got[f'c{c}']['tokens_per_s'] / off[f'c{c}']['tokens_per_s']:.2f}x"
+                     for c in sv["args"]["concurrency"] if f"c{c}" in got and f"c{c}" in off]
+            if parts:
+                said.append(f"{m} " + ", ".join(parts))
+        lines += ["", f"Through HTTP (`rag-accel serve`, the sample's last {sv['items']} items, {sv['date'][:10]}; "
+                      f"[table](benchmarks/results/{SERVE.with_suffix('.md').name})), tokens/s over the server "
+                      "without speculation, c requests in flight: " + "; ".join(said) + "."]
+    if COLD.is_file() and WARM.is_file():
+        cold, warm = json.loads(COLD.read_text()), json.loads(WARM.read_text())
+        lines += ["", f"Cold against warm (transformers, the sample's last {cold['items']} items, which no default "
+                      f"was tuned on, x {cold['max_new_tokens']} tokens, median of {cold['repeats']} runs per item, "
+                      f"{cold['environment']['date']}): cold, every request is a fresh process's first "
+                      "([run](benchmarks/results/" + COLD.with_suffix('.md').name + ")); warm, the decoder keeps "
+                      "what earlier requests taught ([run](benchmarks/results/" + WARM.with_suffix('.md').name + ")).",
+                  "", "| method | cold: speed-up (geo-mean) | cold: worst item | warm: speed-up (geo-mean) | "
+                      "warm: worst item | identical |", "|---|---|---|---|---|---|"]
+        for m, c in cold["summary"].items():
+            w = warm["summary"].get(m)
+            if w is None or m == "greedy":
+                continue
+            lines.append(f"| {m} | {c['speedup_geomean']:.2f}x | {c['speedup_worst']:.2f}x | "
+                         f"{w['speedup_geomean']:.2f}x | {w['speedup_worst']:.2f}x | "
+                         f"{min(c['identical_rate'], w['identical_rate']):.0%} |")
+    png = PEERS.with_suffix(".png")
+    if png.is_file():
+        lines += ["", f"![per-item speed-up and tokens per step](benchmarks/results/{png.name})"]
+    lines += ["", f"Reproduce: `{r['command']}` (in the vLLM virtualenv)"]
+    return "\n".join(lines)
+
+
 def main() -> None:
-    res = ROOT / "benchmarks" / "results"
+    res = RESULTS
     parts = [engine_section(p) for p in sorted(res.glob("bench_*.json"))]
     parts += [propose_section(p) for p in sorted(res.glob("propose_*.json"))]
     parts += [retrieval_section(p) for p in sorted(res.glob("retrieval_*.json"))]
@@ -180,10 +243,8 @@ def main() -> None:
     parts += [vllm_section(p) for p in sorted(res.glob("vllm_cpu_*.json")) if not p.stem.endswith("_rerun")]
     # the busy smoke run shows the script works, its speeds compare nothing (its own note says so)
     parts += [serve_section(p) for p in sorted(res.glob("serve_*.json")) if not p.stem.endswith("_busy")]
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    a, b = text.index(START) + len(START), text.index(END)
-    readme.write_text(text[:a] + "\n" + "\n\n".join(parts) + "\n" + text[b:])
+    _replace(RESULTS / "README.md", START, END, "\n\n".join(parts))
+    _replace(ROOT / "README.md", SUMMARY_START, SUMMARY_END, summary_section())
 
 
 if __name__ == "__main__":

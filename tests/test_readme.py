@@ -1,7 +1,7 @@
-"""The README's Python blocks run exactly as written, each on its own (as a new user pastes one into a
-script), and its results tables name only methods that exist.
+"""The README's and docs/'s Python blocks run exactly as written, each on its own (as a new user pastes
+one into a script), their links resolve, and the results tables name only methods that exist.
 
-Every ```python block in README.md runs here, in a fresh namespace with ``__name__ == "__main__"`` and
+Every ```python block in README.md and docs/*.md runs here, in a fresh namespace with ``__name__ == "__main__"`` and
 a temporary working folder. A block that cannot run here says so on the line right before it, visibly:
 ``<!-- not run in the tests: REASON -->`` (e.g. one that needs the vLLM virtualenv). A block with
 neither the marker nor a clean run fails this test, so a block added later is covered too.
@@ -19,6 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # what a reader follows from the README
+RESULTS_PAGE = ROOT / "benchmarks" / "results" / "README.md"
 SKIP_MARK = re.compile(r"^<!--\s*not run in the tests:\s*(?P<reason>\S.*?)\s*-->$")
 
 
@@ -44,18 +46,38 @@ def python_blocks(text: str) -> list[dict]:
     return blocks
 
 
-BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [{**b, "page": page} for page in PAGES for b in python_blocks(page.read_text(encoding="utf-8"))]
 
 
 def _block_id(b: dict) -> str:
-    return f"line{b['line']}-{re.sub(r'[^a-z0-9]+', '-', b['heading'].lower()).strip('-')}"
+    return f"{b['page'].stem}-line{b['line']}-{re.sub(r'[^a-z0-9]+', '-', b['heading'].lower()).strip('-')}"
 
 
 def test_the_readme_has_blocks_and_every_marker_gives_a_reason():
-    assert len(BLOCKS) >= 4
-    text = README.read_text(encoding="utf-8")
-    markers = [ln for ln in text.splitlines() if ln.strip().startswith("<!-- not run in the tests")]
-    assert len(markers) == sum(b["skip"] is not None for b in BLOCKS), "a marker that is not right before a block"
+    assert sum(b["page"] == README for b in BLOCKS) >= 4
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        markers = [ln for ln in text.splitlines() if ln.strip().startswith("<!-- not run in the tests")]
+        assert len(markers) == sum(b["skip"] is not None for b in BLOCKS if b["page"] == page), \
+            f"{page.name}: a marker that is not right before a block"
+
+
+def test_the_readme_reads_in_ten_minutes_and_every_link_resolves():
+    """Under 300 lines (the rest lives in docs/ and benchmarks/results/), and every relative link of the
+    README, docs/ and the results page points at a file that exists (text moved between pages keeps
+    working links); an anchor into another page names one of its headings."""
+    assert len(README.read_text(encoding="utf-8").splitlines()) < 300
+    for page in [*PAGES, RESULTS_PAGE]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if target.startswith(("http://", "https://", "#")):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve()
+            assert dest.exists(), f"{page.relative_to(ROOT)}: link to a missing {target}"
+            if anchor and dest.suffix == ".md":
+                slugs = {re.sub(r"[^a-z0-9 -]", "", h.lstrip("#").strip().lower()).replace(" ", "-")
+                         for h in dest.read_text(encoding="utf-8").splitlines() if h.startswith("#")}
+                assert anchor in slugs, f"{page.relative_to(ROOT)}: no heading #{anchor} in {path}"
 
 
 def test_block_parser_sees_markers_and_only_python_blocks():
@@ -92,9 +114,9 @@ def shared_model(real_decoder):
 @pytest.mark.parametrize("block", BLOCKS, ids=[_block_id(b) for b in BLOCKS])
 def test_readme_block_runs_as_written(block, shared_model, tmp_path, monkeypatch):
     if block["skip"] is not None:
-        pytest.skip(f"README line {block['line']}: not run in the tests: {block['skip']}")
+        pytest.skip(f"{block['page'].name} line {block['line']}: not run in the tests: {block['skip']}")
     monkeypatch.chdir(tmp_path)  # files a block writes (an index, a cache) land here
-    code = compile(block["code"], f"README.md:{block['line']}", "exec")
+    code = compile(block["code"], f"{block['page'].relative_to(ROOT)}:{block['line']}", "exec")
     exec(code, {"__name__": "__main__"})  # raises (and fails the test) on any error in the block
 
 
@@ -103,7 +125,9 @@ def test_reproduce_lines_name_existing_methods():
     commit says so ("Reproduce (at commit ...)") and checks that commit out first."""
     from rag_accel.bench import ALL_METHODS
 
-    for line in README.read_text(encoding="utf-8").splitlines():
+    lines = [ln for page in [*PAGES, RESULTS_PAGE] for ln in page.read_text(encoding="utf-8").splitlines()]
+    assert any(ln.startswith("Reproduce") for ln in lines)
+    for line in lines:
         if not line.startswith("Reproduce") or "rag-accel bench " not in line:
             continue
         m = re.search(r"--methods (\S+)", line)

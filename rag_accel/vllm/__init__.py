@@ -42,7 +42,7 @@ the rest of the distribution), as for its own n-gram proposer.
 
 Every parallel layout runs the proposer where vLLM samples: tensor parallel (every rank of the
 last stage drafts the same), pipeline parallel (the last stage; the others build no proposer and
-no tracker), data parallel (each engine its own proposer). See the README's "Beyond one machine"
+no tracker), data parallel (each engine its own proposer). See docs/vllm-and-serving.md, "Beyond one machine"
 for what was run.
 """
 
