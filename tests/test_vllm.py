@@ -493,8 +493,9 @@ def test_agreement_with_transformers_generate(dec, items, baseline, record_prope
     """vLLM's float32 CPU greedy vs transformers' generate(do_sample=False), same prompt ids.
 
     The two are different kernels, so they may part ways where two logits nearly tie: this
-    measures how often they agree in full (reported, not asserted); where they do, our
-    proposer's output is that output too (it equals vLLM greedy, tested above)."""
+    measures how often they agree in full (5 of 5 items when last run, 2026-11-25) and asserts a
+    floor of all but one; where they agree, our proposer's output is that output too (it equals
+    vLLM greedy, tested above)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -516,6 +517,7 @@ def test_agreement_with_transformers_generate(dec, items, baseline, record_prope
     record_property("vllm_hf_agreement", f"{agree}/{N_ITEMS}")
     print(f"\nvLLM float32 CPU greedy == transformers generate on {agree}/{N_ITEMS} items; "
           f"first differing token where not: {first_diff}")
+    assert agree >= N_ITEMS - 1, f"vLLM and transformers greedy agree on {agree}/{N_ITEMS}; first diffs {first_diff}"
 
 
 @pytest.mark.slow
