@@ -225,6 +225,13 @@ def summary_section() -> str:
             lines.append(f"| {m} | {c['speedup_geomean']:.2f}x | {c['speedup_worst']:.2f}x | "
                          f"{w['speedup_geomean']:.2f}x | {w['speedup_worst']:.2f}x | "
                          f"{min(c['identical_rate'], w['identical_rate']):.0%} |")
+    replay = RESULTS / "cold_replay_smollm2_last100.json"
+    if replay.is_file():
+        rs = json.loads(replay.read_text())["summary"]
+        said = "; ".join(f"{k} {v['geomean']:.2f}x, worst {v['worst']:.2f}x" for k, v in rs.items())
+        lines += ["", "The same without timing noise (each request's drafting replayed against the model's answers to "
+                      "the last 100 items, at the measured step costs; "
+                      f"[replay](benchmarks/results/{replay.with_suffix('.md').name})): {said}."]
     png = PEERS.with_suffix(".png")
     if png.is_file():
         lines += ["", f"![per-item speed-up and tokens per step](benchmarks/results/{png.name})"]
