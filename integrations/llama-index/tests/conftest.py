@@ -31,7 +31,7 @@ def remote_server():
                     "(e.g. .venv-vllm/bin/python; README, 'Run the tests')")
     if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") != "1":
         pytest.importorskip("openai", reason="remote mode needs the openai client: pip install 'rag-accel[remote]'")
-    from rag_accel.serve import shared_server
+    from rag_accel.server_process import shared_server
 
     bind = "0-1" if (os.cpu_count() or 1) >= 2 else "0"
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
