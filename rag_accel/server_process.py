@@ -5,6 +5,11 @@
 (:func:`group_processes` says what is left). :func:`shared_server` keeps one per process for test suites
 that share a server across modules and packages.
 
+The test suites' rule for vLLM lives here too, in one place: a test that needs vLLM (in this process,
+:func:`import_vllm_or_skip`; or a server, :func:`vllm_python_or_skip`, :func:`shared_test_server`) is
+skipped without it, and fails instead when ``RAG_ACCEL_REQUIRE_VLLM=1`` (CI's vLLM suite). Only those
+functions import pytest.
+
 The server itself (the ``vllm serve`` command line, vLLM's CLI) is :mod:`rag_accel.serve`.
 """
 
@@ -18,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Server", "free_port", "group_processes", "shared_server", "spec_decode_counters"]
+__all__ = ["Server", "free_port", "group_processes", "import_vllm_or_skip", "shared_server", "shared_test_server",
+           "spec_decode_counters", "vllm_python_or_skip"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -252,3 +258,57 @@ def group_processes(pgid: int) -> list[int]:
 def _group_alive(pgid: int) -> bool:
     return bool(group_processes(pgid))
 
+
+# --------------------------------------------------------------------------- vLLM in the test suites
+REQUIRE_VLLM = "RAG_ACCEL_REQUIRE_VLLM"  # "1": a missing vLLM is an error, not a skip (CI's vLLM suite)
+VLLM_PYTHON = "RAG_ACCEL_VLLM_PYTHON"  # a Python with vLLM, for the server (a virtualenv of its own)
+
+
+def _vllm_required() -> bool:
+    """Whether ``RAG_ACCEL_REQUIRE_VLLM=1``: the tests that need vLLM fail without it instead of skipping."""
+    return os.environ.get(REQUIRE_VLLM) == "1"
+
+
+def import_vllm_or_skip() -> Any:
+    """vLLM, for a test module that runs it in this process; without it the calling module is skipped,
+    or, with ``RAG_ACCEL_REQUIRE_VLLM=1``, the import error is raised."""
+    if _vllm_required():
+        import vllm
+
+        return vllm
+    import pytest
+
+    return pytest.importorskip("vllm")
+
+
+def vllm_python_or_skip() -> str:
+    """The absolute path of the Python named by ``RAG_ACCEL_VLLM_PYTHON`` (a virtualenv with vLLM: it
+    cannot share the adapters' one), for a test that starts a server. Unset: the calling test is skipped,
+    or fails with ``RAG_ACCEL_REQUIRE_VLLM=1``; without the openai client (the adapters' remote mode)
+    it is skipped too, unless required."""
+    import pytest
+
+    python = os.environ.get(VLLM_PYTHON)
+    if not python:
+        if _vllm_required():
+            pytest.fail(f"{REQUIRE_VLLM}=1 but {VLLM_PYTHON} is unset: name a Python with vLLM")
+        pytest.skip(f"this test starts a rag-accel serve server: set {VLLM_PYTHON} to a Python with vLLM "
+                    "(e.g. .venv-vllm/bin/python; README, 'Run the tests')")
+    if not _vllm_required():
+        pytest.importorskip("openai", reason="the adapters' remote mode needs the openai client: "
+                                             "pip install 'rag-accel[remote]'")
+    return os.path.abspath(python)  # not resolve(): a virtualenv's python is a symlink to the base interpreter
+
+
+def shared_test_server() -> Server:
+    """The adapters' test server: ``rag-accel serve`` with our proposer and the offline model in float32
+    (2048 tokens, eager), started with :func:`vllm_python_or_skip`'s Python, one per test process
+    (:func:`shared_server`). ``VLLM_CPU_KVCACHE_SPACE`` (default 2 GiB), ``VLLM_CPU_OMP_THREADS_BIND``
+    (default: cores 0-1, or 0 on one core) and ``RAG_ACCEL_SERVE_TIMEOUT`` (seconds to start, default 900)
+    are read from the environment."""
+    python = vllm_python_or_skip()
+    bind = "0-1" if (os.cpu_count() or 1) >= 2 else "0"
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bind)}
+    return shared_server(python, options=["--max-model-len", "2048"], vllm_args=["--enforce-eager"], env=env,
+                         timeout=float(os.environ.get("RAG_ACCEL_SERVE_TIMEOUT", "900")))
