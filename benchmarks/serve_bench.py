@@ -62,9 +62,9 @@ def one_request(client, msgs, refs, new):
 
 
 def run_level(client, url, prompts, refs, new, c):
-    from rag_accel.serve import spec_decode_counters as spec_counters
-
     """All items with ``c`` requests in flight: (latencies, token ids per item, wall s, drafted, accepted)."""
+    from rag_accel.server_process import spec_decode_counters as spec_counters
+
     d0, a0 = spec_counters(url)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(c) as pool:
@@ -77,7 +77,7 @@ def run_level(client, url, prompts, refs, new, c):
 def bench_server(method, prompts, refs, args, env, baseline):
     import openai
 
-    from rag_accel.serve import Server
+    from rag_accel.server_process import Server
 
     r: dict = {"load_before": load()}
     srv = Server(MODEL, python=args.python, env=env,

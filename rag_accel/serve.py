@@ -24,6 +24,9 @@ request with HTTP 400 (:meth:`rag_accel.vllm.RowTracker.validate_params`); the s
 ``--speculation ngram`` (vLLM's own n-gram proposer, ``-k`` tokens, lookup 2-4), ``suffix`` (vLLM's suffix
 decoding, with arctic-inference installed) and ``off`` (no speculation) start the same server without our
 proposer, for comparison; they ignore ``vllm_xargs``.
+
+Running such a server from Python (a subprocess, for tests, notebooks and benchmarks) is
+:mod:`rag_accel.server_process`.
 """
 
 from __future__ import annotations
@@ -32,14 +35,11 @@ import json
 import os
 import shlex
 import sys
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-__all__ = ["Server", "free_port", "group_processes", "model_vocab_size", "resolve_model", "serve_command", "shared_server",
-           "spec_decode_counters", "speculative_options", "vllm_cli", "vllm_executable"]
+__all__ = ["cpu_hints", "default_dtype", "exec_server", "model_vocab_size", "resolve_model", "serve_command",
+           "shell_line", "speculative_options", "vllm_cli", "vllm_executable"]
 
 DEFAULT_K = 10
 
@@ -217,237 +217,6 @@ def exec_server(cmd: Sequence[str], env_changes: Mapping[str, str]) -> None:
     sys.stderr.flush()
     os.execve(cmd[0], list(cmd), env)
 
-
-
-# --------------------------------------------------------------------------- a server as a subprocess
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the OS picks it)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-class Server:
-    """``rag-accel serve`` as a subprocess, for tests, benchmarks and notebooks.
-
-    Example:
-        >>> with Server(options=["--max-model-len", "2048"], vllm_args=["--enforce-eager"]) as srv:  # doctest: +SKIP
-        ...     RemoteDecoder(srv.base_url).generate("Hello", max_new_tokens=8)
-
-    It runs in its own session (process group) with its output in ``log_path`` (default: a temporary
-    file, removed when :meth:`stop` is clean, kept to read otherwise); :meth:`wait_ready`
-    polls ``/health`` until it answers 200, the process dies (``RuntimeError`` with the log's tail)
-    or ``timeout`` passes; :meth:`stop` sends SIGINT (vLLM shuts its engine down), then SIGTERM,
-    then SIGKILL to the whole group, each after a bounded wait, and says whether the group is gone.
-
-    Args:
-        model: as ``rag-accel serve MODEL``.
-        options: more ``rag-accel serve`` options (``--speculation off``, ``--max-reference-tokens`` ...).
-        vllm_args: vLLM options (after ``--``).
-        python: the interpreter with vLLM installed (default: this one).
-        env: environment changes for the server (e.g. ``VLLM_CPU_OMP_THREADS_BIND``, ``LD_PRELOAD``).
-    """
-
-    def __init__(self, model: str = "smollm2-135m-instruct", *, options: Sequence[str] = (),
-                 vllm_args: Sequence[str] = (), python: str | None = None, host: str = "127.0.0.1",
-                 port: int | None = None, env: Mapping[str, str] | None = None,
-                 log_path: str | Path | None = None) -> None:
-        self.host, self.port = host, port or free_port(host)
-        self.cmd = [python or sys.executable, "-m", "rag_accel.cli", "serve", model, *options,
-                    "--host", host, "--port", str(self.port)]
-        if vllm_args:
-            self.cmd += ["--", *vllm_args]
-        self.env = {**os.environ, **(env or {})}
-        self.log_path = Path(log_path) if log_path else None
-        self._own_log = False  # a temporary log made by start(): removed by a clean stop()
-        self.proc: Any = None
-        self._log: Any = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        """The OpenAI API root (``.../v1``)."""
-        return self.url + "/v1"
-
-    def start(self) -> Server:
-        import subprocess
-        import tempfile
-
-        if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="rag-accel-serve-", suffix=".log")
-            os.close(fd)
-            self.log_path, self._own_log = Path(name), True
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        return self
-
-    def spec_decode_counters(self) -> tuple[float, float]:
-        """The server's spec-decode totals from ``/metrics``: (draft tokens, accepted tokens); zeros
-        on a server without speculation. Per-request counts are not served: take differences."""
-        return spec_decode_counters(self.url)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:] if self.log_path else ""
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float = 600.0) -> float:
-        """Seconds until ``/health`` answered 200."""
-        import urllib.request
-
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode} before it was ready:\n"
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return time.monotonic() - t0
-            except OSError:
-                pass
-            if time.monotonic() - t0 > timeout:
-                self.stop()
-                raise TimeoutError(f"the server was not ready after {timeout:.0f} s:\n{self.log_tail()}")
-            time.sleep(1.0)
-
-    def stop(self, timeout: float = 60.0) -> bool:
-        """Stop the server and everything it started; ``True`` if all of it ended by itself after
-        SIGINT (no SIGTERM / SIGKILL was needed) and no process of its group is left."""
-        import signal
-        import subprocess
-
-        if self.proc is None:
-            return True
-        clean = True
-        pgid = self.proc.pid  # start_new_session: its own group
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                clean = False
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # the server, then anything of its group left behind
-            if not _group_alive(pgid):
-                break
-            if sig == signal.SIGTERM:
-                deadline = time.monotonic() + 10  # engine processes may still be exiting after the server
-                while _group_alive(pgid) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                if not _group_alive(pgid):
-                    break
-            clean = False
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        clean = clean and not _group_alive(pgid)
-        if clean and self._own_log:  # nothing to diagnose: leave no temporary file behind
-            self.log_path.unlink(missing_ok=True)
-            self.log_path, self._own_log = None, False
-        return clean
-
-    def __enter__(self) -> Server:
-        self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-
-def spec_decode_counters(url: str) -> tuple[float, float]:
-    """(draft tokens, accepted tokens) from a vLLM server's ``/metrics`` at ``url`` (``http://host:port``),
-    summed over its engines (``vllm:spec_decode_num_draft_tokens_total`` / ``..._accepted_tokens_total``)."""
-    import re
-    import urllib.request
-
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=60) as r:
-        text = r.read().decode()
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^vllm:{name}_total{{[^}}]*}} (\S+)$", text, re.M))
-
-    return total("spec_decode_num_draft_tokens"), total("spec_decode_num_accepted_tokens")
-
-_SHARED: dict[tuple[Any, ...], Server] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_server(python: str | None = None, *, model: str = "smollm2-135m-instruct", options: Sequence[str] = (),
-                  vllm_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                  timeout: float = 900.0) -> Server:
-    """One :class:`Server` per process for these arguments: started (and waited for) on the first
-    call, stopped when the process exits. For test suites that share one server across modules
-    and packages (a start takes a minute or more on a CPU)."""
-    import atexit
-
-    key = (python, model, tuple(options), tuple(vllm_args), tuple(sorted((env or {}).items())))
-    with _SHARED_LOCK:
-        srv = _SHARED.get(key)
-        if srv is not None and srv.proc is not None and srv.proc.poll() is None:
-            return srv
-        srv = Server(model, options=options, vllm_args=vllm_args, python=python, env=env)
-        srv.start()
-        try:
-            srv.wait_ready(timeout)
-        except BaseException:
-            srv.stop()
-            raise
-        if not _SHARED:
-            atexit.register(lambda: [s.stop() for s in list(_SHARED.values())])
-        _SHARED[key] = srv
-        return srv
-
-def group_processes(pgid: int) -> list[int]:
-    """The live (not zombie) processes of process group ``pgid`` (Linux ``/proc``; elsewhere ``[pgid]``
-    while the group exists)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except ProcessLookupError:
-            return []
-        except PermissionError:
-            return [pgid]
-    found = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(entry.name))
-    return found
-
-
-def _group_alive(pgid: int) -> bool:
-    return bool(group_processes(pgid))
 
 if __name__ == "__main__":  # python -m rag_accel.serve serve MODEL ...: the same as `vllm serve MODEL ...`
     vllm_cli(sys.argv[1:])

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import random
 
-import pytest
 import torch
 
 from rag_accel import Draft
@@ -109,11 +107,3 @@ def trained_bpe_tokenizer(texts, vocab_size=600):
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-def import_vllm_or_skip():
-    """vLLM, or skip the calling test module without it; with RAG_ACCEL_REQUIRE_VLLM=1 (CI's vLLM
-    suite) a missing vLLM is an error instead."""
-    if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
-        import vllm
-
-        return vllm
-    return pytest.importorskip("vllm")

@@ -7,10 +7,11 @@ adapters' remote-mode tests). If a cell fails, the server it started is stopped 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+
+from rag_accel.server_process import vllm_python_or_skip
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -25,26 +26,12 @@ def test_there_are_five_notebooks():
     assert [p.name[:2] for p in NOTEBOOKS] == ["01", "02", "03", "04", "05"]
 
 
-def vllm_python() -> str:
-    """The absolute path of RAG_ACCEL_VLLM_PYTHON (the notebooks run in examples/); skip or fail without it."""
-    python = os.environ.get("RAG_ACCEL_VLLM_PYTHON")
-    if not python:
-        if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
-            pytest.fail("RAG_ACCEL_REQUIRE_VLLM=1 but RAG_ACCEL_VLLM_PYTHON is unset: name a Python with vLLM")
-        pytest.skip("this notebook starts a rag-accel serve server: set RAG_ACCEL_VLLM_PYTHON to a Python with vLLM "
-                    "(e.g. .venv-vllm/bin/python; README, 'Run the tests')")
-    if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") != "1":
-        pytest.importorskip("openai", reason="the adapters' remote mode needs the openai client: "
-                                             "pip install 'rag-accel[remote]'")
-    return os.path.abspath(python)  # not resolve(): a virtualenv's python is a symlink to the base interpreter
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch):
     serving = path.stem in SERVING
     if serving:
-        monkeypatch.setenv("RAG_ACCEL_VLLM_PYTHON", vllm_python())
+        monkeypatch.setenv("RAG_ACCEL_VLLM_PYTHON", vllm_python_or_skip())  # absolute: the notebooks run in examples/
     monkeypatch.setenv("RAG_ACCEL_NB_SMALL", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     nb = nbformat.read(path, as_version=4)

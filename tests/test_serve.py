@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import import_vllm_or_skip  # noqa: E402
+from rag_accel.server_process import import_vllm_or_skip
 
 import_vllm_or_skip()
 
@@ -32,6 +32,7 @@ import openai  # noqa: E402 - a dependency of vLLM
 from rag_accel import serve  # noqa: E402
 from rag_accel.data import load_msmarco_sample, rag_messages  # noqa: E402
 from rag_accel.remote import RemoteDecoder, RemoteError  # noqa: E402
+from rag_accel.server_process import Server, group_processes  # noqa: E402
 from rag_accel.vllm import (  # noqa: E402
     PROPOSER_PATH,
     TRACKER_PATH,
@@ -177,8 +178,8 @@ def baseline(items):
 
 @pytest.fixture(scope="module")
 def server(baseline):
-    srv = serve.Server(MODEL, options=["--max-model-len", str(MAX_MODEL_LEN), "--max-reference-tokens", str(MAX_REF)],
-                       vllm_args=["--enforce-eager"])
+    srv = Server(MODEL, options=["--max-model-len", str(MAX_MODEL_LEN), "--max-reference-tokens", str(MAX_REF)],
+                 vllm_args=["--enforce-eager"])
     srv.start()
     pgid = srv.proc.pid
     try:
@@ -190,7 +191,7 @@ def server(baseline):
     # After the module's tests (none of them stops the shared server): SIGINT ends the server and its
     # engine in time, no process of its group is left, and a clean stop leaves no log file behind.
     assert clean, f"SIGINT did not end the server and its engine in time:\n{srv.log_tail()}"
-    assert srv.proc.returncode is not None and serve.group_processes(pgid) == []
+    assert srv.proc.returncode is not None and group_processes(pgid) == []
     assert not log.exists() and srv.log_path is None
 
 
@@ -381,4 +382,4 @@ def test_the_server_logs_to_its_own_temporary_file(server):
     """(Its clean shutdown is checked when the module's server fixture stops it.)"""
     log = server.log_path
     assert log.is_file() and log.name.startswith("rag-accel-serve-")
-    assert server.proc.poll() is None and serve.group_processes(server.proc.pid)
+    assert server.proc.poll() is None and group_processes(server.proc.pid)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import import_vllm_or_skip  # noqa: E402
+from rag_accel.server_process import import_vllm_or_skip
 
 import_vllm_or_skip()
 

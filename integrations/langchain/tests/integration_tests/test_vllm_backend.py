@@ -13,10 +13,9 @@ import os
 
 import pytest
 
-if os.environ.get("RAG_ACCEL_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401 - CI: a missing vLLM fails here instead of skipping
-else:
-    pytest.importorskip("vllm")
+from rag_accel.server_process import import_vllm_or_skip
+
+import_vllm_or_skip()  # CI (RAG_ACCEL_REQUIRE_VLLM=1): a missing vLLM fails here instead of skipping
 
 from langchain_core.documents import Document  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402

