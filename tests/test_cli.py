@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -327,3 +330,41 @@ def test_concurrency_summary_is_throughput_against_vllm_greedy_at_the_same_level
     assert s["vllm-ours@16"]["vs_vllm_greedy"] == pytest.approx(4.0 / 5.0)
     table = concurrency_table(s)
     assert "| vllm-ours | 200.0 (1.00x) | 320.0 (0.80x) | 88% / 100% |" in table
+
+
+# ----------------------------------------------------------------------------- imports: no torch for serve and --help
+def _heavy_imports(*python_args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """Run python with ``python_args`` under ``-X importtime``; the result and which of torch and
+    transformers it imported (any depth)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *python_args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=120)
+    heavy = sorted({m for m in re.findall(r"\|\s+(torch|transformers)$", proc.stderr, re.M)})
+    return proc, heavy
+
+
+def test_import_rag_accel_and_its_cli_loads_neither_torch_nor_transformers():
+    proc, heavy = _heavy_imports("-c", "import rag_accel, rag_accel.cli; print(sorted(rag_accel.__all__))")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert heavy == [], heavy
+    import rag_accel
+    from rag_accel import ReferenceDecoder  # the lazy names still import, as before
+
+    assert ReferenceDecoder.__module__ == "rag_accel.decoder" and eval(proc.stdout) == sorted(rag_accel.__all__)
+    assert all(getattr(rag_accel, name) is not None for name in rag_accel.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'Nonesuch'"):
+        rag_accel.Nonesuch  # noqa: B018
+
+
+@pytest.mark.parametrize("dtype", [
+    ["--dtype", "float32"],
+    pytest.param([], marks=pytest.mark.xfail(strict=True, reason=(
+        "rag_accel/serve.py's default_dtype() imports torch to look for a GPU when --dtype is not given "
+        "(serve.py belongs to the serving work; it would need a torch-free GPU check)"))),
+], ids=["dtype-given", "dtype-default"])
+def test_serve_dry_run_loads_neither_torch_nor_transformers(dtype):
+    """`rag-accel serve` becomes vLLM's server, which imports torch itself: the command line must not."""
+    proc, heavy = _heavy_imports("-m", "rag_accel.cli", "serve", "some/model", "--port", "9", "--max-reference-tokens",
+                                 "5", "--dry-run", *dtype, "--", "--tensor-parallel-size", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert " serve some/model " in proc.stdout and proc.stdout.strip().endswith("--tensor-parallel-size 2")
+    assert heavy == [], heavy
