@@ -4,23 +4,59 @@ Greedy outputs identical to ``model.generate(do_sample=False)``, faster, by
 copying drafts from the retrieved documents (LLMA), the prompt (prompt
 lookup), n-gram tables (ANPD) or a small draft model, each verified in one
 forward pass.
+
+The names below are imported on first use (PEP 562): ``import rag_accel`` alone
+loads neither torch nor transformers, so ``rag-accel serve`` and the command
+line's help start without them; ``from rag_accel import ReferenceDecoder``
+loads what that name needs.
 """
 
-from .config import DecoderConfig
-from .decoder import GenerationOutput, GenerationStats, GenerationStream, ReferenceDecoder
-from .drafters import (
-    NO_DRAFT,
-    Draft,
-    Drafter,
-    DrafterChain,
-    NgramDrafter,
-    PromptLookupDrafter,
-    ReferenceDrafter,
-    build_drafters,
-)
-from .draft_models import ModelDrafter, UniversalDrafter
-from .models import DEFAULT_MODEL
-from .protocol import Decoder
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from .config import DecoderConfig
+    from .decoder import GenerationOutput, GenerationStats, GenerationStream, ReferenceDecoder
+    from .draft_models import ModelDrafter, UniversalDrafter
+    from .drafters import (
+        NO_DRAFT,
+        Draft,
+        Drafter,
+        DrafterChain,
+        NgramDrafter,
+        PromptLookupDrafter,
+        ReferenceDrafter,
+        build_drafters,
+    )
+    from .protocol import Decoder
+
+# name -> the module that defines it
+_LAZY = {
+    "DecoderConfig": ".config",
+    "GenerationOutput": ".decoder", "GenerationStats": ".decoder", "GenerationStream": ".decoder",
+    "ReferenceDecoder": ".decoder",
+    "NO_DRAFT": ".drafters", "Draft": ".drafters", "Drafter": ".drafters", "DrafterChain": ".drafters",
+    "NgramDrafter": ".drafters", "PromptLookupDrafter": ".drafters", "ReferenceDrafter": ".drafters",
+    "build_drafters": ".drafters",
+    "ModelDrafter": ".draft_models", "UniversalDrafter": ".draft_models",
+    "Decoder": ".protocol",
+}
+
+from .models import DEFAULT_MODEL  # (no torch: rag_accel.models imports it inside its loaders)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 def load(model: str = DEFAULT_MODEL, *, backend: str | None = None, base_url: str | None = None,

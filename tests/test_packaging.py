@@ -47,3 +47,19 @@ def test_each_adapter_depends_on_rag_accel_and_its_framework_core_only(dist):
     reqs = [Requirement(r) for r in distribution(dist).requires or []]
     required = {r.name for r in reqs if r.marker is None or "extra" not in str(r.marker)}  # extras aside
     assert required == {"rag-accel", ADAPTERS[dist][1]}
+
+
+def test_matplotlib_is_the_bench_extra_not_a_core_dependency():
+    """One plot of `rag-accel bench` needs matplotlib: `[bench]` (and `[dev]`, for the tests) carries it, the core
+    does not (the bench without it writes its JSON and markdown: tests/test_cli.py)."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+
+    def names(reqs):
+        return {Requirement(r).name for r in reqs}
+
+    assert "matplotlib" not in names(project["dependencies"])
+    extras = project["optional-dependencies"]
+    assert names(extras["bench"]) == {"matplotlib"} and "matplotlib" in names(extras["dev"])

@@ -137,3 +137,42 @@ def test_bad_input_loses_nothing(tmp_path, e5, passages):
     assert path.read_bytes() == before
     with pytest.raises(ValueError, match="unknown index kind"):
         VectorIndex(e5, kind="lsh")
+
+
+def test_cached_index_embeds_once_and_keys_on_corpus_and_embedder(tmp_path, minilm, monkeypatch):
+    """The first call embeds and saves; the second loads that file without embedding; an edited corpus
+    file or another embedder gets another file; a damaged cache file is rebuilt, not trusted."""
+    import json
+
+    from rag_accel.retrieval import cached_index, index_cache_path
+
+    corpus = tmp_path / "corpus.jsonl"
+    records = [{"id": it.id, "query": it.query, "passages": it.passages[:3]} for it in load_msmarco_sample(limit=2)]
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
+    items = load_msmarco_sample(corpus)
+    embedded = []
+    embed = Embedder.embed_passages
+    monkeypatch.setattr(Embedder, "embed_passages", lambda self, texts, **kw: (embedded.append(len(texts)),
+                                                                             embed(self, texts, **kw))[1])
+    cache = tmp_path / "cache"
+    index, from_cache = cached_index(items, OFFLINE_MINILM, corpus, cache_dir=cache)
+    path = index_cache_path(items, OFFLINE_MINILM, corpus, cache)
+    assert not from_cache and path.is_file() and path.parent == cache and embedded == [6]
+    again, from_cache = cached_index(items, OFFLINE_MINILM, corpus, cache_dir=cache)
+    assert from_cache and embedded == [6]  # loaded, not embedded again
+    assert again.ids == index.ids == [f"{it.id}#{j}" for it in items for j in range(3)]
+    hit = again.search(items[1].passages[2], k=1)[0]
+    assert (hit.doc_id, hit.text) == (f"{items[1].id}#2", items[1].passages[2])
+
+    assert index_cache_path(items, "multilingual-e5-small", corpus, cache) != path  # another embedder
+    assert index_cache_path(items[:1], OFFLINE_MINILM, corpus, cache) != path  # other items
+    corpus.write_text(corpus.read_text() + "\n")  # the corpus file changed (size, time)
+    assert index_cache_path(items, OFFLINE_MINILM, corpus, cache) != path
+    _, from_cache = cached_index(items, OFFLINE_MINILM, corpus, cache_dir=cache)
+    assert not from_cache and embedded == [6, 6]
+
+    damaged = index_cache_path(items, OFFLINE_MINILM, corpus, cache)
+    damaged.write_bytes(b"not an index at all")
+    rebuilt, from_cache = cached_index(items, OFFLINE_MINILM, corpus, cache_dir=cache)
+    assert not from_cache and len(rebuilt) == 6 and embedded == [6, 6, 6]
+    assert cached_index(items, OFFLINE_MINILM, corpus, cache_dir=cache)[1]  # and cached again

