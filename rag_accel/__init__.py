@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from .config import DecoderConfig
-    from .decoder import GenerationOutput, GenerationStats, GenerationStream, ReferenceDecoder
-    from .draft_models import ModelDrafter, UniversalDrafter
+    from .hf.decoder import GenerationOutput, GenerationStats, GenerationStream, ReferenceDecoder
+    from .hf.draft_models import ModelDrafter, UniversalDrafter
     from .drafters import (
         NO_DRAFT,
         Draft,
@@ -35,12 +35,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
 # name -> the module that defines it
 _LAZY = {
     "DecoderConfig": ".config",
-    "GenerationOutput": ".decoder", "GenerationStats": ".decoder", "GenerationStream": ".decoder",
-    "ReferenceDecoder": ".decoder",
+    "GenerationOutput": ".outputs", "GenerationStats": ".outputs", "GenerationStream": ".outputs",
+    "ReferenceDecoder": ".hf.decoder",
     "NO_DRAFT": ".drafters", "Draft": ".drafters", "Drafter": ".drafters", "DrafterChain": ".drafters",
     "NgramDrafter": ".drafters", "PromptLookupDrafter": ".drafters", "ReferenceDrafter": ".drafters",
     "build_drafters": ".drafters",
-    "ModelDrafter": ".draft_models", "UniversalDrafter": ".draft_models",
+    "ModelDrafter": ".hf.draft_models", "UniversalDrafter": ".hf.draft_models",
     "Decoder": ".protocol",
 }
 

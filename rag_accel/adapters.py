@@ -61,7 +61,7 @@ def shared_decoder(model_name: str, device: str | None = None, dtype: str | None
 
                 _DECODERS[key] = VllmDecoder.from_pretrained(model_name, dtype=dtype or "float32")
             else:
-                from .decoder import ReferenceDecoder
+                from .hf.decoder import ReferenceDecoder
 
                 _DECODERS[key] = ReferenceDecoder.from_pretrained(model_name, device=device, dtype=dtype)
         return _DECODERS[key]

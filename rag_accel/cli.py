@@ -37,7 +37,7 @@ def _fail(msg: str) -> None:
 
 
 def _load_decoder(model: str, device: Optional[str], dtype: Optional[str], draft_model: Optional[str] = None):
-    from .decoder import ReferenceDecoder
+    from .hf.decoder import ReferenceDecoder
 
     return ReferenceDecoder.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model)
 

@@ -120,13 +120,13 @@ class DecoderConfig:
             (from its length in characters) is refused before it is tokenised.
         pack_gqa: in verification forwards, let grouped-query attention read the
             cached keys/values in place instead of copying them per query head
-            (see :mod:`rag_accel.attention`); ``False`` runs the model's own SDPA path.
+            (see :mod:`rag_accel.hf.attention`); ``False`` runs the model's own SDPA path.
         pool_misses: scale every drafter's learnt first-token rate by how this
             request's drafts (sent or not) fared against those rates, pooled over
             drafters (see :mod:`rag_accel.policy`): a request where the model does
             not copy stops drafting after a few misses in all, not a few per drafter.
         fast_head: on a CPU in float32, compute the output projection of the
-            decoder's forwards as ``weight @ hidden.T`` (see :mod:`rag_accel.lm_head`):
+            decoder's forwards as ``weight @ hidden.T`` (see :mod:`rag_accel.hf.lm_head`):
             MKL runs it at full memory speed where ``hidden @ weight.T`` with 1-16
             rows does not; ``False`` runs the model's own ``nn.Linear``.
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from .cache import ResponseCache
 from .data import SYSTEM_PROMPT, rag_prompt
-from .decoder import GenerationOutput, ReferenceDecoder
+from .hf.decoder import GenerationOutput, ReferenceDecoder
 from .retrieval import SearchHit, VectorIndex
 
 

@@ -1,6 +1,6 @@
 """What every decoder shares: its surface, its sampling rule, and how a request's config changes are read.
 
-Three decoders answer the same calls: :class:`~rag_accel.decoder.ReferenceDecoder` (transformers, in
+Three decoders answer the same calls: :class:`~rag_accel.hf.decoder.ReferenceDecoder` (transformers, in
 process), :class:`~rag_accel.vllm.VllmDecoder` (vLLM, in process) and
 :class:`~rag_accel.remote.RemoteDecoder` (a ``rag-accel serve`` server over HTTP). :class:`Decoder`
 is that surface; an application (or an adapter) written against it runs on any of them.

@@ -1,4 +1,4 @@
-"""``RemoteDecoder``: :class:`~rag_accel.decoder.ReferenceDecoder`'s surface on a server.
+"""``RemoteDecoder``: :class:`~rag_accel.hf.decoder.ReferenceDecoder`'s surface on a server.
 
 The server is ``rag-accel serve`` (vLLM's OpenAI-compatible server with our proposer); any
 vLLM server answers it too, it then simply does not draft from the references. Each call is

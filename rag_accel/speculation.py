@@ -10,7 +10,7 @@ Every verify step of a request, on any engine, goes through the same verbs:
 4. :meth:`RequestDrafting.account`: charge what the step really took and how many
    tokens it bought; learn how far the measured cost curve is off.
 
-The Hugging Face decoder (:mod:`rag_accel.decoder`) calls these once per step of
+The Hugging Face decoder (:mod:`rag_accel.hf.decoder`) calls these once per step of
 its one request; the vLLM proposer once per row of its batch. What is learnt
 across requests lives in :class:`StepCosts` (:class:`BatchStepCosts` for a batch engine)
 and the policy's :class:`~rag_accel.policy.AcceptanceStats`, one of each per engine.

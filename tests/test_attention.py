@@ -1,4 +1,4 @@
-"""Grouped-query attention without copying the cache (rag_accel.attention)."""
+"""Grouped-query attention without copying the cache (rag_accel.hf.attention)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from helpers import OracleDrafter, hf_greedy, tiny_model
 
-import rag_accel.attention as attention
+import rag_accel.hf.attention as attention
 from rag_accel import DecoderConfig, ReferenceDecoder
-from rag_accel.kv import cache_kwarg
+from rag_accel.hf.kv import cache_kwarg
 
 
 def _reference(query, key, value, mask, scaling):

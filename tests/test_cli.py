@@ -84,7 +84,7 @@ def test_target_forced_makes_every_method_decode_the_target(tmp_path):
     from rag_accel.bench import run_benchmark
     from rag_accel.config import DecoderConfig
     from rag_accel.data import load_msmarco_sample
-    from rag_accel.decoder import ReferenceDecoder
+    from rag_accel.hf.decoder import ReferenceDecoder
     from rag_accel.models import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer("random:tiny", torch.device("cpu"), torch.float32)
@@ -133,7 +133,7 @@ def test_bench_cold_on_the_last_items(tmp_path, monkeypatch):
 
     from rag_accel.cli import app
     from rag_accel.data import load_msmarco_sample
-    from rag_accel.decoder import ReferenceDecoder
+    from rag_accel.hf.decoder import ReferenceDecoder
 
     resets = []
     reset = ReferenceDecoder.reset_learning
@@ -254,7 +254,7 @@ def test_summarize_takes_the_median_of_each_items_repeats():
 def test_bench_repeats_runs_every_method_per_round():
     from rag_accel.bench import run_benchmark
     from rag_accel.data import load_msmarco_sample
-    from rag_accel.decoder import ReferenceDecoder
+    from rag_accel.hf.decoder import ReferenceDecoder
     from rag_accel.models import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer("random:tiny", torch.device("cpu"), torch.float32)
@@ -270,7 +270,7 @@ def test_bench_repeats_runs_every_method_per_round():
 
 
 def _tiny_decoder():
-    from rag_accel.decoder import ReferenceDecoder
+    from rag_accel.hf.decoder import ReferenceDecoder
     from rag_accel.models import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer("random:tiny", torch.device("cpu"), torch.float32)
@@ -368,7 +368,7 @@ def test_import_rag_accel_and_its_cli_loads_neither_torch_nor_transformers():
     import rag_accel
     from rag_accel import ReferenceDecoder  # the lazy names still import, as before
 
-    assert ReferenceDecoder.__module__ == "rag_accel.decoder" and eval(proc.stdout) == sorted(rag_accel.__all__)
+    assert ReferenceDecoder.__module__ == "rag_accel.hf.decoder" and eval(proc.stdout) == sorted(rag_accel.__all__)
     assert all(getattr(rag_accel, name) is not None for name in rag_accel.__all__)
     with pytest.raises(AttributeError, match="no attribute 'Nonesuch'"):
         rag_accel.Nonesuch  # noqa: B018
@@ -422,7 +422,7 @@ def test_bench_skips_items_too_long_for_the_model_and_writes_without_matplotlib(
 def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch):
     """The files are rewritten after each item: a run interrupted on its second item keeps the first,
     marked incomplete."""
-    from rag_accel.decoder import ReferenceDecoder
+    from rag_accel.hf.decoder import ReferenceDecoder
 
     calls = []
     generate = ReferenceDecoder.generate

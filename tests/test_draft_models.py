@@ -12,7 +12,7 @@ import torch
 from helpers import hf_greedy, permuted_pair, tiny_model, trained_bpe_tokenizer
 
 from rag_accel import DecoderConfig, ReferenceDecoder
-from rag_accel.draft_models import ModelDrafter, UniversalDrafter
+from rag_accel.hf.draft_models import ModelDrafter, UniversalDrafter
 from rag_accel.policy import DraftLengthPolicy
 
 MAX_NEW = 32

@@ -13,8 +13,8 @@ from helpers import tiny_model
 from packaging.version import Version
 
 from rag_accel import DecoderConfig, ReferenceDecoder
-from rag_accel.draft_models import ModelDrafter
-from rag_accel.kv import cache_kwarg, cache_of, new_cache
+from rag_accel.hf.draft_models import ModelDrafter
+from rag_accel.hf.kv import cache_kwarg, cache_of, new_cache
 
 
 def test_cache_of_reads_either_name():

@@ -1,4 +1,4 @@
-"""The output projection in the transposed layout (rag_accel/lm_head.py)."""
+"""The output projection in the transposed layout (rag_accel/hf/lm_head.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from helpers import OracleDrafter, hf_greedy, tiny_model
 
-from rag_accel import DecoderConfig, ReferenceDecoder, lm_head
+from rag_accel import DecoderConfig, ReferenceDecoder
+from rag_accel.hf import lm_head
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (1, 2, 64), (1, 3, 64), (2, 5, 64), (17, 64)])

@@ -526,7 +526,7 @@ def test_bench_runs_the_vllm_methods_beside_the_transformers_ones(dec, items, ba
     vLLM outputs compared with vllm-greedy (and with transformers' greedy), steps from the
     engine; then the throughput loop with 2 requests in flight."""
     from rag_accel.bench import run_benchmark, run_concurrency, summarize, summarize_concurrency
-    from rag_accel.decoder import ReferenceDecoder
+    from rag_accel.hf.decoder import ReferenceDecoder
 
     hf = ReferenceDecoder.from_pretrained(MODEL)
     engines = {"vllm-greedy": baseline.plain, "vllm-ours": dec}

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from ..data import RagItem, rag_messages
-from ..decoder import ReferenceDecoder
-from ..kv import cache_of
+from ..hf.decoder import ReferenceDecoder
+from ..hf.kv import cache_of
 from ..methods import ALL_METHODS, BASELINES, NEEDS_DRAFT_MODEL, OUR_METHODS, REMEMBERS_OUTPUTS, VLLM_METHODS
 from .results import BatchRun, Run, item_seconds
 

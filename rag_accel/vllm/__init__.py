@@ -16,7 +16,7 @@ The pieces, each in its own module:
   checked in one place.
 - :mod:`~rag_accel.vllm.patches`: the two changes to vLLM's internals, declared, applied once per
   process (vLLM's plugin entry point), and checked against the installed vLLM by a test.
-- :mod:`~rag_accel.vllm.decoder`: :class:`VllmDecoder`, :class:`~rag_accel.decoder.ReferenceDecoder`'s
+- :mod:`~rag_accel.vllm.decoder`: :class:`VllmDecoder`, :class:`~rag_accel.hf.decoder.ReferenceDecoder`'s
   surface (``generate`` / ``stream`` / ``generate_batch``, the same outputs and stats) on a
   ``vllm.LLM`` in this process.
 

@@ -1,4 +1,4 @@
-"""``VllmDecoder``: :class:`~rag_accel.decoder.ReferenceDecoder`'s surface on a ``vllm.LLM`` in this process."""
+"""``VllmDecoder``: :class:`~rag_accel.hf.decoder.ReferenceDecoder`'s surface on a ``vllm.LLM`` in this process."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ _ids = itertools.count()
 
 
 class VllmDecoder:
-    """:class:`~rag_accel.decoder.ReferenceDecoder`'s surface on vLLM, drafting with :class:`RagProposer`.
+    """:class:`~rag_accel.hf.decoder.ReferenceDecoder`'s surface on vLLM, drafting with :class:`RagProposer`.
 
     Example:
         >>> dec = VllmDecoder.from_pretrained("smollm2-135m-instruct")  # doctest: +SKIP

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._context import scoped
+from .._context import scoped
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("rag_accel_packed_gqa", default=False)
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)

@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from .drafters import NO_DRAFT, Draft
+from ..drafters import NO_DRAFT, Draft
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
-from .policy import leading_matches
-from .sampling import GumbelNoise, warp
-from .stopping import IncrementalDetokenizer
+from ..policy import leading_matches
+from ..sampling import GumbelNoise, warp
+from ..stopping import IncrementalDetokenizer
 
 
 def check_model(model: Any, what: str) -> None:

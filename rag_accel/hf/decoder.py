@@ -18,18 +18,18 @@ import torch
 
 from .attention import install as install_packed_gqa
 from .attention import packed_gqa
-from .config import DecoderConfig
-from .drafters import Draft, Drafter
-from .inputs import check_lengths, check_stops, encode_prompt, encode_references
+from ..config import DecoderConfig
+from ..drafters import Draft, Drafter
+from ..inputs import check_lengths, check_stops, encode_prompt, encode_references
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
-from .outputs import GenerationOutput, GenerationStats, GenerationStream
-from .policy import AcceptanceStats, leading_matches
-from .protocol import batch_arguments, sampling_request
-from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
-from .speculation import RequestDrafting, StepCosts
-from .stopping import OutputText
+from ..outputs import GenerationOutput, GenerationStats, GenerationStream
+from ..policy import AcceptanceStats, leading_matches
+from ..protocol import batch_arguments, sampling_request
+from ..sampling import GumbelNoise, Sampling, gumbel_argmax, warp
+from ..speculation import RequestDrafting, StepCosts
+from ..stopping import OutputText
 
 __all__ = ["GenerationOutput", "GenerationStats", "GenerationStream", "ReferenceDecoder", "context_window",
            "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
@@ -196,12 +196,12 @@ class ReferenceDecoder:
             if draft_model is not None or device not in (None, "auto", "cpu", "cuda"):
                 raise ValueError("backend='vllm' takes no draft_model, and no device beyond 'cpu'/'cuda' "
                                  "(vLLM runs where it was installed for)")
-            from .vllm import VllmDecoder
+            from ..vllm import VllmDecoder
 
             return VllmDecoder.from_pretrained(name_or_path, config=config, dtype=dtype or "float32", **model_kwargs)
         if backend != "hf":
             raise ValueError(f"backend must be 'hf' (transformers) or 'vllm', got {backend!r}")
-        from .models import int8_draft_model, load_model_and_tokenizer
+        from ..models import int8_draft_model, load_model_and_tokenizer
 
         dev = resolve_device(device)
         torch_dtype = _resolve_dtype(dtype, dev)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ._context import scoped
+from .._context import scoped
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("rag_accel_transposed_head", default=False)
 MAX_ROWS = 16  # measured faster up to here; a 17-row step was level
