@@ -63,8 +63,10 @@ def load(model: str = DEFAULT_MODEL, *, backend: str | None = None, base_url: st
          device: str | None = None, dtype: str | None = None, **options: object) -> Decoder:
     """A :class:`~rag_accel.protocol.Decoder` for ``model``, the one way the adapters get theirs:
     ``backend="hf"`` (default; transformers in process, loaded once per process and shared),
-    ``"vllm"`` (a vLLM engine in process, shared likewise), or ``base_url=`` (a ``rag-accel serve``
-    server; ``options``: ``api_key``, ``timeout``, ``max_retries``). Each has the same calls.
+    ``"vllm"`` (a vLLM engine in process, shared likewise; ``options`` go to the engine, e.g.
+    ``max_model_len``, ``tensor_parallel_size``: the first load decides them, a later load without
+    options gets the same engine), or ``base_url=`` (a ``rag-accel serve`` server; ``options``:
+    ``api_key``, ``timeout``, ``max_retries``). Each has the same calls.
 
     Example:
         >>> dec = load()  # doctest: +SKIP

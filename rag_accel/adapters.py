@@ -42,28 +42,50 @@ DECODER_METHODS = ("generate", "stream")
 BACKENDS = ("hf", "vllm", "remote")
 
 _DECODERS: dict[tuple[str, str | None, str | None, str], Any] = {}
+_ENGINE_OPTIONS: dict[tuple[str, str | None, str | None, str], dict[str, Any]] = {}  # what each vLLM engine got
 _LOAD_LOCK = threading.Lock()
 _DONE = object()
 
 
-def shared_decoder(model_name: str, device: str | None = None, dtype: str | None = None, backend: str = "hf") -> Any:
+def shared_decoder(model_name: str, device: str | None = None, dtype: str | None = None, backend: str = "hf",
+                   **engine_options: Any) -> Any:
     """The decoder for this model, loaded once per process: several adapter instances (and
     threads) share the weights. ``backend="hf"``: a :class:`rag_accel.ReferenceDecoder` (calls
     are serialised on it); ``"vllm"``: a :class:`rag_accel.vllm.VllmDecoder` (float32 unless
-    ``dtype`` says otherwise; calls from several threads share its batch)."""
+    ``dtype`` says otherwise; calls from several threads share its batch).
+
+    ``engine_options`` (``"vllm"`` only) go to ``VllmDecoder.from_pretrained`` (``max_model_len``,
+    ``tensor_parallel_size``, ``enforce_eager``, ...): the first load decides them. A later load
+    without options gets that engine (an adapter made with ``backend="vllm"`` uses the engine the
+    application configured); one that names other options is refused (one engine per model in a
+    process: two would hold the model's memory twice) until :func:`close_shared_decoders`.
+
+    >>> shared_decoder("m", backend="hf", max_model_len=2048)
+    Traceback (most recent call last):
+    ...
+    TypeError: engine options ['max_model_len'] are vLLM's (backend='vllm'); the transformers backend takes device and dtype
+    """
     if backend not in ("hf", "vllm"):
         raise ValueError(f"shared_decoder loads in process: backend 'hf' or 'vllm', got {backend!r}")
+    if engine_options and backend != "vllm":
+        raise TypeError(f"engine options {sorted(engine_options)} are vLLM's (backend='vllm'); the transformers "
+                        "backend takes device and dtype")
     key = (model_name, device, dtype, backend)
     with _LOAD_LOCK:
         if key not in _DECODERS:
             if backend == "vllm":
                 from .vllm import VllmDecoder
 
-                _DECODERS[key] = VllmDecoder.from_pretrained(model_name, dtype=dtype or "float32")
+                _DECODERS[key] = VllmDecoder.from_pretrained(model_name, dtype=dtype or "float32", **engine_options)
+                _ENGINE_OPTIONS[key] = dict(engine_options)
             else:
                 from .hf.decoder import ReferenceDecoder
 
                 _DECODERS[key] = ReferenceDecoder.from_pretrained(model_name, device=device, dtype=dtype)
+        elif engine_options and engine_options != _ENGINE_OPTIONS.get(key):
+            raise ValueError(f"this process already runs a vLLM engine for {model_name!r} with options "
+                             f"{_ENGINE_OPTIONS.get(key)}, not {engine_options}: load it without options to "
+                             "share it, or close_shared_decoders() first")
         return _DECODERS[key]
 
 
@@ -73,6 +95,7 @@ def close_shared_decoders() -> None:
     with _LOAD_LOCK:
         decoders = list(_DECODERS.values())
         _DECODERS.clear()
+        _ENGINE_OPTIONS.clear()
     for dec in decoders:
         close = getattr(dec, "close", None)
         if callable(close):
@@ -80,14 +103,15 @@ def close_shared_decoders() -> None:
 
 def adapter_engine(model_name: str, *, backend: str | None = None, base_url: str | None = None,
                    device: str | None = None, dtype: str | None = None, api_key: str | None = None,
-                   timeout: float | None = None, max_retries: int | None = None) -> Any:
+                   timeout: float | None = None, max_retries: int | None = None, **engine_options: Any) -> Any:
     """The decoder an adapter's options choose (one obvious option: ``backend``, or ``base_url``).
 
     - ``base_url`` (a ``rag-accel serve`` server; ``backend`` ``None`` or ``"remote"``): a
       :class:`rag_accel.remote.RemoteDecoder` for ``model_name`` as the server names it, with
       ``api_key`` / ``timeout`` / ``max_retries``. ``device`` / ``dtype`` are the server's
       (``rag-accel serve --dtype``): giving them here is an error.
-    - ``backend="vllm"``: the process's shared :class:`rag_accel.vllm.VllmDecoder` for ``model_name``.
+    - ``backend="vllm"``: the process's shared :class:`rag_accel.vllm.VllmDecoder` for ``model_name``;
+      ``engine_options`` go to its engine (see :func:`shared_decoder`).
     - ``backend="hf"`` (or ``None``): the process's shared :class:`rag_accel.ReferenceDecoder`.
 
     Example:
@@ -95,15 +119,22 @@ def adapter_engine(model_name: str, *, backend: str | None = None, base_url: str
         Traceback (most recent call last):
         ...
         ValueError: backend='remote' needs base_url (the server, e.g. 'http://127.0.0.1:8000/v1')
+        >>> adapter_engine("m", base_url="http://127.0.0.1:8000/v1", tensor_parallel_size=2)
+        Traceback (most recent call last):
+        ...
+        TypeError: engine options ['tensor_parallel_size'] are for an engine in this process (backend='vllm'); a server's are rag-accel serve's
     """
     check_engine_options(backend, base_url, device, dtype)
+    if engine_options and base_url is not None:
+        raise TypeError(f"engine options {sorted(engine_options)} are for an engine in this process "
+                        "(backend='vllm'); a server's are rag-accel serve's")
     if base_url is not None:
         from .remote import RemoteDecoder
 
         return RemoteDecoder(base_url, model=model_name, api_key=api_key or "EMPTY",
                              timeout=600.0 if timeout is None else timeout,
                              max_retries=2 if max_retries is None else max_retries)
-    return shared_decoder(model_name, device, dtype, backend or "hf")
+    return shared_decoder(model_name, device, dtype, backend or "hf", **engine_options)
 
 
 def check_engine_options(backend: str | None, base_url: str | None, device: str | None = None,

@@ -21,6 +21,8 @@ from langchain_core.documents import Document  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 from langchain_rag_accel import ChatRagAccel, rag_chain  # noqa: E402
 
+import rag_accel  # noqa: E402
+from rag_accel import DEFAULT_MODEL  # noqa: E402
 from rag_accel.adapters import close_shared_decoders  # noqa: E402
 from rag_accel.data import load_msmarco_sample  # noqa: E402
 
@@ -51,16 +53,27 @@ def retriever(items):
 
 @pytest.fixture(scope="module")
 def llms():
+    # The application configures the process's engine once (eager: on a CPU vLLM's default compiles the model,
+    # ~95 s more per start here); the adapters made with backend="vllm" share it.
+    engine = rag_accel.load(DEFAULT_MODEL, backend="vllm", max_model_len=2048, enforce_eager=True)
     on = ChatRagAccel(backend="vllm", max_tokens=MAX_NEW)
     off = ChatRagAccel(backend="vllm", max_tokens=MAX_NEW, accelerate=False)
+    assert on.engine is off.engine is engine
     yield on, off
     close_shared_decoders()  # the engine's processes and memory, before the next module's engines
+
+
+def test_one_engine_per_model_in_a_process(llms):
+    """A second load naming other engine options is refused (no second engine starts); none named: the same."""
+    with pytest.raises(ValueError, match="already runs a vLLM engine"):
+        rag_accel.load(DEFAULT_MODEL, backend="vllm", max_model_len=1024)
+    assert rag_accel.load(DEFAULT_MODEL, backend="vllm") is llms[0].engine
 
 
 @pytest.mark.slow
 def test_rag_chain_on_vllm_in_process(llms, retriever, items):
     on, off = llms
-    assert on.engine is off.engine and type(on.engine).__name__ == "VllmDecoder"  # one engine per process
+    assert type(on.engine).__name__ == "VllmDecoder"
     qs = [it.query for it in items]
     greedy = {q: rag_chain(retriever, off, parser=None).invoke(q) for q in qs}
     msg = rag_chain(retriever, on, parser=None).invoke(qs[0])
