@@ -162,7 +162,26 @@ def items():
 
 
 @pytest.fixture(scope="module")
-def baseline(items):
+def started_server():
+    """The module's server, started first: it loads in its own processes while the baseline engine runs here."""
+    srv = Server(MODEL, options=["--max-model-len", str(MAX_MODEL_LEN), "--max-reference-tokens", str(MAX_REF)],
+                 vllm_args=["--enforce-eager"])
+    srv.start()
+    pgid = srv.proc.pid
+    try:
+        yield srv
+    finally:
+        log = srv.log_path
+        clean = srv.stop()
+    # After the module's tests (none of them stops the shared server): SIGINT ends the server and its
+    # engine in time, no process of its group is left, and a clean stop leaves no log file behind.
+    assert clean, f"SIGINT did not end the server and its engine in time:\n{srv.log_tail()}"
+    assert srv.proc.returncode is not None and group_processes(pgid) == []
+    assert log is not None and not log.exists() and srv.log_path is None
+
+
+@pytest.fixture(scope="module")
+def baseline(items, started_server):
     """vLLM's own greedy outputs in this process, speculation off: the reference for every comparison."""
     dec = VllmDecoder.from_pretrained(MODEL, speculation="off", max_model_len=MAX_MODEL_LEN, enforce_eager=True)
     try:
@@ -177,22 +196,9 @@ def baseline(items):
 
 
 @pytest.fixture(scope="module")
-def server(baseline):
-    srv = Server(MODEL, options=["--max-model-len", str(MAX_MODEL_LEN), "--max-reference-tokens", str(MAX_REF)],
-                 vllm_args=["--enforce-eager"])
-    srv.start()
-    pgid = srv.proc.pid
-    try:
-        srv.ready_s = srv.wait_ready(READY_TIMEOUT)
-        log = srv.log_path
-        yield srv
-    finally:
-        clean = srv.stop()
-    # After the module's tests (none of them stops the shared server): SIGINT ends the server and its
-    # engine in time, no process of its group is left, and a clean stop leaves no log file behind.
-    assert clean, f"SIGINT did not end the server and its engine in time:\n{srv.log_tail()}"
-    assert srv.proc.returncode is not None and group_processes(pgid) == []
-    assert not log.exists() and srv.log_path is None
+def server(started_server, baseline):
+    started_server.ready_s = started_server.wait_ready(READY_TIMEOUT)
+    return started_server
 
 
 @pytest.fixture(scope="module")
