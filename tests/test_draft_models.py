@@ -133,7 +133,7 @@ def test_real_model_with_int8_draft_and_hybrid_is_exact(real_decoder):
     from rag_accel.models import int8_draft_model
 
     dec = ReferenceDecoder(real_decoder.model, real_decoder.tokenizer, draft_model=int8_draft_model(real_decoder.model))
-    for item in load_msmarco_sample(with_answers=True, limit=2):
+    for item in load_msmarco_sample(with_answers=True, limit=1):
         prompt = dec.encode_prompt(rag_messages(item.query, item.passages))
         want = real_decoder.generate_greedy(prompt, max_new_tokens=40).token_ids
         only = dec.generate(prompt, max_new_tokens=40, config={"drafters": ("draft_model",), "adaptive": False})
