@@ -162,6 +162,13 @@ def encode_references(tokenizer: Any, references: Any, vocab_size: int, max_toke
     before any tokenising, otherwise as soon as the running total passes the limit
     (references are encoded one at a time).
     """
+    return tokenize_references(tokenizer, check_references(tokenizer, references, vocab_size, max_tokens),
+                               max_tokens)
+
+
+def check_references(tokenizer: Any, references: Any, vocab_size: int, max_tokens: int) -> list[str | list[int]]:
+    """The checks of :func:`encode_references` that need no tokenising: each reference's type
+    and ids, and text that is certainly too long. Returns the references, texts untokenised."""
     if references is None:
         return []
     if isinstance(references, str):
@@ -172,6 +179,19 @@ def encode_references(tokenizer: Any, references: Any, vocab_size: int, max_toke
         )
     refs = [check_reference(ref, i, vocab_size) for i, ref in enumerate(references)]
     _refuse_certainly_too_long(tokenizer, refs, max_tokens)
+    return refs
+
+
+def may_exceed(refs: Sequence[str | list[int]], max_tokens: int) -> bool:
+    """Whether tokenising ``refs`` (from :func:`check_references`) could still pass ``max_tokens``:
+    when it cannot (a token covers at least one character), their tokenising may be deferred
+    without deferring a refusal."""
+    return sum(len(r) for r in refs) > max_tokens
+
+
+def tokenize_references(tokenizer: Any, refs: Sequence[str | list[int]], max_tokens: int) -> list[list[int]]:
+    """Checked references (:func:`check_references`) as token-id lists, refusing more than
+    ``max_tokens`` in all as soon as the running total passes it."""
     out: list[list[int]] = []
     total = 0
     for i, ref in enumerate(refs):

@@ -33,6 +33,7 @@ class GenerationStats:
     draft_s: float | None = 0.0  # drafting + choosing the length (host side)
     calibration_s: float = 0.0  # one-off measurement of the cost curve, if this call did it
     setup_s: float | None = 0.0  # per-request set-up: tokenising the references, building the drafters
+    setup_wait_s: float | None = 0.0  # what of it outlasted the prefill it runs beside (delayed the first token)
     # Per forward pass: (drafter whose draft was verified, "" for none; tokens that step produced:
     # accepted draft tokens + the model's own next one). The last entry may exceed what a stop kept.
     trace: list[tuple[str, int]] = field(default_factory=list)

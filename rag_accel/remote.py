@@ -103,7 +103,7 @@ class _Call:
         stats = GenerationStats(prompt_tokens=self.prompt_tokens, new_tokens=len(self.ids), steps=None,
                                 drafted=None, accepted=None, finish_reason=self.finish,
                                 time_s=time.perf_counter() - self.t0, prefill_s=None, draft_s=None,
-                                setup_s=None)
+                                setup_s=None, setup_wait_s=None)
         return GenerationOutput(text="".join(self.parts), token_ids=list(self.ids), stats=stats)
 
 

@@ -75,6 +75,29 @@ def test_huge_references_are_refused_past_the_limit(dec):
     still_works(dec)
 
 
+def test_text_references_that_may_pass_the_limit_are_refused_at_the_call(dec):
+    """Text whose token count only tokenising tells (more characters than the limit, too few to
+    prove it) is tokenised when the call is made, so its refusal comes before any iteration; the
+    rest is tokenised during the prefill."""
+    with pytest.raises(ValueError, match=r"references hold \d+ tokens, more than max_reference_tokens=1000"):
+        dec.stream([1, 2], references=["x " * 1000], max_new_tokens=2, config={"max_reference_tokens": 1000})
+    still_works(dec)
+
+
+def test_a_failing_set_up_raises_from_the_stream_and_the_decoder_keeps_serving(dec, monkeypatch):
+    import rag_accel.hf.decoder as hf_decoder
+
+    def broken(*args):
+        raise RuntimeError("tokenizer broke")
+
+    monkeypatch.setattr(hf_decoder, "tokenize_references", broken)
+    stream = dec.stream([1, 2, 3], references=["some text"], max_new_tokens=4)  # the call itself is fine
+    with pytest.raises(RuntimeError, match="tokenizer broke"):
+        next(iter(stream))
+    monkeypatch.undo()
+    still_works(dec)
+
+
 def test_wrong_prompt_types(dec):
     with pytest.raises(TypeError, match="prompt must be a string"):
         dec.generate(3.14)

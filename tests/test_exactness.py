@@ -7,6 +7,7 @@ that are always right, always wrong, and a random mix; many prompts each.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -145,6 +146,36 @@ def test_a_fresh_request_whose_drafts_all_fail_loses_at_most_its_budget(tiny, mo
     assert out.stats.drafted > 0 and lost > 0  # it did try: the cold rates trust an 8-token match
     assert lost <= cfg.max_loss * greedy_time + (curve[-1] - 1.0) + 1e-9
     tiny.reset_learning()
+
+
+def test_references_are_set_up_during_the_prefill(tiny, monkeypatch):
+    """The request's references are tokenised and indexed on another thread while the prefill
+    runs (a long reference list costs its first token nothing up to the prefill's length): the
+    prefill here waits for the set-up to have started, which a set-up run after it never would."""
+    import rag_accel.hf.decoder as hf_decoder
+
+    started, seen = threading.Event(), {}
+    tokenize, prefill = hf_decoder.tokenize_references, tiny._prefill
+
+    def tokenize_and_tell(tokenizer, refs, max_tokens):
+        seen["setup_thread"] = threading.current_thread().name
+        started.set()
+        return tokenize(tokenizer, refs, max_tokens)
+
+    def prefill_waiting(req):
+        seen["setup_started_during_prefill"] = started.wait(timeout=30)
+        seen["prefill_thread"] = threading.current_thread().name
+        return prefill(req)
+
+    monkeypatch.setattr(hf_decoder, "tokenize_references", tokenize_and_tell)
+    monkeypatch.setattr(tiny, "_prefill", prefill_waiting)
+    prompt = _prompts(1, tiny.vocab_size, seed=13)[0]
+    want = hf_greedy(tiny.model, prompt, MAX_NEW)
+    out = tiny.generate(prompt, references=[prompt[-3:] + want, "some text as well"], max_new_tokens=MAX_NEW)
+    assert out.token_ids == want and out.stats.accepted > 0  # the references were there to draft from
+    assert seen["setup_started_during_prefill"]
+    assert seen["setup_thread"] != seen["prefill_thread"]
+    assert out.stats.setup_s > 0 and 0 <= out.stats.setup_wait_s <= out.stats.time_s
 
 
 def test_eos_inside_an_accepted_draft(tokenizer):

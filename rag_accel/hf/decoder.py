@@ -20,7 +20,8 @@ from .attention import install as install_packed_gqa
 from .attention import packed_gqa
 from ..config import DecoderConfig
 from ..drafters import Draft, Drafter
-from ..inputs import check_lengths, check_stops, encode_prompt, encode_references
+from ..inputs import (check_lengths, check_references, check_stops, encode_prompt, encode_references, may_exceed,
+                      tokenize_references)
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
@@ -320,10 +321,12 @@ class ReferenceDecoder:
         prompt_ids = self.encode_prompt(prompt)
         self._check_lengths(len(prompt_ids), max_new_tokens)
         t0 = self.clock()
-        ref_ids = self.encode_references(references, cfg.max_reference_tokens)
-        encode_s = self.clock() - t0
+        refs = check_references(self.tokenizer, references, self.vocab_size, cfg.max_reference_tokens)
+        if may_exceed(refs, cfg.max_reference_tokens):  # only tokenising tells: refuse now, before any iteration
+            refs = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens)
+        encode_s = self.clock() - t0  # (other texts are tokenised during the prefill)
         sampling = self._sampling(do_sample, temperature, top_k, top_p, seed)
-        return GenerationStream(self._decode(prompt_ids, ref_ids, max_new_tokens, stops, cfg, drafters, sampling,
+        return GenerationStream(self._decode(prompt_ids, refs, max_new_tokens, stops, cfg, drafters, sampling,
                                              encode_s))
 
     def _sampling(self, do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampling | None:
@@ -423,10 +426,11 @@ class ReferenceDecoder:
             self.step_costs = StepCosts()
 
     # ------------------------------------------------------------ the loop
-    def _decode(self, prompt_ids: list[int], ref_ids: list[list[int]], max_new_tokens: int, stops: list[str],
+    def _decode(self, prompt_ids: list[int], refs: list[str | list[int]], max_new_tokens: int, stops: list[str],
                 cfg: DecoderConfig, custom_drafters: Sequence[Drafter] | None,
                 sampling: Sampling | None, encode_s: float = 0.0) -> Iterator[str]:
-        """The decode loop: prefill, then per step 1. draft, 2. verify, 3. accept, 4. roll back;
+        """The decode loop: prefill (the request's drafting is set up on a thread meanwhile: its
+        references tokenised and indexed), then per step 1. draft, 2. verify, 3. accept, 4. roll back;
         then emit what the step produced.
 
         The model lock is held for one step at a time and never across a ``yield``: a stream may
@@ -435,9 +439,18 @@ class ReferenceDecoder:
         """
         t_start = self.clock()
         with self._lock, torch.inference_mode():
-            req = self._start(prompt_ids, ref_ids, max_new_tokens, stops, cfg, custom_drafters, sampling)
+            req = self._start(prompt_ids, max_new_tokens, stops, cfg, sampling)
+            setup = _Background(self._set_up_drafting, req, refs, custom_drafters)
+            try:
+                new_tokens = self._prefill(req)
+            finally:  # (a failed prefill's error wins)
+                t0 = self.clock()
+                setup_error = setup.join()
+            if setup_error is not None:
+                raise setup_error
+            req.stats.setup_wait_s = self.clock() - t0
             req.stats.setup_s += encode_s
-            new_tokens = self._prefill(req)
+            self._drafting_ready(req)
         while True:
             n_kept, piece = req.out.push(new_tokens)  # emit, up to EOS / a stop string / max_new_tokens
             req.context.extend(new_tokens[:n_kept])
@@ -459,10 +472,10 @@ class ReferenceDecoder:
         stats.time_s = self.clock() - t_start
         return GenerationOutput(text=req.out.text, token_ids=req.out.token_ids, stats=stats)
 
-    def _start(self, prompt_ids: list[int], ref_ids: list[list[int]], max_new_tokens: int, stops: list[str],
-               cfg: DecoderConfig, custom_drafters: Sequence[Drafter] | None,
+    def _start(self, prompt_ids: list[int], max_new_tokens: int, stops: list[str], cfg: DecoderConfig,
                sampling: Sampling | None) -> _Request:
-        """A request's state: its cost curve (measured on a first call), drafters, policy, cache."""
+        """A request's state: its cost curve (measured on a first call), cache, output (its drafting
+        comes from :meth:`_set_up_drafting`)."""
         t0 = self.clock()
         stats = GenerationStats(prompt_tokens=len(prompt_ids))
         if cfg.cost_curve is not None:
@@ -474,14 +487,30 @@ class ReferenceDecoder:
                 stats.calibration_s = self.clock() - t0
         else:
             curve = (1.0,) * (cfg.max_draft_tokens + 1)
-        t_setup = self.clock()
-        context = list(prompt_ids)  # prompt + output so far; drafters index it incrementally
-        draft_model = (lambda: self._new_draft_drafter(cfg)) if self.draft_model is not None else None
-        drafting = RequestDrafting.from_config(cfg, context, ref_ids, curve, self.acceptance, self.step_costs,
-                                               drafters=custom_drafters, draft_model=draft_model)
         out = OutputText(self.tokenizer, stops, self.eos_token_ids, max_new_tokens)
-        stats.setup_s = self.clock() - t_setup
-        return _Request(context, self._new_cache(), drafting, out, stats, cfg, sampling)
+        # prompt + output so far; drafters index it incrementally
+        return _Request(list(prompt_ids), self._new_cache(), None, out, stats, cfg, sampling, curve)
+
+    def _set_up_drafting(self, req: _Request, refs: list[str | list[int]],
+                         custom_drafters: Sequence[Drafter] | None) -> None:
+        """The request's drafting: references tokenised, drafters built over them and the prompt
+        (runs during the prefill, which reads neither)."""
+        t0 = self.clock()
+        cfg = req.cfg
+        ref_ids = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens)
+        draft_model = (lambda: self._new_draft_drafter(cfg)) if self.draft_model is not None else None
+        req.drafting = RequestDrafting.from_config(cfg, req.context, ref_ids, req.cost_curve, self.acceptance,
+                                                   self.step_costs, drafters=custom_drafters,
+                                                   draft_model=draft_model)
+        req.stats.setup_s = self.clock() - t0
+
+    def _drafting_ready(self, req: _Request) -> None:
+        """After the prefill and the set-up: drafting learns the prefill's time (sampling: the draft
+        models share the request's noise)."""
+        req.drafting.prefill_s = req.stats.prefill_s
+        if req.sampling is not None:
+            for d in req.drafting.chain.costly:
+                d.bind_sampling(req.warpers, req.noise, len(req.context))
 
     def _prefill(self, req: _Request) -> list[int]:
         """The whole prompt in one forward; its argmax (or a sample) is the first new token."""
@@ -492,10 +521,8 @@ class ReferenceDecoder:
         else:  # one Gumbel noise vector per output position (see rag_accel.sampling)
             req.noise = GumbelNoise(last.shape[-1], req.sampling.seed, self.device)
             req.warpers = req.sampling.warpers()
-            for d in req.drafting.chain.costly:
-                d.bind_sampling(req.warpers, req.noise, len(req.context))
             new_tokens = gumbel_argmax(warp(last, req.warpers), req.noise.rows(0, 1)).tolist()
-        req.stats.prefill_s = req.drafting.prefill_s = self.clock() - t0
+        req.stats.prefill_s = self.clock() - t0
         req.stats.steps = 1
         req.stats.trace.append(("", 1))
         return new_tokens
@@ -535,13 +562,35 @@ class _Request:
 
     context: list[int]  # prompt + output so far
     cache: Any  # the model's KV cache over context[:-1]
-    drafting: RequestDrafting
+    drafting: RequestDrafting  # set by _set_up_drafting before the first step
     out: OutputText
     stats: GenerationStats
     cfg: DecoderConfig
     sampling: Sampling | None
+    cost_curve: Sequence[float]
     noise: GumbelNoise | None = None  # sampling only
     warpers: list[Any] = field(default_factory=list)
+
+
+class _Background:
+    """``fn(*args)`` on a thread of its own, started now."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="rag-accel-setup", daemon=True)
+        self._thread.start()
+
+    def join(self) -> BaseException | None:
+        """Wait for it; what it raised, if anything."""
+        self._thread.join()
+        return self._error
 
 
 def measure_cost_curve(

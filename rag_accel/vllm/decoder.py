@@ -272,7 +272,7 @@ class VllmDecoder:
     def _output(self, s: dict[str, Any], st: dict[str, Any] | None, elapsed: float) -> GenerationOutput:
         out = s["out"]
         stats = GenerationStats(prompt_tokens=s["prompt"], new_tokens=len(out.token_ids),
-                                finish_reason=out.finish, time_s=elapsed, setup_s=None)
+                                finish_reason=out.finish, time_s=elapsed, setup_s=None, setup_wait_s=None)
         if st is not None:
             stats.steps = st["steps"]
             stats.drafted, stats.accepted = st["drafted"], st["accepted"]
