@@ -19,6 +19,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 PEERS = RESULTS / "bench_vllm_cpu_smollm2_f32.json"  # every peer in one run, per request and in flight
 SERVE = RESULTS / "serve_cpu_smollm2.json"
 COLD, WARM = RESULTS / "bench_cpu_smollm2_last30x64_cold.json", RESULTS / "bench_cpu_smollm2_last30x64_warm.json"
+VLLM_COLD = RESULTS / "bench_vllm_cpu_smollm2_last30x64_cold.json"  # the same items, vLLM engines, cold
 
 
 def engine_section(path: Path) -> str:
@@ -225,6 +226,12 @@ def summary_section() -> str:
             lines.append(f"| {m} | {c['speedup_geomean']:.2f}x | {c['speedup_worst']:.2f}x | "
                          f"{w['speedup_geomean']:.2f}x | {w['speedup_worst']:.2f}x | "
                          f"{min(c['identical_rate'], w['identical_rate']):.0%} |")
+        if VLLM_COLD.is_file():  # against its own engine's greedy: vllm-greedy
+            vc = json.loads(VLLM_COLD.read_text())
+            v = vc["summary"]["vllm-ours"]
+            lines.append(f"| vllm-ours, against vllm-greedy ([run](benchmarks/results/{VLLM_COLD.with_suffix('.md').name}), "
+                         f"median of {vc['repeats']}) | {v['speedup_vs_vllm_greedy_geomean']:.2f}x | "
+                         f"{v['speedup_vs_vllm_greedy_worst']:.2f}x | - | - | {v['identical_rate']:.0%} |")
     replay = RESULTS / "cold_replay_smollm2_last100.json"
     if replay.is_file():
         rs = json.loads(replay.read_text())["summary"]

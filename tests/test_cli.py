@@ -252,6 +252,18 @@ def test_summarize_takes_the_median_of_each_items_repeats():
     assert s["tokens_per_step"] == pytest.approx(2.0)
 
 
+def test_bench_vllm_methods_are_judged_against_vllm_greedy_per_item_too():
+    from rag_accel.bench import Run, markdown_table, summarize
+
+    rs = [Run("greedy", "a", 2.0, 10, 10, True), Run("vllm-greedy", "a", 1.0, 10, 10, True),
+          Run("vllm-ours", "a", 0.5, 10, 4, True), Run("greedy", "b", 2.0, 10, 10, True),
+          Run("vllm-greedy", "b", 1.0, 10, 10, True), Run("vllm-ours", "b", 1.25, 10, 9, True)]
+    s = summarize(rs)["vllm-ours"]
+    assert s["speedup_vs_vllm_greedy_worst"] == pytest.approx(0.8) and s["worst_item_vs_vllm_greedy"] == "b"
+    assert s["speedup_vs_vllm_greedy_geomean"] == pytest.approx((2.0 * 0.8) ** 0.5)
+    assert "| 1.26x; 0.80x |" in markdown_table(summarize(rs))
+
+
 def test_bench_repeats_runs_every_method_per_round():
     from rag_accel.bench import run_benchmark
     from rag_accel.data import load_msmarco_sample

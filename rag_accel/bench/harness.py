@@ -320,7 +320,7 @@ def run_benchmark(
                     if steps is None and counter.first_end is not None:
                         run.first_s = counter.first_end - t0
                     if stats is not None:
-                        run.setup_s, run.draft_s = stats.setup_s, stats.draft_s
+                        run.setup_s, run.setup_wait_s, run.draft_s = stats.setup_s, stats.setup_wait_s, stats.draft_s
                     item_runs.append(run)
             first = {}
             for r in item_runs:
