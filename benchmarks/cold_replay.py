@@ -15,7 +15,10 @@ machine noise, so the worst item says what the policy does, not what the machine
 
 Configurations: ``cold`` (every request a fresh process's first: nothing learnt) and ``warm`` (one engine
 learning across the items in order), each with the current policy (``new``) and the one before issue 27
-(``old``: one flat cold prior of 0.5, one free plain step per request).
+(``old``: one flat cold prior of 0.5, one free plain step per request), and the current one without
+its request decay (:data:`rag_accel.policy.REQUEST_DECAY`); ``--request-decay 0.9,0.8`` adds the
+current policy at each of those decays of the request factor (recent outcomes weigh more).
+Tune on the sample's first items (``rag-accel bench --items N``), judge on its last ones.
 """
 
 from __future__ import annotations
@@ -33,13 +36,13 @@ from rag_accel.speculation import RequestDrafting, StepCosts
 
 
 def replay(prompt: list[int], refs: list[list[int]], target: list[int], curve: list[float], cfg: DecoderConfig,
-           acceptance: AcceptanceStats, costs: StepCosts, prefill: float, old: bool,
+           acceptance: AcceptanceStats, costs: StepCosts, prefill: float, policy: dict,
            max_new: int) -> tuple[float, int]:
     """(our modelled cost in plain steps, forward passes) for one request whose output is ``target``."""
     context = list(prompt)
     drafting = RequestDrafting.from_config(cfg, context, refs, curve, acceptance, costs)
-    if old:
-        drafting.policy.prior, drafting.policy.exploration = 0.5, 1.0
+    for name, value in policy.items():  # the variant's policy settings
+        setattr(drafting.policy, name, value)
     drafting.prefill_s = prefill  # seconds = plain steps here: a plain step takes 1.0
     cost, steps, new = prefill, 1, [target[0]]
     context.append(target[0])
@@ -66,6 +69,7 @@ def main() -> None:
                     "the --out next to the outputs is not known, so give it")
     ap.add_argument("--prefill-per-token", type=float, default=0.03)
     ap.add_argument("--max-new-tokens", type=int, default=64, help="the bench's")
+    ap.add_argument("--request-decay", default="", help="comma-separated decays to add (e.g. 0.9,0.8)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cold_replay"))
     args = ap.parse_args()
     saved = json.loads(args.outputs.read_text())["outputs"]
@@ -83,16 +87,20 @@ def main() -> None:
         refs = dec.encode_references(list(it.passages))
         prepared.append((item_id, prompt, refs, target))
     result: dict[str, dict] = {}
-    for old in (True, False):
+    variants: dict[str, dict] = {"old policy": {"prior": 0.5, "exploration": 1.0, "request_decay": 1.0},
+                                 "new policy without request decay": {"request_decay": 1.0}, "new policy": {}}
+    for d in filter(None, args.request_decay.split(",")):
+        variants[f"new policy, request decay {float(d)}"] = {"request_decay": float(d)}
+    for variant, policy in variants.items():
         for warm in (False, True):
-            name = f"{'warm' if warm else 'cold'}, {'old' if old else 'new'} policy"
+            name = f"{'warm' if warm else 'cold'}, {variant}"
             acceptance, costs = AcceptanceStats(), StepCosts()
             ratios = []
             for item_id, prompt, refs, target in prepared:
                 if not warm:
                     acceptance, costs = AcceptanceStats(), StepCosts()
                 prefill = args.prefill_per_token * len(prompt)
-                ours, steps = replay(prompt, refs, target, curve, cfg, acceptance, costs, prefill, old,
+                ours, steps = replay(prompt, refs, target, curve, cfg, acceptance, costs, prefill, policy,
                                      args.max_new_tokens)
                 greedy = prefill + len(target) - 1
                 ratios.append(greedy / ours)
@@ -104,7 +112,8 @@ def main() -> None:
                             "below_0.97": sum(r < 0.97 for r in ratios), "items": len(ratios)}
     command = (f"python benchmarks/cold_replay.py --outputs {args.outputs} "
                f"{'--bench-json ' + str(args.bench_json) + ' ' if args.bench_json else ''}"
-               f"--prefill-per-token {args.prefill_per_token} --out {args.out}")
+               f"--prefill-per-token {args.prefill_per_token} "
+               f"{'--request-decay ' + args.request_decay + ' ' if args.request_decay else ''}--out {args.out}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"command": command, "cost_curve": curve,
                                                          "summary": result, "rows": rows}, indent=1))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from rag_accel import Draft
 from rag_accel.policy import AcceptanceStats, DraftLengthPolicy, leading_matches
 
@@ -155,6 +157,25 @@ def test_request_factor_can_be_turned_off():
     for _ in range(5):
         p.observe(Draft([1, 2], 2, "reference"), [9])
     assert p.request_factor() == 1.0
+
+
+def _factor_after(outcomes, decay):
+    p = DraftLengthPolicy(CPU_CURVE, request_decay=decay)
+    for hit in outcomes:
+        p.observe(Draft([1, 2], 6, "reference"), [1, 2] if hit else [9])
+    return p.request_factor()
+
+
+def test_a_decayed_request_factor_weighs_recent_outcomes_more():
+    """Early hits, then misses: with a decay the hits fade, so the factor falls lower than when
+    every observation weighs alike; misses, then hits: it recovers sooner."""
+    early_hits = [True] * 3 + [False] * 6
+    assert _factor_after(early_hits, 0.7) < _factor_after(early_hits, 1.0) < 1.0
+    late_hits = [False] * 6 + [True]
+    assert _factor_after(late_hits, 1.0) < _factor_after(late_hits, 0.7)
+    for bad in (0.0, -0.5, 1.5):
+        with pytest.raises(ValueError, match="request_decay"):
+            DraftLengthPolicy(CPU_CURVE, request_decay=bad)
 
 
 MEASURED_CPU_CURVE = [1.0, 1.5, 1.5, 1.5, 1.5, 1.51, 1.51, 1.52, 1.56, 1.6, 1.64]  # SmolLM2 f32, this CPU
