@@ -188,6 +188,8 @@ def bench(
                               "timed run: every item is a fresh process's first request (ours*), or a fresh engine's (vllm-ours)."),
     last: bool = typer.Option(False, "--last", help="Take the corpus's LAST --items items (the bundled sample's "
                               "last ones: no default was tuned on them) instead of the first."),
+    unanswered: bool = typer.Option(False, "--unanswered", help="Also run items without a human answer (the TREC "
+                                    "DL sample has none): what is timed is the model's own answer, as always."),
     concurrency: str = typer.Option("", help="vLLM methods only: requests in flight for the throughput table, "
                                     "comma-separated (e.g. 4,16)."),
     concurrency_items: int = typer.Option(16, min=1, help="Items run at each --concurrency level."),
@@ -222,6 +224,8 @@ def bench(
               "--target-forced human")
     if target_forced is not None and target_forced != "human" and not target_forced.startswith("saved:"):
         _fail(f"--target-forced must be 'human' or 'saved:FILE', got {target_forced!r}")
+    if unanswered and target_forced == "human":
+        _fail("--target-forced human decodes each item's human answer: it cannot take --unanswered items")
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
     except ValueError:
@@ -247,9 +251,10 @@ def bench(
                 _fail(f"vllm-suffix: {e}; or leave vllm-suffix out of --methods")
     engines: dict = {}
     try:
-        sample = load_msmarco_sample(corpus, with_answers=True, limit=None if last else items + 1)
+        sample = load_msmarco_sample(corpus, with_answers=not unanswered, limit=None if last else items + 1)
         if not sample:
-            raise CliError("no answered items in the corpus")
+            raise CliError("no items in the corpus" if unanswered else
+                           "no answered items in the corpus (--unanswered runs items without a human answer)")
         # the timed items, and the candidates for the untimed warm-up (vllm-suffix would otherwise copy its own
         # answer to a timed one): the item after them, or with --last the ones before them, nearest first
         timed, spare = (sample[-items:], sample[-items - 1::-1]) if last else (sample[:items], sample[items:])

@@ -432,6 +432,32 @@ def test_bench_skips_items_too_long_for_the_model_and_writes_without_matplotlib(
     assert "| greedy |" in md and f"- {items[1].id}: prompt " in md and ".png" not in md and "incomplete" not in md
 
 
+def test_bench_unanswered_runs_items_without_a_human_answer(tmp_path):
+    """The TREC DL sample has no human answers: by default the bench takes only answered items (and says how
+    to take the others when none is), --unanswered runs them all; a human-answer target cannot take them."""
+    from rag_accel.data import load_msmarco_sample
+
+    items = load_msmarco_sample(with_answers=True, limit=2)
+    records = [{"id": it.id, "query": it.query, "passages": it.passages, "answers": []} for it in items]
+    records[0]["answers"] = ["an answer"]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
+    saved = tmp_path / "saved.json"  # what --save-outputs writes: a target for each item, forced on random:tiny
+    saved.write_text(json.dumps({"outputs": {it.id: [5, 6, 7, 8] for it in items}}))
+    common = ["bench", "--model", "random:tiny", "--target-forced", f"saved:{saved}", "--corpus", str(corpus),
+              "--max-new-tokens", "4", "--methods", "greedy"]
+    for flags, expected in (([], [items[0].id]), (["--unanswered"], [it.id for it in items])):
+        out = tmp_path / f"b{len(flags)}"
+        code, output = run(*common, "--items", "2", "--last", *flags, "--out", str(out))
+        assert code == 0, output
+        assert json.loads(out.with_suffix(".json").read_text())["item_ids"] == expected
+    corpus.write_text(json.dumps(records[1]) + "\n")  # no answered item at all
+    code, output = run(*common, "--items", "1", "--out", str(tmp_path / "none"))
+    assert code == 2 and "no answered items in the corpus (--unanswered runs items without a human answer)" in output
+    code, output = run("bench", "--model", "random:tiny", "--target-forced", "human", "--unanswered", "--items", "1")
+    assert code == 2 and "cannot take --unanswered items" in output
+
+
 def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch):
     """The files are rewritten after each item: a run interrupted on its second item keeps the first,
     marked incomplete."""
