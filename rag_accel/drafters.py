@@ -74,17 +74,16 @@ class _SpanCopier:
         raise NotImplementedError
 
     def propose(self, context: Sequence[int], max_len: int) -> Draft:
-        source = self._source()
         if self._follow is not None:
-            tokens = copy_continuation(source, self._follow, max_len)
+            tokens = copy_continuation(self._source(), self._follow, max_len)
             if tokens:
                 return Draft(tokens, self._match_len, self.name)
-        found = self._search(context)
+        found = self._search(context)  # (may change the source: a memory searches several)
         if found is None:
             self._follow = None
             return NO_DRAFT
         self._match_len, self._follow = found
-        return Draft(copy_continuation(source, self._follow, max_len), self._match_len, self.name)
+        return Draft(copy_continuation(self._source(), self._follow, max_len), self._match_len, self.name)
 
     def update(self, context: Sequence[int], num_new: int) -> None:
         if self._follow is None or num_new <= 0:
@@ -119,6 +118,46 @@ class ReferenceDrafter(_SpanCopier):
 
     def _search(self, context: Sequence[int]) -> tuple[int, int] | None:
         return self.index.longest_match(context, self.min_match, self.max_match)
+
+
+class MemoryDrafter(_SpanCopier):
+    """Copy from earlier answers (:class:`~rag_accel.memory.AnswerMemory`) where the context's tail
+    matches: the latest answer continuing the longest n-gram. ``segments``: the answers in
+    segments, oldest first, each with ``tokens`` (answers with :data:`~rag_accel.kernels.SEPARATOR`
+    between them) and ``index`` (their :class:`~rag_accel.kernels.NgramIndex`), read as they grow;
+    the newest segment with a match wins.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> def segment(tokens):
+        ...     index = NgramIndex(2, 4)
+        ...     index.extend(tokens)
+        ...     return SimpleNamespace(tokens=tokens, index=index)
+        >>> d = MemoryDrafter([segment([5, 6, 7, 8]), segment([6, 7, 9, -1, 3, 4])])
+        >>> d.propose([1, 6, 7], max_len=3)   # the newest "6 7": then 9
+        Draft(tokens=[9], match_len=2, source='memory')
+        >>> d.forget_span()                   # (a new context: search again)
+        >>> d.propose([1, 5, 6], max_len=3)   # "5 6" only in the older segment
+        Draft(tokens=[7, 8], match_len=2, source='memory')
+    """
+
+    name = "memory"
+
+    def __init__(self, segments: Sequence, max_match: int = 32) -> None:
+        super().__init__()
+        self._segments, self.max_match = segments, max_match
+        self._tokens: Sequence[int] = ()
+
+    def _source(self) -> Sequence[int]:
+        return self._tokens
+
+    def _search(self, context: Sequence[int]) -> tuple[int, int] | None:
+        for seg in reversed(self._segments):
+            found = seg.index.longest_match(context, self.max_match, seg.tokens)
+            if found is not None:
+                self._tokens = seg.tokens
+                return found
+        return None
 
 
 class PromptLookupDrafter(_SpanCopier):

@@ -199,22 +199,38 @@ class NgramIndex:
         self._indexed = 0  # tokens[:_indexed] have their n-grams registered
 
     def extend(self, tokens: Sequence[int]) -> None:
-        """Register the n-grams that now have a continuation (all ending before the last token)."""
+        """Register the n-grams that now have a continuation (all ending before the last token).
+        A :data:`SEPARATOR` is no continuation: the end of one text does not hide where the same
+        n-gram was continued before."""
         for i in range(max(self._indexed, 1), len(tokens)):
+            if tokens[i] == SEPARATOR:
+                continue
             # n-grams ending at i-1, continued by tokens[i]
             for n in range(self.min_n, min(self.max_n, i) + 1):
                 self._tables[n][tuple(tokens[i - n : i])] = i
         self._indexed = len(tokens)
 
-    def longest_match(self, tokens: Sequence[int], max_match: int) -> tuple[int, int] | None:
-        """``(match_len, continuation_start)`` for the longest indexed suffix of ``tokens``."""
+    def longest_match(self, tokens: Sequence[int], max_match: int,
+                      source: Sequence[int] | None = None) -> tuple[int, int] | None:
+        """``(match_len, continuation_start)`` for the longest indexed suffix of ``tokens``.
+        ``source``: the sequence this index was extended with, when it is not ``tokens`` itself
+        (prompt lookup indexes the context it matches; a memory of answers indexes other text).
+
+        Example:
+            >>> idx = NgramIndex(min_n=1, max_n=2)
+            >>> idx.extend([7, 1, 2, 3])
+            >>> idx.longest_match([9, 7, 1, 2], max_match=8, source=[7, 1, 2, 3])   # "7 1 2", then 3
+            (3, 3)
+        """
+        source = tokens if source is None else source
         L = len(tokens)
         for n in range(min(self.max_n, L), self.min_n - 1, -1):
             start = self._tables[n].get(tuple(tokens[L - n :]))
             if start is None:
                 continue
-            length = n  # extend backwards: tokens[start-1-j] vs tokens[L-1-j]
-            while length < max_match and start - 1 - length >= 0 and tokens[start - 1 - length] == tokens[L - 1 - length]:
+            length = n  # extend backwards: source[start-1-j] vs tokens[L-1-j]
+            while length < max_match and start - 1 - length >= 0 and length < L and \
+                    source[start - 1 - length] == tokens[L - 1 - length]:
                 length += 1
             return length, start
         return None

@@ -1,0 +1,114 @@
+"""A memory of earlier answers, per scope: a copy source for later requests of the same scope.
+
+vLLM's suffix decoding keeps a tree of every answer the engine gave and copies from it; a RAG
+server asked a question again, or reworded, or a follow-up that quotes an earlier answer, gains
+from that. :class:`AnswerMemory` is the same source for our drafters, with two differences:
+
+- **Scoped.** Each request names a scope (``extra_args["memory_scope"]`` on vLLM); it drafts
+  only from answers given in that scope, and its answer joins that scope only. One tenant's
+  answers never draft for another's. Outputs never change (drafts are verified), but time does:
+  a request that copies from the memory is faster, so a client that can time its requests learns
+  whether an answer with that text was given earlier *in its scope*. Scope per tenant (or per
+  user) and that is all it can learn: what it was told already. A request with no scope neither
+  reads nor writes the memory, unless the deployment names a default scope.
+- **Bounded.** ``max_tokens`` over all scopes (each answer also counts ``ANSWER_OVERHEAD``, so
+  many tiny scopes cannot grow it either); past it, the oldest answers go first.
+
+Matching is :class:`~rag_accel.kernels.NgramIndex`: the latest answer continuing the longest
+n-gram (2..4 tokens) of the context's tail, then extended backwards, ``O(1)`` per lookup whatever
+the memory holds. Pure Python, no engine: the vLLM proposer owns one per worker.
+
+Example:
+    >>> memory = AnswerMemory(max_tokens=1000)
+    >>> memory.add("tenant-a", [5, 6, 7, 8, 9])
+    >>> memory.drafter("tenant-a").propose([1, 6, 7], max_len=3)
+    Draft(tokens=[8, 9], match_len=2, source='memory')
+    >>> memory.drafter("tenant-b") is None          # nothing remembered in that scope
+    True
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from .drafters import MemoryDrafter
+from .kernels import SEPARATOR, NgramIndex
+
+__all__ = ["ANSWER_OVERHEAD", "DEFAULT_MAX_TOKENS", "MAX_SCOPE_CHARS", "AnswerMemory"]
+
+# ~0.4 KB of host memory per remembered token (three n-gram tables of Python tuples): 100,000 tokens,
+# ~1,000 answers of 100 tokens, take ~40 MB in each worker.
+DEFAULT_MAX_TOKENS = 100_000
+ANSWER_OVERHEAD = 32  # tokens' worth each answer is charged on top of its length (its scope's bookkeeping)
+MAX_SCOPE_CHARS = 256
+SEGMENTS = 8  # a scope's answers are indexed in segments of max_tokens / SEGMENTS: eviction drops one whole
+_MIN_N, _MAX_N = 2, 4
+
+
+class _Segment:
+    """Answers (:data:`SEPARATOR` between them) and their n-gram index, appended in place."""
+
+    __slots__ = ("tokens", "index", "charge")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.index = NgramIndex(_MIN_N, _MAX_N)
+        self.charge = 0
+
+    def append(self, answer: Sequence[int], charge: int) -> None:
+        if self.tokens:
+            self.tokens.append(SEPARATOR)
+        self.tokens.extend(answer)
+        self.index.extend(self.tokens)
+        self.charge += charge
+
+
+class AnswerMemory:
+    """Earlier answers per scope, ``max_tokens`` in all (0: remember nothing).
+
+    A scope's answers sit in segments of about ``max_tokens / SEGMENTS``; past the bound the oldest
+    segment of all goes whole, in ``O(1)`` (nothing is re-indexed in the engine's step loop). A
+    lookup tries a scope's segments newest first: at most ``SEGMENTS + 1`` of them at the bound.
+    Not thread-safe: one owner adds and makes drafters (vLLM's worker, in its step loop).
+    """
+
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+        self.max_tokens = max_tokens
+        self.segment_tokens = max(1, max_tokens // SEGMENTS)
+        self.charged = 0  # tokens + ANSWER_OVERHEAD per answer, over all scopes
+        self.answers = 0
+        self._scopes: dict[str, deque[_Segment]] = {}
+        self._order: deque[tuple[str, _Segment]] = deque()  # every segment, oldest first
+
+    def scopes(self) -> list[str]:
+        return list(self._scopes)
+
+    def add(self, scope: str, answer: Sequence[int]) -> None:
+        """Remember ``answer`` (token ids) in ``scope``; the oldest segments go if the bound is passed.
+        An empty answer, or one larger than a segment, is not kept."""
+        charge = len(answer) + ANSWER_OVERHEAD
+        if not answer or charge > self.segment_tokens:
+            return
+        segments = self._scopes.setdefault(scope, deque())
+        if not segments or segments[-1].charge + charge > self.segment_tokens:
+            segments.append(_Segment())
+            self._order.append((scope, segments[-1]))
+        segments[-1].append(answer, charge)
+        self.charged += charge
+        self.answers += 1
+        while self.charged > self.max_tokens:
+            old_scope, seg = self._order.popleft()
+            self.charged -= seg.charge
+            kept = self._scopes[old_scope]
+            kept.remove(seg)  # (its oldest, or the only one: a few entries)
+            if not kept:
+                del self._scopes[old_scope]
+
+    def drafter(self, scope: str | None, max_match: int = 32) -> MemoryDrafter | None:
+        """A drafter over ``scope``'s answers as they are now and as they grow (``None``: no scope,
+        or nothing remembered in it yet)."""
+        found = self._scopes.get(scope) if scope is not None else None
+        return MemoryDrafter(found, max_match) if found else None
