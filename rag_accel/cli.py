@@ -338,11 +338,18 @@ def serve(
                                            "before any tokenising (text counts as a token per 8 characters; "
                                            "the exact count, off the engine's step loop, drops references "
                                            "over it). RAG documents are thousands of tokens."),
+    answer_memory_tokens: int = typer.Option(
+        100_000, min=0, max=10_000_000, help="Tokens of earlier answers each worker remembers as a copy source for "
+                                             "later requests of the same memory scope (~0.4 KB each; 0: none)."),
+    memory_scope: Optional[str] = typer.Option(
+        None, help="The memory scope of requests that name none (vllm_xargs memory_scope). Default: none, so "
+                   "such requests neither read nor write the memory; give one only where every client may "
+                   "learn, by timing, what the others were answered (docs/vllm-and-serving.md)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and exit."),
 ) -> None:
     """Start vLLM's OpenAI-compatible server with our proposer: prints the `vllm serve` command, then
     becomes it. Other vLLM options go after `--`, e.g. `rag-accel serve MODEL -- --tensor-parallel-size 2`.
-    Per request: extra_body={"vllm_xargs": {"references": [...], "speculate": false}}."""
+    Per request: extra_body={"vllm_xargs": {"references": [...], "memory_scope": "tenant-1", "speculate": false}}."""
     import os
 
     from .serve import cpu_hints, default_dtype, exec_server, model_vocab_size, resolve_model, serve_command, shell_line
@@ -356,7 +363,15 @@ def serve(
                             served_model_name=name, extra=ctx.args)
     except (FileNotFoundError, ValueError, ImportError) as e:
         _fail(str(e))
-    env = {"RAG_ACCEL_MAX_REFERENCE_TOKENS": str(max_reference_tokens)}
+    env = {"RAG_ACCEL_MAX_REFERENCE_TOKENS": str(max_reference_tokens),
+           "RAG_ACCEL_ANSWER_MEMORY_TOKENS": str(answer_memory_tokens)}
+    if memory_scope is not None:
+        from .vllm.requests import request_scope
+
+        try:
+            env["RAG_ACCEL_MEMORY_SCOPE"] = request_scope({"memory_scope": memory_scope})
+        except ValueError as e:
+            _fail(f"--memory-scope: {e}")
     vocab = model_vocab_size(path)
     if vocab is not None:  # admission refuses reference ids outside the vocabulary (HTTP 400)
         env["RAG_ACCEL_VOCAB_SIZE"] = str(vocab)

@@ -111,7 +111,16 @@ def test_cli_serve_defaults_for_untrusted_clients_and_refuses_pipeline_paralleli
     res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dry-run"])
     assert res.exit_code == 0, res.output
     line = res.output.strip().splitlines()[-1]
-    assert line.startswith("RAG_ACCEL_MAX_REFERENCE_TOKENS=32768 RAG_ACCEL_VOCAB_SIZE=1234 ")
+    # the memory of answers: on, and no default scope (a request that names none neither reads nor writes it)
+    assert line.startswith("RAG_ACCEL_MAX_REFERENCE_TOKENS=32768 RAG_ACCEL_ANSWER_MEMORY_TOKENS=100000 "
+                           "RAG_ACCEL_VOCAB_SIZE=1234 ") and "RAG_ACCEL_MEMORY_SCOPE" not in line
+    res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dry-run", "--answer-memory-tokens", "0",
+                                   "--memory-scope", "one-tenant"])
+    assert res.exit_code == 0, res.output
+    assert "RAG_ACCEL_ANSWER_MEMORY_TOKENS=0 RAG_ACCEL_MEMORY_SCOPE=one-tenant " in res.output
+    res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dry-run", "--memory-scope", "x" * 257])
+    assert res.exit_code == 2 and "--memory-scope: extra_args['memory_scope'] must be a string of 1 to 256" \
+        in res.output
     for pp in (["--pipeline-parallel-size", "2"], ["-pp=2"]):
         res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dry-run", "--", *pp])
         assert res.exit_code != 0 and "pipeline parallelism" in res.output, res.output
@@ -128,9 +137,11 @@ def test_extra_args_as_the_server_delivers_them():
     for bad, match in (({"reference_ids": "[[1, 'x']]"}, "JSON"), ({"reference_ids": "[1, 2]"}, "list of token-id"),
                        ({"reference_ids": 5}, "reference_ids"), ({"speculate": 2}, "speculate"),
                        ({"rag_accel": "{bogus"}, "JSON"), ({"rag_accel": '{"bogus": 1}'}, "bogus"),
-                       ({"reference_ids": "[[-1]]"}, "negative")):
+                       ({"reference_ids": "[[-1]]"}, "negative"), ({"memory_scope": 7}, "memory_scope"),
+                       ({"memory_scope": ""}, "memory_scope"), ({"memory_scope": "x" * 257}, "257 characters")):
         with pytest.raises(ValueError, match=match):
             check_extra_args(bad)
+    check_extra_args({"memory_scope": "tenant-1"})
 
 
 def test_remote_decoder_checks_inputs_before_sending():

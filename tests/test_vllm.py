@@ -183,6 +183,38 @@ def test_a_bad_row_never_stops_the_others(monkeypatch):
     assert drafts[1][:2] == [7, 8]
 
 
+def test_a_finished_answer_drafts_for_later_requests_of_its_scope_only(monkeypatch):
+    """A row's output joins its memory scope when it leaves the batch (here: replaced in its slot, which
+    vLLM reports as an addition, not a removal); a later row of that scope drafts from it, a row of
+    another scope or of none does not (issue 29)."""
+    monkeypatch.delenv("RAG_ACCEL_MEMORY_SCOPE", raising=False)
+    proposer = RagProposer(_fake_config())
+    proposer.tracker = tracker = RowTracker(_fake_config())
+
+    def params(**extra):
+        return SamplingParams(temperature=0, max_tokens=20, extra_args=extra)
+
+    tokens = np.zeros((3, 64), dtype=np.int64)
+    answer = [6, 20, 21, 22, 23, 24]
+    tokens[0, :2 + len(answer)] = [1, 5, *answer]  # prompt [1, 5]
+    tracker.update_state(BatchUpdate(batch_size=1, removed=[], moved=[],
+                                     added=[(0, params(memory_scope="t1"), [1, 5], [])]))
+    for n in range(3, 3 + len(answer)):  # plain steps: one token each
+        proposer.propose([[int(tokens[0, n - 1])]], np.array([n]), tokens)
+    assert tracker.finished == [] and proposer.memory.scopes() == []
+    later = [(0, params(memory_scope="t1"), [6, 20], []), (1, params(memory_scope="t2"), [6, 20], []),
+             (2, params(), [6, 20], [])]
+    tracker.update_state(BatchUpdate(batch_size=3, removed=[], moved=[], added=later))  # row 0 replaced
+    tokens[:, :3] = [6, 20, 21]  # each: prompt [6, 20], first token 21
+    drafts = proposer.propose([[21], [21], [21]], np.array([3, 3, 3]), tokens)
+    assert proposer.memory.scopes() == ["t1"]
+    assert drafts[0][:3] == [22, 23, 24] and tracker.rows[0].drafting.chain.drafters[0].name == "memory"
+    assert drafts[1] == [] and drafts[2] == []  # another tenant's answer, or no scope: nothing from it
+    assert all(d.name != "memory" for i in (1, 2) for d in tracker.rows[i].drafting.chain.drafters)
+    proposer.reset_learning()  # a fresh engine remembers nothing
+    assert proposer.memory.scopes() == []
+
+
 class _SlowTokenizer:
     """Splits on spaces into ids; waits for a signal first, as a big reference's tokenising would take time."""
 
@@ -433,6 +465,26 @@ def test_a_reset_engine_drafts_from_its_first_request(dec, items, baseline):
     out = dec.generate(rag_messages(it.query, it.passages), [baseline.texts[0]], max_new_tokens=MAX_NEW)
     assert out.token_ids == baseline.alone[0]
     assert out.stats.by_drafter["reference"]["accepted"] > 0
+
+
+@pytest.mark.slow
+def test_the_engine_remembers_answers_per_scope_and_stays_exact(dec, items, baseline):
+    """The same question asked again in a scope, with no references: the first answer drafts for the
+    second through the memory; in another scope, or with none, it does not. Outputs are vLLM greedy's."""
+    it = items[2]
+    msgs = rag_messages(it.query, it.passages)
+    scoped = {s: VllmDecoder(dec.llm, dec.config, memory_scope=s) for s in ("t1", "t2")}  # (the same engine)
+    first = scoped["t1"].generate(msgs, max_new_tokens=MAX_NEW)
+    again = scoped["t1"].generate(msgs, max_new_tokens=MAX_NEW)
+    other = scoped["t2"].generate(msgs, max_new_tokens=MAX_NEW)
+    unscoped = dec.generate(msgs, max_new_tokens=MAX_NEW)
+    assert first.token_ids == again.token_ids == other.token_ids == unscoped.token_ids == baseline.alone[2]
+    mem = again.stats.by_drafter["memory"]
+    assert mem["accepted"] >= 0.8 * mem["drafted"] > 0 and again.stats.steps < first.stats.steps, again.stats
+    assert "memory" not in first.stats.by_drafter and "memory" not in other.stats.by_drafter
+    assert "memory" not in unscoped.stats.by_drafter
+    with pytest.raises(ValueError, match="memory_scope"):
+        VllmDecoder(dec.llm, dec.config, memory_scope="")
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..protocol import batch_arguments, config_changes, sampling_request
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
-from .requests import PROPOSER_PATH, TRACKER_PATH, check_layout, request_config, speculative_config
+from .requests import PROPOSER_PATH, TRACKER_PATH, check_layout, request_config, request_scope, speculative_config
 
 __all__ = ["VllmDecoder"]
 
@@ -41,10 +41,15 @@ class VllmDecoder:
     the proposer (``time_s`` is the wall time of the call, shared with whatever ran beside
     it). On an engine with vLLM's own speculation (``speculation="ngram"``) ``steps`` counts
     the engine steps that gave the request tokens (one output each), and drafts are unknown (0).
+
+    ``memory_scope``: this decoder's requests draft from the answers the engine gave earlier in
+    that scope too, and theirs join it (:mod:`rag_accel.memory`); ``None``: no memory (unless the
+    engine's ``RAG_ACCEL_MEMORY_SCOPE`` names a default one).
     """
 
-    def __init__(self, llm: Any, config: DecoderConfig | None = None) -> None:
+    def __init__(self, llm: Any, config: DecoderConfig | None = None, *, memory_scope: str | None = None) -> None:
         self.llm = llm
+        self.memory_scope = request_scope({"memory_scope": memory_scope}) if memory_scope is not None else None
         self.config = config or DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"))
         if not isinstance(self.config, DecoderConfig):
             raise TypeError(f"config must be a DecoderConfig, got {type(self.config).__name__}")
@@ -66,13 +71,14 @@ class VllmDecoder:
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, config: DecoderConfig | None = None,
                         num_speculative_tokens: int | None = None, dtype: str = "float32",
-                        max_model_len: int = 4096, speculation: str = "ours", **llm_kwargs: Any) -> VllmDecoder:
+                        max_model_len: int = 4096, speculation: str = "ours", memory_scope: str | None = None,
+                        **llm_kwargs: Any) -> VllmDecoder:
         """A ``vllm.LLM`` on ``name_or_path`` (``"smollm2-135m-instruct"``: the offline default,
         converted on first use) with :class:`RagProposer` proposing up to
         ``num_speculative_tokens`` (default: ``config.max_draft_tokens``, capped at 16) tokens a step.
         ``speculation="off"``: plain vLLM (the baseline); ``"ngram"`` / ``"suffix"``: vLLM's own
         prompt lookup / suffix decoding (references are then ignored; stats count no drafts).
-        Other keywords go to ``vllm.LLM``."""
+        ``memory_scope``: see the class. Other keywords go to ``vllm.LLM``."""
         try:
             from vllm import LLM
         except ImportError as e:
@@ -96,7 +102,10 @@ class VllmDecoder:
         kwargs.update(llm_kwargs)
         if speculation == "ours":  # refused before an engine starts, not in its workers
             check_layout(kwargs.get("pipeline_parallel_size"), vllm_version())
-        return cls(LLM(**kwargs), cfg.replace(max_draft_tokens=max(cfg.max_draft_tokens, int(k))))
+        if memory_scope is not None:  # (refused before an engine starts)
+            request_scope({"memory_scope": memory_scope})
+        return cls(LLM(**kwargs), cfg.replace(max_draft_tokens=max(cfg.max_draft_tokens, int(k))),
+                   memory_scope=memory_scope)
 
     # ------------------------------------------------------------ inputs
     def encode_prompt(self, prompt: Any) -> list[int]:
@@ -125,6 +134,8 @@ class VllmDecoder:
         extra: dict[str, Any] = {"references": refs, "speculate": speculate, "rag_accel_id": f"rag-{next(_ids)}"}
         if changes:
             extra["rag_accel"] = changes
+        if self.memory_scope is not None:
+            extra["memory_scope"] = self.memory_scope
         given = sampling_request(do_sample, temperature, top_k, top_p, seed)
         if given is None:
             sampling: dict[str, Any] = dict(temperature=0.0)

@@ -24,11 +24,20 @@ from typing import Any
 from ..config import DecoderConfig
 from ..drafters import ReferenceDrafter
 from ..inputs import check_ids
+from ..memory import AnswerMemory
 from ..outputs import GenerationStats
 from ..policy import AcceptanceStats
 from ..speculation import BatchStepCosts, RequestDrafting
 from . import patches
-from .requests import admission_vocab_size, check_extra_args, check_layout, request_config, request_inputs
+from .requests import (
+    admission_vocab_size,
+    answer_memory_tokens,
+    check_extra_args,
+    check_layout,
+    request_config,
+    request_inputs,
+    request_scope,
+)
 
 try:  # the module imports without vLLM (docs, doctests); using it needs vLLM
     from vllm.v1.sample.logits_processor import LogitsProcessor as _LogitsProcessor
@@ -47,7 +56,7 @@ _INLINE_REFERENCE_TOKENS = 4096
 class _Row:
     """One request in a batch row: its parameters, and its drafting once it has a first token."""
 
-    __slots__ = ("config", "refs", "speculate", "greedy", "max_tokens", "prompt_len", "key",
+    __slots__ = ("config", "refs", "speculate", "greedy", "max_tokens", "prompt_len", "key", "scope",
                  "drafting", "context", "sent", "source", "stats", "error", "pending")
 
     def __init__(self, params: Any, prompt_ids: Sequence[int] | None, base: DecoderConfig,
@@ -55,6 +64,7 @@ class _Row:
         extra = params.extra_args or {}
         self.key = extra.get("rag_accel_id")
         self.refs, self.speculate, changes = request_inputs(extra, vocab_size)
+        self.scope = request_scope(extra)  # its memory of earlier answers (None: none)
         self.greedy = (params.temperature or 0.0) < 1e-5
         self.max_tokens = params.max_tokens
         self.prompt_len = len(prompt_ids) if prompt_ids is not None else None
@@ -80,6 +90,7 @@ class RowTracker(_LogitsProcessor):
         self.rows: dict[int, _Row] = {}
         self.step_start: float | None = None  # when the runner began this step (update_state)
         self.added = False  # a request joined this step (its prefill is in the step)
+        self.finished: list[_Row] | None = None  # rows that left the batch, when the proposer collects them
         self.base = DecoderConfig()
         self.vocab_size = None
         try:
@@ -113,7 +124,11 @@ class RowTracker(_LogitsProcessor):
 
         self.step_start = time.perf_counter()
         self.added = bool(batch_update and batch_update.added)
+        before = list(self.rows.values()) if self.finished is not None and batch_update else None
         process_dict_updates(self.rows, batch_update, self._new_row)
+        if before:  # finished, aborted or preempted (a replaced row is not in `removed`: compare)
+            live = {id(r) for r in self.rows.values()}
+            self.finished.extend(r for r in before if id(r) not in live)
 
 
 class RagProposer:
@@ -143,6 +158,7 @@ class RagProposer:
         self.curve = tuple(1.0 + BatchStepCosts.CURVE_SLOPE * n for n in range(self.k + 1))  # scaled per step
         self.costs = BatchStepCosts()
         self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}  # greedy, sampled
+        self.memory = AnswerMemory(answer_memory_tokens())  # earlier answers, per memory scope
         self.stats: OrderedDict[str, GenerationStats] = OrderedDict()
         self.tracker: RowTracker | None = None
         self._tokenizer: Any = None
@@ -197,6 +213,24 @@ class RagProposer:
             position = [n for n in row.config.drafters if n != "draft_model"].index("reference")
             row.drafting.chain.insert(position, drafter)
 
+    # ---------------------------------------------------------------- the memory of answers
+    def _remember(self, rows: Sequence[_Row]) -> None:
+        """Rows that left the batch: each drafted row's output joins its scope's memory (a preempted
+        row's output so far too: it is what the model said, and it comes back as a new row)."""
+        for row in rows:
+            if row.scope is not None and row.drafting is not None and row.prompt_len is not None:
+                self.memory.add(row.scope, row.context[row.prompt_len:])
+
+    def _insert_memory(self, row: _Row) -> None:
+        """Earlier answers of the row's scope, just after its references in its chain (a request that
+        leaves out the reference drafter leaves out the memory too)."""
+        if row.scope is None or "reference" not in row.config.drafters:
+            return
+        drafter = self.memory.drafter(row.scope, row.config.reference_max_match)
+        if drafter is not None:
+            position = [n for n in row.config.drafters if n != "draft_model"].index("reference")
+            row.drafting.chain.insert(position, drafter)
+
     # ---------------------------------------------------------------- per row
     def _start(self, row: _Row, context: list[int]) -> None:
         """The row's first token is out: build its drafting over prompt + that token."""
@@ -210,6 +244,7 @@ class RagProposer:
             row.config, context, [], self.curve[:row.config.max_draft_tokens + 1],
             self.acceptance[row.greedy], self.costs)
         row.drafting.prefill_steps = self.costs.prefill_steps(row.prompt_len)
+        self._insert_memory(row)  # (before the references: they go in front of it)
         small = all(not isinstance(r, str) for r in row.refs) and \
             sum(len(r) for r in row.refs) <= _INLINE_REFERENCE_TOKENS
         if row.refs and small:
@@ -277,6 +312,11 @@ class RagProposer:
         if tracker is None:
             patches.require_tracker(self)  # raises: drafting blind would lose the speed-up silently
         rows = tracker.rows
+        if tracker.finished:
+            done, tracker.finished = tracker.finished, []
+            self._remember(done)
+        elif tracker.finished is None and self.memory.max_tokens:
+            tracker.finished = []  # from now on the tracker collects the rows that leave
         n_rows = len(sampled_token_ids)
         # The step's time: from the last call to this one (the whole engine cycle: schedule,
         # forward, sample, outputs, this proposer), valid when both were decode steps of the
@@ -308,8 +348,9 @@ class RagProposer:
         return drafts
 
     def reset_learning(self) -> None:
-        """Forget what earlier requests taught (acceptance rates, step costs): a fresh engine's
-        proposer. Requests in flight keep their own state until they finish."""
+        """Forget what earlier requests taught (acceptance rates, step costs, remembered answers): a
+        fresh engine's proposer. Requests in flight keep their own state until they finish."""
+        self.memory = AnswerMemory(self.memory.max_tokens)
         self.costs = BatchStepCosts()
         self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}
 

@@ -13,10 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import DecoderConfig
+from ..memory import DEFAULT_MAX_TOKENS, MAX_SCOPE_CHARS
 
 __all__ = ["PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION", "TRACKER_PATH",
-           "PIPELINE_REFUSED", "admission_vocab_size", "check_extra_args", "check_layout", "max_reference_tokens", "request_config", "request_inputs",
-           "speculative_config"]
+           "PIPELINE_REFUSED", "admission_vocab_size", "answer_memory_tokens", "check_extra_args", "check_layout",
+           "max_reference_tokens", "request_config", "request_inputs", "request_scope", "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
@@ -101,6 +102,38 @@ def admission_vocab_size() -> int | None:
     (``rag-accel serve`` sets it from the model's config), else ``None`` (the worker checks)."""
     value = os.environ.get("RAG_ACCEL_VOCAB_SIZE")
     return int(value) if value else None
+
+
+def answer_memory_tokens() -> int:
+    """How many tokens of earlier answers each worker remembers (:class:`~rag_accel.memory.AnswerMemory`,
+    0: none): ``RAG_ACCEL_ANSWER_MEMORY_TOKENS`` (``rag-accel serve --answer-memory-tokens``), else
+    :data:`~rag_accel.memory.DEFAULT_MAX_TOKENS`."""
+    value = os.environ.get("RAG_ACCEL_ANSWER_MEMORY_TOKENS")
+    return int(value) if value else DEFAULT_MAX_TOKENS
+
+
+def request_scope(extra_args: Any) -> str | None:
+    """The memory scope of a request: ``extra_args["memory_scope"]``, a string of 1 to 256 characters
+    (answers given in a scope draft for later requests of that scope only); a request without one
+    takes the deployment's default, ``RAG_ACCEL_MEMORY_SCOPE`` (``rag-accel serve --memory-scope``),
+    and with neither it neither reads nor writes the memory (``None``).
+
+    Example:
+        >>> request_scope({"memory_scope": "tenant-42"})
+        'tenant-42'
+        >>> request_scope({"memory_scope": 42})
+        Traceback (most recent call last):
+        ...
+        ValueError: extra_args['memory_scope'] must be a string of 1 to 256 characters, got int
+    """
+    scope = extra_args.get("memory_scope") if isinstance(extra_args, Mapping) else None
+    if scope is None:
+        return os.environ.get("RAG_ACCEL_MEMORY_SCOPE") or None
+    if not isinstance(scope, str) or not 1 <= len(scope) <= MAX_SCOPE_CHARS:
+        what = type(scope).__name__ if not isinstance(scope, str) else f"{len(scope)} characters"
+        raise ValueError(f"extra_args['memory_scope'] must be a string of 1 to {MAX_SCOPE_CHARS} characters, "
+                         f"got {what}")
+    return scope
 
 
 def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list[str | list[int]], bool, Any]:
@@ -200,6 +233,7 @@ def check_extra_args(extra_args: Any, vocab_size: int | None = None) -> None:
         ValueError: extra_args['references'] must be a list of strings or token-id lists, got int
     """
     _, _, changes = request_inputs(extra_args, vocab_size)
+    request_scope(extra_args)
     if changes is not None:
         request_config(DecoderConfig(), changes)
 
