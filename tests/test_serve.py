@@ -245,6 +245,22 @@ def test_references_reach_the_proposer_in_the_servers_engine(server, client, bas
 
 
 @pytest.mark.slow
+def test_the_server_remembers_an_answer_in_its_scope_only(server, client, baseline):
+    """The same question again in its memory scope copies the first answer (the server's own
+    spec-decode counters); in another scope it does not. Every output is greedy's (issue 29)."""
+    i = N_ITEMS - 1
+    counts = [_accepted(server)]
+    outs = []
+    for scope in ("tenant-a", "tenant-a", "tenant-b"):
+        outs.append(_chat(client, baseline.msgs[i], {"memory_scope": scope}))
+        counts.append(_accepted(server))
+    accepted = [counts[k + 1][1] - counts[k][1] for k in range(3)]
+    assert all(o.token_ids == baseline.ids[i] for o in outs)
+    assert accepted[1] >= accepted[0] + 0.5 * len(baseline.ids[i]), accepted  # the repeat copied the answer
+    assert accepted[2] < accepted[1], accepted  # tenant-b was never given it
+
+
+@pytest.mark.slow
 def test_streaming_chat(client, baseline, items):
     stream = client.chat.completions.create(
         model=MODEL, messages=baseline.msgs[2], max_tokens=MAX_NEW, temperature=0, stream=True,
@@ -299,7 +315,8 @@ def test_eight_concurrent_requests_each_with_its_references(client, baseline, it
 def test_bad_references_get_400_and_the_server_serves_on(server, client, baseline):
     bad = [{"references": 5}, {"references": [[1, 2]]}, {"speculate": "yes"},
            {"references": ["word " * (10 * MAX_REF)]},  # over --max-reference-tokens
-           {"reference_ids": "[[1, 2"}, {"rag_accel": '{"bogus": 1}'}]
+           {"reference_ids": "[[1, 2"}, {"rag_accel": '{"bogus": 1}'}, {"memory_scope": 5},
+           {"memory_scope": "x" * 300}]
     for xargs in bad:
         with pytest.raises(openai.BadRequestError) as e:
             _chat(client, baseline.msgs[0], xargs)
