@@ -20,6 +20,9 @@ PEERS = RESULTS / "bench_vllm_cpu_smollm2_f32.json"  # every peer in one run, pe
 SERVE = RESULTS / "serve_cpu_smollm2.json"
 COLD, WARM = RESULTS / "bench_cpu_smollm2_last30x64_cold.json", RESULTS / "bench_cpu_smollm2_last30x64_warm.json"
 VLLM_COLD = RESULTS / "bench_vllm_cpu_smollm2_last30x64_cold.json"  # the same items, vLLM engines, cold
+TRECDL_COLD = RESULTS / "bench_cpu_smollm2_trecdl30x64_cold.json"  # other queries and passages, cold
+MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejected
+MEMORY = RESULTS / "bench_vllm_cpu_smollm2_memory_last16x64.json"  # the server's memory against suffix's tree
 
 
 def engine_section(path: Path) -> str:
@@ -232,13 +235,42 @@ def summary_section() -> str:
             lines.append(f"| vllm-ours, against vllm-greedy ([run](benchmarks/results/{VLLM_COLD.with_suffix('.md').name}), "
                          f"median of {vc['repeats']}) | {v['speedup_vs_vllm_greedy_geomean']:.2f}x | "
                          f"{v['speedup_vs_vllm_greedy_worst']:.2f}x | - | - | {v['identical_rate']:.0%} |")
+        if TRECDL_COLD.is_file():  # queries and passages of another kind, never tuned on
+            tc = json.loads(TRECDL_COLD.read_text())
+            t = tc["summary"]["ours"]
+            lines.append(f"| ours, the first {tc['items']} TREC DL 2019+2020 queries, BM25 top-10 passages "
+                         f"([run](benchmarks/results/{TRECDL_COLD.with_suffix('.md').name}), median of "
+                         f"{tc['repeats']}) | {t['speedup_geomean']:.2f}x | {t['speedup_worst']:.2f}x | - | - | "
+                         f"{t['identical_rate']:.0%} |")
+    if MISLEADING.is_file():
+        ms = json.loads(MISLEADING.read_text())["summary"]["ours-ref"]
+        lines += ["", f"Every draft rejected (references built to match the output and continue it wrongly, cold, "
+                      f"the sample's last items; [run](benchmarks/results/{MISLEADING.with_suffix('.md').name})): "
+                      f"{ms['drafted']} draft tokens sent, none accepted; all items' time "
+                      f"{ms['total_vs_greedy']:.3f}x greedy's speed and {ms['total_vs_plain']:.3f}x our loop's "
+                      f"without drafting (worst item {ms['worst_vs_plain']:.3f}x)."]
+    if MEMORY.is_file():  # the cached-answer case with nothing from the client: our memory against suffix's tree
+        mm = json.loads(MEMORY.read_text())
+        said = []
+        for case, key in (("new questions", "summary"), ("the same questions reworded", "reworded_summary")):
+            got = mm.get(key) or {}
+            said.append(f"{case}: " + ", ".join(
+                f"{m} {got[m]['speedup_vs_vllm_greedy_geomean']:.2f}x ({got[m]['tokens_per_step']:.2f} tokens/step)"
+                for m in ("vllm-ours-memory", "vllm-suffix", "vllm-ours") if m in got))
+        lines += ["", f"The server's memory of earlier answers (vLLM, the sample's last {mm['items']} items x "
+                      f"{mm['max_new_tokens']} tokens, {mm['environment']['date']}; "
+                      f"[run](benchmarks/results/{MEMORY.with_suffix('.md').name})), per request against vllm-greedy; "
+                      "vllm-ours-memory gets the passages only, its memory holding the earlier answers as suffix "
+                      "decoding's tree does; in the reworded case vllm-ours gets the cached answer from the client: " + "; ".join(said) + "."]
     replay = RESULTS / "cold_replay_smollm2_last100.json"
     if replay.is_file():
         rs = json.loads(replay.read_text())["summary"]
-        said = "; ".join(f"{k} {v['geomean']:.2f}x, worst {v['worst']:.2f}x" for k, v in rs.items())
+        said = "; ".join(f"{k.replace(', new policy', '')} {v['geomean']:.2f}x, worst {v['worst']:.2f}x"
+                         for k, v in rs.items() if k.endswith("new policy"))
         lines += ["", "The same without timing noise (each request's drafting replayed against the model's answers to "
                       "the last 100 items, at the measured step costs; "
-                      f"[replay](benchmarks/results/{replay.with_suffix('.md').name})): {said}."]
+                      f"[replay](benchmarks/results/{replay.with_suffix('.md').name}), the policy before and "
+                      f"after there): {said}."]
     png = PEERS.with_suffix(".png")
     if png.is_file():
         lines += ["", f"![per-item speed-up and tokens per step](benchmarks/results/{png.name})"]
