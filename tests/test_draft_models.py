@@ -163,11 +163,14 @@ def test_window_policy():
         pol.observe(d, [99])
     assert pol.model_window("draft_model", 0.25, 16) == 0
     assert pol.model_window("draft_model", 0.25, 16, probe=True) == 0
-    near = DraftLengthPolicy(curve)
+    near, lately_wrong = DraftLengthPolicy(curve), DraftLengthPolicy(curve)
     for i in range(100):  # first token right 35% of the time: 1.35 tokens for 1.3 steps, 4% short of paying
-        near.observe(d, [0, 99] if i % 20 < 7 else [99])
+        near.observe(d, [0, 99] if i % 20 % 3 == 0 and i % 20 < 19 else [99])  # (7 in 20, spread out)
+        lately_wrong.observe(d, [0, 99] if i % 20 < 7 else [99])  # 7 in 20 too, but each 20 ends with 13 misses
     assert near.model_window("draft_model", 0.25, 16) == 0
     assert near.model_window("draft_model", 0.25, 16, probe=True) == 1  # close enough to probe
+    # The request's factor weighs recent drafts most (policy.REQUEST_DECAY): after 13 misses, no probe either
+    assert lately_wrong.model_window("draft_model", 0.25, 16, probe=True) == 0
     near.charge(10.0)  # the loss budget is spent: not even a probe
     assert near.model_window("draft_model", 0.25, 16, loss_budget=1.0, probe=True) == 0
 
