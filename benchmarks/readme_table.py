@@ -19,7 +19,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 PEERS = RESULTS / "bench_vllm_cpu_smollm2_f32.json"  # every peer in one run, per request and in flight
 SERVE = RESULTS / "serve_cpu_smollm2.json"
 COLD, WARM = RESULTS / "bench_cpu_smollm2_last30x64_cold.json", RESULTS / "bench_cpu_smollm2_last30x64_warm.json"
-VLLM_COLD = RESULTS / "bench_vllm_cpu_smollm2_last30x64_cold.json"  # the same items, vLLM engines, cold
+# the same items, vLLM engines, cold: median of 5 (the run of 3 before it stays on the results page)
+VLLM_COLD = RESULTS / "bench_vllm_cpu_smollm2_last30x64_cold_r5.json"
 TRECDL_COLD = RESULTS / "bench_cpu_smollm2_trecdl30x64_cold.json"  # other queries and passages, cold
 MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejected
 MEMORY = RESULTS / "bench_vllm_cpu_smollm2_memory_last16x64.json"  # the server's memory against suffix's tree
