@@ -12,7 +12,7 @@ from that. :class:`AnswerMemory` is the same source for our drafters, with two d
   user) and that is all it can learn: what it was told already. A request with no scope neither
   reads nor writes the memory, unless the deployment names a default scope.
 - **Bounded.** ``max_tokens`` over all scopes (each answer also counts ``ANSWER_OVERHEAD``, so
-  many tiny scopes cannot grow it either); past it, the oldest answers go first.
+  many tiny scopes cannot grow it either); past it, the oldest segment of answers goes first.
 
 Matching is :class:`~rag_accel.kernels.NgramIndex`: the latest answer continuing the longest
 n-gram (2..4 tokens) of the context's tail, then extended backwards, ``O(1)`` per lookup whatever
@@ -79,7 +79,7 @@ class AnswerMemory:
         self.max_tokens = max_tokens
         self.segment_tokens = max(1, max_tokens // SEGMENTS)
         self.charged = 0  # tokens + ANSWER_OVERHEAD per answer, over all scopes
-        self.answers = 0
+        self.added = 0  # answers remembered so far, evicted ones included
         self._scopes: dict[str, deque[_Segment]] = {}
         self._order: deque[tuple[str, _Segment]] = deque()  # every segment, oldest first
 
@@ -98,7 +98,7 @@ class AnswerMemory:
             self._order.append((scope, segments[-1]))
         segments[-1].append(answer, charge)
         self.charged += charge
-        self.answers += 1
+        self.added += 1
         while self.charged > self.max_tokens:
             old_scope, seg = self._order.popleft()
             self.charged -= seg.charge

@@ -50,7 +50,7 @@ def test_bounded_oldest_first_and_many_tiny_scopes_cannot_grow_it():
     for i in range(200):
         memory.add(f"s{i % 3}", [i % 50 + 1, 1000 + i, 2000 + i])
         assert memory.charged <= memory.max_tokens
-    assert 0 < memory.charged and memory.answers == 200
+    assert 0 < memory.charged and memory.added == 200
     newest = 199
     assert memory.drafter(f"s{newest % 3}").propose([newest % 50 + 1, 1000 + newest], max_len=2).tokens == \
         [2000 + newest]

@@ -224,12 +224,8 @@ class RagProposer:
     def _insert_memory(self, row: _Row) -> None:
         """Earlier answers of the row's scope, just after its references in its chain (a request that
         leaves out the reference drafter leaves out the memory too)."""
-        if row.scope is None or "reference" not in row.config.drafters:
-            return
-        drafter = self.memory.drafter(row.scope, row.config.reference_max_match)
-        if drafter is not None:
-            position = [n for n in row.config.drafters if n != "draft_model"].index("reference")
-            row.drafting.chain.insert(position, drafter)
+        if row.scope is not None and "reference" in row.config.drafters:
+            self._insert(row, self.memory.drafter(row.scope, row.config.reference_max_match))
 
     # ---------------------------------------------------------------- per row
     def _start(self, row: _Row, context: list[int]) -> None:
