@@ -199,6 +199,22 @@ class RequestDrafting:
                                    request_prior=0.5 if config.pool_misses else None)
         return cls(chain, policy, costs, config.max_draft_tokens, config.max_loss)
 
+    def add_drafter(self, drafter: Drafter, order: Sequence[str]) -> None:
+        """``drafter``, built off the step loop (a reference index), joins mid-request where ``order``
+        (the config's drafter names) puts it: after the drafters named before it there, in front of
+        the others. It sees the context's updates from here on.
+
+        Example:
+            >>> from rag_accel.drafters import DrafterChain, NgramDrafter, ReferenceDrafter
+            >>> drafting = RequestDrafting(DrafterChain([NgramDrafter([1, 2, 3])]), None, StepCosts(), 8, 0.03)
+            >>> drafting.add_drafter(ReferenceDrafter([[7, 8, 9]]), ("reference", "ngram"))
+            >>> [d.name for d in drafting.chain.drafters]
+            ['reference', 'ngram']
+        """
+        before = set(order[:order.index(drafter.name)]) if drafter.name in order else set(order)
+        position = sum(1 for d in self.chain.drafters if d.name in before)
+        self.chain.insert(position, drafter)
+
     # 1. learn
     def learn(self, context: Sequence[int], new_tokens: Sequence[int]) -> None:
         """``context`` (prompt + output) now ends with ``new_tokens``, the last step's output."""

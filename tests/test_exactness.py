@@ -157,10 +157,10 @@ def test_references_are_set_up_during_the_prefill(tiny, monkeypatch):
     started, seen = threading.Event(), {}
     tokenize, prefill = hf_decoder.tokenize_references, tiny._prefill
 
-    def tokenize_and_tell(tokenizer, refs, max_tokens):
+    def tokenize_and_tell(tokenizer, refs, max_tokens, stop=None):
         seen["setup_thread"] = threading.current_thread().name
         started.set()
-        return tokenize(tokenizer, refs, max_tokens)
+        return tokenize(tokenizer, refs, max_tokens, stop)
 
     def prefill_waiting(req):
         seen["setup_started_during_prefill"] = started.wait(timeout=30)
@@ -176,6 +176,100 @@ def test_references_are_set_up_during_the_prefill(tiny, monkeypatch):
     assert seen["setup_started_during_prefill"]
     assert seen["setup_thread"] != seen["prefill_thread"]
     assert out.stats.setup_s > 0 and 0 <= out.stats.setup_wait_s <= out.stats.time_s
+
+
+def _join_set_up_threads():
+    for t in threading.enumerate():
+        if t.name == "rag-accel-setup":
+            t.join(timeout=60)
+
+
+def _held_tokenizing(monkeypatch):
+    """``tokenize_references`` on the set-up thread held until the returned event is set."""
+    import rag_accel.hf.decoder as hf_decoder
+
+    release, calls = threading.Event(), []
+    tokenize = hf_decoder.tokenize_references
+
+    def held(tokenizer, refs, max_tokens, stop=None):
+        calls.append(threading.current_thread().name)
+        assert release.wait(timeout=60), "the decode loop waited for the references"
+        return tokenize(tokenizer, refs, max_tokens, stop)
+
+    monkeypatch.setattr(hf_decoder, "tokenize_references", held)
+    return release, calls
+
+
+def test_large_references_never_delay_the_first_token(tiny, monkeypatch):
+    """References over WAITED_REFERENCE_SIZE are indexed off the loop and never waited for: with
+    their tokenising held until the request is over, the request still completes, exactly greedy's,
+    drafting from the prompt meanwhile (a loop that waited would block here for 60 s and fail)."""
+    from rag_accel.hf.decoder import WAITED_REFERENCE_SIZE
+
+    release, calls = _held_tokenizing(monkeypatch)
+    prompt = _prompts(1, tiny.vocab_size, seed=14)[0]
+    want = hf_greedy(tiny.model, prompt, MAX_NEW)
+    big = [random.Random(3).randrange(tiny.vocab_size) for _ in range(WAITED_REFERENCE_SIZE)] + prompt[-3:] + want
+    try:
+        out = tiny.generate(prompt, references=[big], max_new_tokens=MAX_NEW)
+    finally:
+        release.set()
+        _join_set_up_threads()
+    assert calls == ["rag-accel-setup"]
+    assert out.token_ids == want
+    assert "reference" not in out.stats.by_drafter  # it never joined: the request was over first
+
+
+def test_large_references_join_the_request_when_ready(tiny, monkeypatch):
+    """Held until the first token is out, then indexed: the reference drafter joins the request
+    mid-way and its drafts (the answer itself) are accepted; the output stays greedy's."""
+    from rag_accel.hf.decoder import WAITED_REFERENCE_SIZE
+
+    release, _ = _held_tokenizing(monkeypatch)
+    prompt = _prompts(1, tiny.vocab_size, seed=15)[0]
+    want = hf_greedy(tiny.model, prompt, MAX_NEW)
+    big = [random.Random(4).randrange(tiny.vocab_size) for _ in range(WAITED_REFERENCE_SIZE)] + prompt[-3:] + want
+    stream = tiny.stream(prompt, references=[big], max_new_tokens=MAX_NEW)
+    pieces = iter(stream)
+    try:
+        next(pieces)
+    finally:
+        release.set()
+        _join_set_up_threads()
+    for _ in pieces:
+        pass
+    out = stream.output
+    assert out.token_ids == want
+    assert out.stats.by_drafter["reference"]["accepted"] > 0
+    assert out.stats.setup_wait_s < 60
+
+
+def test_a_request_that_ends_stops_its_reference_indexing(tiny, monkeypatch):
+    """A stream dropped half-read tells the set-up thread to stop: the texts not yet tokenised
+    never are (each text asks before it is tokenised)."""
+    import rag_accel.hf.decoder as hf_decoder
+
+    release, started, asked = threading.Event(), threading.Event(), []
+    tokenize = hf_decoder.tokenize_references
+
+    def held(tokenizer, refs, max_tokens, stop=None):
+        def stop_and_tell():
+            started.set()
+            assert release.wait(timeout=60)
+            asked.append(stop())
+            return asked[-1]
+        return tokenize(tokenizer, refs, max_tokens, stop_and_tell)
+
+    monkeypatch.setattr(hf_decoder, "tokenize_references", held)
+    texts = ["word " * 1000] * 3  # 15,000 characters: not waited for
+    stream = tiny.stream([5, 6, 7], references=texts, max_new_tokens=MAX_NEW)
+    pieces = iter(stream)
+    next(pieces)  # (a stream starts when it is first read)
+    assert started.wait(timeout=60)
+    pieces.close()  # the caller drops the stream
+    release.set()
+    _join_set_up_threads()
+    assert asked == [True]  # asked once, told to stop: nothing was tokenised
 
 
 def test_eos_inside_an_accepted_draft(tokenizer):
@@ -224,6 +318,12 @@ def test_huge_reference_indexes_and_stays_exact(tokenizer):
     rng = random.Random(0)
     haystack = [rng.randrange(len(tokenizer)) for _ in range(300_000)]
     haystack[150_000:150_000] = prompt[-4:] + want  # the answer planted in the middle
-    out = dec.generate(prompt, references=[haystack], max_new_tokens=30)
+    stream = dec.stream(prompt, references=[haystack], max_new_tokens=30)
+    pieces = iter(stream)
+    next(pieces)
+    _join_set_up_threads()  # (its index is not waited for: the request goes on once it is ready)
+    for _ in pieces:
+        pass
+    out = stream.output
     assert out.token_ids == want
     assert out.stats.by_drafter["reference"]["accepted"] >= 20

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 from .attention import install as install_packed_gqa
 from .attention import packed_gqa
 from ..config import DecoderConfig
-from ..drafters import Draft, Drafter
+from ..drafters import Draft, Drafter, ReferenceDrafter
 from ..inputs import (check_lengths, check_references, check_stops, encode_prompt, encode_references, may_exceed,
                       tokenize_references)
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
@@ -34,6 +34,11 @@ from ..stopping import OutputText
 
 __all__ = ["GenerationOutput", "GenerationStats", "GenerationStream", "ReferenceDecoder", "context_window",
            "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
+
+#: References of up to this many characters of text or token ids in all are indexed before the first step
+#: (a few milliseconds, mostly within the prefill); larger ones join the request's drafting when they
+#: are ready, so that the first token never waits for them (:meth:`ReferenceDecoder._decode`).
+WAITED_REFERENCE_SIZE = 8192
 
 # Generation-config settings that change greedy outputs and that this decoder
 # does not apply (yet): refuse rather than silently differ from generate().
@@ -430,8 +435,14 @@ class ReferenceDecoder:
                 cfg: DecoderConfig, custom_drafters: Sequence[Drafter] | None,
                 sampling: Sampling | None, encode_s: float = 0.0) -> Iterator[str]:
         """The decode loop: prefill (the request's drafting is set up on a thread meanwhile: its
-        references tokenised and indexed), then per step 1. draft, 2. verify, 3. accept, 4. roll back;
-        then emit what the step produced.
+        drafters over the prompt, then its references tokenised and indexed), then per step
+        1. draft, 2. verify, 3. accept, 4. roll back; then emit what the step produced.
+
+        The first step waits for the drafters over the prompt (their work grows with the prompt, as
+        the prefill's does) and for references of up to :data:`WAITED_REFERENCE_SIZE` characters or
+        token ids (a few milliseconds). Larger references join the request's drafting at the first
+        step after they are indexed: until then it drafts from the prompt, so the first token never
+        waits for them, and a request that ends first stops their indexing.
 
         The model lock is held for one step at a time and never across a ``yield``: a stream may
         be iterated from any thread (``run_in_executor(None, next, it)``), and one that is dropped
@@ -440,33 +451,42 @@ class ReferenceDecoder:
         t_start = self.clock()
         with self._lock, torch.inference_mode():
             req = self._start(prompt_ids, max_new_tokens, stops, cfg, sampling)
-            setup = _Background(self._set_up_drafting, req, refs, custom_drafters)
+            index_refs = None
+            if custom_drafters is None and "reference" in cfg.drafters and any(len(r) for r in refs):
+                index_refs = lambda stop: self._index_references(cfg, refs, stop)  # noqa: E731
+            setup = _SetUp(lambda: self._set_up_drafting(req, custom_drafters), index_refs)
             try:
                 new_tokens = self._prefill(req)
-            finally:  # (a failed prefill's error wins)
+            except BaseException:
+                setup.stop()
+                raise
+            finally:  # (a failed prefill's error wins over the set-up's)
                 t0 = self.clock()
-                setup_error = setup.join()
-            if setup_error is not None:
-                raise setup_error
+                setup.wait(references=sum(len(r) for r in refs) <= WAITED_REFERENCE_SIZE)
+            setup.check()
             req.stats.setup_wait_s = self.clock() - t0
             req.stats.setup_s += encode_s
             self._drafting_ready(req)
-        while True:
-            n_kept, piece = req.out.push(new_tokens)  # emit, up to EOS / a stop string / max_new_tokens
-            req.context.extend(new_tokens[:n_kept])
-            if piece:
-                yield piece
-            if req.out.finish is not None:
-                break
-            with self._lock, torch.inference_mode():
-                t0 = self.clock()
-                req.drafting.learn(req.context, new_tokens)
-                draft, sent = self._draft(req)  # 1.
-                t1 = self.clock()
-                req.stats.draft_s += t1 - t0
-                preds = self._verify(req, sent)  # 2.
-                seconds = self.clock() - t1  # the predictions' .tolist() synchronised the device
-                new_tokens = self._accept(req, draft, sent, preds, seconds)  # 3. and 4.
+        try:
+            while True:
+                n_kept, piece = req.out.push(new_tokens)  # emit, up to EOS / a stop string / max_new_tokens
+                req.context.extend(new_tokens[:n_kept])
+                if piece:
+                    yield piece
+                if req.out.finish is not None:
+                    break
+                with self._lock, torch.inference_mode():
+                    t0 = self.clock()
+                    self._take_references(req, setup)
+                    req.drafting.learn(req.context, new_tokens)
+                    draft, sent = self._draft(req)  # 1.
+                    t1 = self.clock()
+                    req.stats.draft_s += t1 - t0
+                    preds = self._verify(req, sent)  # 2.
+                    seconds = self.clock() - t1  # the predictions' .tolist() synchronised the device
+                    new_tokens = self._accept(req, draft, sent, preds, seconds)  # 3. and 4.
+        finally:  # ended, failed or dropped half-read: references not indexed yet are not needed
+            setup.stop()
         stats = req.stats
         stats.new_tokens, stats.finish_reason = len(req.out.token_ids), req.out.finish
         stats.time_s = self.clock() - t_start
@@ -491,18 +511,34 @@ class ReferenceDecoder:
         # prompt + output so far; drafters index it incrementally
         return _Request(list(prompt_ids), self._new_cache(), None, out, stats, cfg, sampling, curve)
 
-    def _set_up_drafting(self, req: _Request, refs: list[str | list[int]],
-                         custom_drafters: Sequence[Drafter] | None) -> None:
-        """The request's drafting: references tokenised, drafters built over them and the prompt
-        (runs during the prefill, which reads neither)."""
+    def _set_up_drafting(self, req: _Request, custom_drafters: Sequence[Drafter] | None) -> None:
+        """The request's drafting over its prompt, its references left out (runs during the
+        prefill, which reads none of it; :meth:`_index_references` adds them)."""
         t0 = self.clock()
         cfg = req.cfg
-        ref_ids = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens)
         draft_model = (lambda: self._new_draft_drafter(cfg)) if self.draft_model is not None else None
-        req.drafting = RequestDrafting.from_config(cfg, req.context, ref_ids, req.cost_curve, self.acceptance,
+        req.drafting = RequestDrafting.from_config(cfg, req.context, [], req.cost_curve, self.acceptance,
                                                    self.step_costs, drafters=custom_drafters,
                                                    draft_model=draft_model)
         req.stats.setup_s = self.clock() - t0
+
+    def _index_references(self, cfg: DecoderConfig, refs: list[str | list[int]],
+                          stop: Callable[[], bool]) -> ReferenceDrafter | None:
+        """The request's references tokenised and indexed (on the set-up thread, after
+        :meth:`_set_up_drafting`); ``None`` when ``stop`` said the request no longer needs them."""
+        ref_ids = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens, stop)
+        if stop() or not any(ref_ids):
+            return None
+        return ReferenceDrafter(ref_ids, cfg.reference_min_match, cfg.reference_max_match)
+
+    def _take_references(self, req: _Request, setup: _SetUp) -> None:
+        """The reference drafter joins the request's drafting once it is indexed (its time counts
+        in the request's set-up)."""
+        if setup.pending:
+            drafter = setup.take()
+            if drafter is not None:
+                req.drafting.add_drafter(drafter, req.cfg.drafters)
+                req.stats.setup_s += setup.reference_s
 
     def _drafting_ready(self, req: _Request) -> None:
         """After the prefill and the set-up: drafting learns the prefill's time (sampling: the draft
@@ -572,25 +608,62 @@ class _Request:
     warpers: list[Any] = field(default_factory=list)
 
 
-class _Background:
-    """``fn(*args)`` on a thread of its own, started now."""
+class _SetUp:
+    """A request's drafting set up on a thread of its own, started now: ``prompt_part()``, then
+    ``reference_part(stop)`` if given, which returns the reference drafter (``None``: none needed).
 
-    def __init__(self, fn: Any, *args: Any) -> None:
+    :meth:`wait` waits for the first part (and the second, if asked); :meth:`take` hands over the
+    reference drafter once it is ready, without waiting; :meth:`stop` tells the second part that
+    the request needs it no more. What either part raises is raised where it is waited for or taken.
+    """
+
+    def __init__(self, prompt_part: Callable[[], None],
+                 reference_part: Callable[[Callable[[], bool]], ReferenceDrafter | None] | None) -> None:
+        self.pending = reference_part is not None  # a reference drafter may still come
+        self.reference_s = 0.0  # the second part's time
+        self._drafter: ReferenceDrafter | None = None
         self._error: BaseException | None = None
+        self._prompt_done, self._done, self._stop = threading.Event(), threading.Event(), threading.Event()
 
         def run() -> None:
             try:
-                fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the joining thread
+                prompt_part()
+                self._prompt_done.set()
+                if reference_part is not None:
+                    t0 = time.perf_counter()
+                    self._drafter = reference_part(self._stop.is_set)
+                    self.reference_s = time.perf_counter() - t0
+            except BaseException as e:  # noqa: BLE001 - handed to the decode loop
                 self._error = e
+            finally:
+                self._prompt_done.set()
+                self._done.set()
 
-        self._thread = threading.Thread(target=run, name="rag-accel-setup", daemon=True)
-        self._thread.start()
+        threading.Thread(target=run, name="rag-accel-setup", daemon=True).start()
 
-    def join(self) -> BaseException | None:
-        """Wait for it; what it raised, if anything."""
-        self._thread.join()
-        return self._error
+    def wait(self, references: bool) -> None:
+        """Wait for the drafting over the prompt, and for the reference drafter too if
+        ``references`` (:meth:`check` raises what they raised)."""
+        (self._done if references else self._prompt_done).wait()
+
+    def take(self) -> ReferenceDrafter | None:
+        """The reference drafter, once, when it is ready; ``None`` before (and after)."""
+        if not self._done.is_set():
+            return None
+        self.check()
+        self.pending = False
+        drafter, self._drafter = self._drafter, None
+        return drafter
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def check(self) -> None:
+        """Raise what the set-up raised, if it did."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.pending = False
+            raise error
 
 
 def measure_cost_curve(
