@@ -103,16 +103,18 @@ def close_shared_decoders() -> None:
 
 def adapter_engine(model_name: str, *, backend: str | None = None, base_url: str | None = None,
                    device: str | None = None, dtype: str | None = None, api_key: str | None = None,
-                   timeout: float | None = None, max_retries: int | None = None, **engine_options: Any) -> Any:
+                   timeout: float | None = None, max_retries: int | None = None, memory_scope: str | None = None,
+                   **engine_options: Any) -> Any:
     """The decoder an adapter's options choose (one obvious option: ``backend``, or ``base_url``).
 
     - ``base_url`` (a ``rag-accel serve`` server; ``backend`` ``None`` or ``"remote"``): a
       :class:`rag_accel.remote.RemoteDecoder` for ``model_name`` as the server names it, with
-      ``api_key`` / ``timeout`` / ``max_retries``. ``device`` / ``dtype`` are the server's
-      (``rag-accel serve --dtype``): giving them here is an error.
+      ``api_key`` / ``timeout`` / ``max_retries`` / ``memory_scope``. ``device`` / ``dtype`` are the
+      server's (``rag-accel serve --dtype``): giving them here is an error.
     - ``backend="vllm"``: the process's shared :class:`rag_accel.vllm.VllmDecoder` for ``model_name``;
-      ``engine_options`` go to its engine (see :func:`shared_decoder`).
-    - ``backend="hf"`` (or ``None``): the process's shared :class:`rag_accel.ReferenceDecoder`.
+      ``engine_options`` go to its engine, ``memory_scope`` too (see :func:`shared_decoder`).
+    - ``backend="hf"`` (or ``None``): the process's shared :class:`rag_accel.ReferenceDecoder`
+      (no memory of earlier answers: ``memory_scope`` is an error).
 
     Example:
         >>> adapter_engine("m", backend="remote")
@@ -123,6 +125,10 @@ def adapter_engine(model_name: str, *, backend: str | None = None, base_url: str
         Traceback (most recent call last):
         ...
         TypeError: engine options ['tensor_parallel_size'] are for an engine in this process (backend='vllm'); a server's are rag-accel serve's
+        >>> adapter_engine("m", memory_scope="tenant-1")
+        Traceback (most recent call last):
+        ...
+        ValueError: memory_scope: the memory of earlier answers is a vLLM engine's (backend='vllm') or a rag-accel serve server's (base_url=); the transformers backend has none
     """
     check_engine_options(backend, base_url, device, dtype)
     if engine_options and base_url is not None:
@@ -133,7 +139,12 @@ def adapter_engine(model_name: str, *, backend: str | None = None, base_url: str
 
         return RemoteDecoder(base_url, model=model_name, api_key=api_key or "EMPTY",
                              timeout=600.0 if timeout is None else timeout,
-                             max_retries=2 if max_retries is None else max_retries)
+                             max_retries=2 if max_retries is None else max_retries, memory_scope=memory_scope)
+    if memory_scope is not None:
+        if backend != "vllm":
+            raise ValueError("memory_scope: the memory of earlier answers is a vLLM engine's (backend='vllm') or "
+                             "a rag-accel serve server's (base_url=); the transformers backend has none")
+        engine_options["memory_scope"] = memory_scope
     return shared_decoder(model_name, device, dtype, backend or "hf", **engine_options)
 
 

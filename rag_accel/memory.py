@@ -35,13 +35,30 @@ from collections.abc import Sequence
 from .drafters import MemoryDrafter
 from .kernels import SEPARATOR, NgramIndex
 
-__all__ = ["ANSWER_OVERHEAD", "DEFAULT_MAX_TOKENS", "MAX_SCOPE_CHARS", "AnswerMemory"]
+__all__ = ["ANSWER_OVERHEAD", "DEFAULT_MAX_TOKENS", "MAX_SCOPE_CHARS", "AnswerMemory", "check_scope"]
 
 # ~0.4 KB of host memory per remembered token (three n-gram tables of Python tuples): 100,000 tokens,
 # ~1,000 answers of 100 tokens, take ~40 MB in each worker.
 DEFAULT_MAX_TOKENS = 100_000
 ANSWER_OVERHEAD = 32  # tokens' worth each answer is charged on top of its length (its scope's bookkeeping)
 MAX_SCOPE_CHARS = 256
+
+
+def check_scope(scope: object, name: str = "memory_scope") -> str:
+    """``scope`` if it is a memory scope's name, a string of 1 to :data:`MAX_SCOPE_CHARS` characters.
+
+    Example:
+        >>> check_scope("tenant-42")
+        'tenant-42'
+        >>> check_scope("")
+        Traceback (most recent call last):
+        ...
+        ValueError: memory_scope must be a string of 1 to 256 characters, got 0 characters
+    """
+    if not isinstance(scope, str) or not 1 <= len(scope) <= MAX_SCOPE_CHARS:
+        what = type(scope).__name__ if not isinstance(scope, str) else f"{len(scope)} characters"
+        raise ValueError(f"{name} must be a string of 1 to {MAX_SCOPE_CHARS} characters, got {what}")
+    return scope
 SEGMENTS = 8  # a scope's answers are indexed in segments of max_tokens / SEGMENTS: eviction drops one whole
 _MIN_N, _MAX_N = 2, 4
 

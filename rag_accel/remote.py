@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 from .config import DecoderConfig
 from .inputs import check_chat, check_lengths, check_reference, check_stops, check_text, is_chat, token_ids
+from .memory import check_scope
 from .outputs import GenerationOutput, GenerationStats, GenerationStream
 from .protocol import CALL_OPTIONS, batch_arguments, config_changes, sampling_request
 
@@ -138,10 +139,14 @@ class RemoteDecoder:
         api_key: the server's ``--api-key`` if it has one.
         timeout: seconds for one request (connect, and each read while streaming).
         max_retries: the ``openai`` client's retries on connection errors and 5xx answers.
+        memory_scope: this client's requests draft from the answers the server gave earlier in
+            this scope, and theirs join it (``vllm_xargs`` ``memory_scope``, 1 to 256 characters;
+            ``None``: the server's default scope, ``rag-accel serve --memory-scope``, else no memory).
+            A gateway derives it from the authenticated tenant: a scope protects time, not text.
     """
 
     def __init__(self, base_url: str, model: str | None = None, api_key: str = "EMPTY", timeout: float = 600.0,
-                 *, max_retries: int = 2) -> None:
+                 *, max_retries: int = 2, memory_scope: str | None = None) -> None:
         try:
             import openai
         except ImportError as e:
@@ -149,6 +154,7 @@ class RemoteDecoder:
         if model is not None and not isinstance(model, str):
             raise TypeError(f"model must be a string, got {type(model).__name__}")
         self.base_url = _v1(base_url)
+        self.memory_scope = check_scope(memory_scope) if memory_scope is not None else None
         self._openai = openai
         self._client_kwargs = dict(base_url=self.base_url, api_key=api_key, timeout=timeout, max_retries=max_retries)
         self.client = openai.OpenAI(**self._client_kwargs)
@@ -225,6 +231,8 @@ class RemoteDecoder:
         if not isinstance(speculate, bool):
             raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
         xargs: dict[str, Any] = {"speculate": speculate}
+        if self.memory_scope is not None:
+            xargs["memory_scope"] = self.memory_scope
         texts, ids = self._references(references)
         if texts:
             xargs["references"] = texts

@@ -76,3 +76,25 @@ def test_the_remote_decoder_encodes_token_ids_without_the_server():
     assert dec.encode_prompt([5, 6, 7]) == [5, 6, 7]
     with pytest.raises(ValueError, match="empty prompt"):
         dec.encode_prompt([])
+
+
+def test_the_remote_decoder_sends_its_memory_scope_and_refuses_a_bad_one():
+    """``memory_scope`` travels in every request's ``vllm_xargs``, as the server reads it; a bad one
+    is refused when the client is made, as the server would refuse each request (HTTP 400)."""
+    from rag_accel.adapters import adapter_engine
+    from rag_accel.vllm.requests import request_scope
+
+    dec = RemoteDecoder("http://127.0.0.1:9", model="m", memory_scope="tenant-7")  # nothing listens: nothing sent
+    for prompt in ("hi", [{"role": "user", "content": "q"}], [5, 6]):
+        call = dec._call(prompt, ["text"], 4, None, None, True, False, None, None, None, None)
+        assert request_scope(call.kwargs["extra_body"]["vllm_xargs"]) == "tenant-7"
+    none = RemoteDecoder("http://127.0.0.1:9", model="m")._call("hi", None, 4, None, None, True, False,
+                                                                None, None, None, None)
+    assert "memory_scope" not in none.kwargs["extra_body"]["vllm_xargs"]  # the server's default, if any
+    for bad, match in (("", "0 characters"), ("x" * 257, "257 characters"), (7, "int")):
+        with pytest.raises(ValueError, match=f"memory_scope must be a string of 1 to 256 characters, got {match}"):
+            RemoteDecoder("http://127.0.0.1:9", model="m", memory_scope=bad)
+    remote = adapter_engine("m", base_url="http://127.0.0.1:9/v1", memory_scope="tenant-8")  # the adapters' way
+    assert isinstance(remote, RemoteDecoder) and remote.memory_scope == "tenant-8"
+    with pytest.raises(ValueError, match="the transformers backend has none"):
+        adapter_engine("m", memory_scope="tenant-8")

@@ -258,6 +258,13 @@ def test_the_server_remembers_an_answer_in_its_scope_only(server, client, baseli
     assert all(o.token_ids == baseline.ids[i] for o in outs)
     assert accepted[1] >= accepted[0] + 0.5 * len(baseline.ids[i]), accepted  # the repeat copied the answer
     assert accepted[2] < accepted[1], accepted  # tenant-b was never given it
+    remote = RemoteDecoder(server.base_url, memory_scope="tenant-c")  # the client's option: the same
+    remote_accepted = []
+    for _ in range(2):
+        before = _accepted(server)[1]
+        assert remote.generate(baseline.msgs[i], max_new_tokens=MAX_NEW).token_ids == baseline.ids[i]
+        remote_accepted.append(_accepted(server)[1] - before)
+    assert remote_accepted[1] >= remote_accepted[0] + 0.5 * len(baseline.ids[i]), remote_accepted
 
 
 @pytest.mark.slow

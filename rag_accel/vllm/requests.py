@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import DecoderConfig
-from ..memory import DEFAULT_MAX_TOKENS, MAX_SCOPE_CHARS
+from ..memory import DEFAULT_MAX_TOKENS, check_scope
 
 __all__ = ["PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION", "TRACKER_PATH",
            "PIPELINE_REFUSED", "admission_vocab_size", "answer_memory_tokens", "check_extra_args", "check_layout",
@@ -129,11 +129,7 @@ def request_scope(extra_args: Any) -> str | None:
     scope = extra_args.get("memory_scope") if isinstance(extra_args, Mapping) else None
     if scope is None:
         return os.environ.get("RAG_ACCEL_MEMORY_SCOPE") or None
-    if not isinstance(scope, str) or not 1 <= len(scope) <= MAX_SCOPE_CHARS:
-        what = type(scope).__name__ if not isinstance(scope, str) else f"{len(scope)} characters"
-        raise ValueError(f"extra_args['memory_scope'] must be a string of 1 to {MAX_SCOPE_CHARS} characters, "
-                         f"got {what}")
-    return scope
+    return check_scope(scope, "extra_args['memory_scope']")
 
 
 def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list[str | list[int]], bool, Any]:

@@ -89,6 +89,9 @@ class ChatRagAccel(BaseChatModel):
             speculative sampling), with ``top_p``, ``top_k`` and ``seed`` (reproducible runs).
         timeout / max_retries: for a server (``base_url``): seconds per request, retries on
             connection errors; a model in this process neither times out nor retries.
+        memory_scope: on a server or a vLLM engine, this model's calls draft from the answers given
+            earlier in this scope, and theirs join it (1 to 256 characters; ``None``: the server's
+            default scope, if it has one, else no memory). The transformers backend has no memory.
 
     Per-call options (``invoke(..., **kw)`` or ``bind(**kw)``): ``references``
     (Documents, strings or token-id lists), ``max_tokens``/``max_new_tokens`` (one of them,
@@ -125,6 +128,7 @@ class ChatRagAccel(BaseChatModel):
     seed: int | None = None
     timeout: float | None = None
     max_retries: int | None = None
+    memory_scope: str | None = None
     streaming: bool = False
 
     _decoder: Any = PrivateAttr(default=None)
@@ -212,7 +216,8 @@ class ChatRagAccel(BaseChatModel):
         if self._decoder is None:
             self._decoder = rag_accel.load(self.model_name, backend=self.backend, base_url=self.base_url,
                                            device=self.device, dtype=self.dtype, api_key=self.api_key,
-                                           timeout=self.timeout, max_retries=self.max_retries)
+                                           timeout=self.timeout, max_retries=self.max_retries,
+                                           memory_scope=self.memory_scope)
         return self._decoder
 
     def _call_args(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):

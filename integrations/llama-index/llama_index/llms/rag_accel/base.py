@@ -89,6 +89,9 @@ class RagAccelLLM(CustomLLM):
             ``pip install 'rag-accel[remote]'``), with ``api_key``, ``timeout``, ``max_retries``.
             What the server cannot tell (steps, drafted / accepted) is ``None`` in the stats, and
             ``metadata.context_window`` is the server's ``max_model_len``.
+        memory_scope: on a server or a vLLM engine, this LLM's calls draft from the answers given
+            earlier in this scope, and theirs join it (1 to 256 characters; ``None``: the server's
+            default scope, if it has one, else no memory). The transformers backend has no memory.
         decoder: a ready decoder instead of loading ``model_name``: a :class:`rag_accel.ReferenceDecoder`,
             or any object with its ``generate``/``stream`` methods (:class:`rag_accel.vllm.VllmDecoder`,
             :class:`rag_accel.remote.RemoteDecoder`); not together with ``backend`` / ``base_url``.
@@ -119,6 +122,7 @@ class RagAccelLLM(CustomLLM):
     api_key: str | None = Field(default=None, exclude=True, repr=False)
     timeout: float | None = None
     max_retries: int | None = None
+    memory_scope: str | None = None
     device: str | None = None
     dtype: str | None = None
     decoder: Any = Field(default=None, exclude=True)
@@ -176,7 +180,8 @@ class RagAccelLLM(CustomLLM):
         if self._decoder is None:
             self._decoder = rag_accel.load(self.model_name, backend=self.backend, base_url=self.base_url,
                                            device=self.device, dtype=self.dtype, api_key=self.api_key,
-                                           timeout=self.timeout, max_retries=self.max_retries)
+                                           timeout=self.timeout, max_retries=self.max_retries,
+                                           memory_scope=self.memory_scope)
         return self._decoder
 
     @property
