@@ -189,19 +189,6 @@ def may_exceed(refs: Sequence[str | list[int]], max_tokens: int) -> bool:
     return sum(len(r) for r in refs) > max_tokens
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """``text``'s token ids without special tokens, as ``tokenizer(text, add_special_tokens=False)``
-    gives them. A fast tokenizer's Rust backend is called directly when it truncates and pads nothing
-    (what that call sets): on a 100,000-token reference it takes about two thirds of the call's time
-    (the wrapper's batch encoding and conversions are skipped), the same ids (tests/test_inputs.py)."""
-    if not text:
-        return []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and backend.truncation is None and backend.padding is None:
-        return backend.encode(text, add_special_tokens=False).ids
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def tokenize_references(tokenizer: Any, refs: Sequence[str | list[int]], max_tokens: int,
                         stop: Callable[[], bool] | None = None) -> list[list[int]]:
     """Checked references (:func:`check_references`) as token-id lists, refusing more than
@@ -213,7 +200,9 @@ def tokenize_references(tokenizer: Any, refs: Sequence[str | list[int]], max_tok
         if isinstance(ref, str):
             if stop is not None and stop():
                 return out
-            ids = encode_text(tokenizer, ref)
+            # (the tokenizer's call releases the GIL while Rust encodes, as encode_batch does; its
+            # backend's single encode holds it, which would stop the prefill beside this thread)
+            ids = tokenizer(ref, add_special_tokens=False)["input_ids"] if ref else []
         else:
             ids = ref
         out.append(ids)

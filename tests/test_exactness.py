@@ -178,6 +178,43 @@ def test_references_are_set_up_during_the_prefill(tiny, monkeypatch):
     assert out.stats.setup_s > 0 and 0 <= out.stats.setup_wait_s <= out.stats.time_s
 
 
+def test_tokenising_a_big_reference_lets_the_prefill_run(tiny, monkeypatch):
+    """The set-up thread's tokenising releases the GIL (the tokenizer's call encodes in Rust
+    without it): the prefill starts while a ~100,000-token text is still being tokenised. A
+    tokenizer that held the GIL (its backend's single ``encode`` does) would keep the prefill
+    waiting until it finished: the prefill would start in the last part of the tokenising, not
+    in its first half."""
+    import time
+
+    import rag_accel.hf.decoder as hf_decoder
+
+    started, times = threading.Event(), {}
+    tokenize, prefill = hf_decoder.tokenize_references, tiny._prefill
+
+    def timed_tokenize(tokenizer, refs, max_tokens, stop=None):
+        times["tokenise_start"] = time.perf_counter()
+        started.set()
+        try:
+            return tokenize(tokenizer, refs, max_tokens, stop)
+        finally:
+            times["tokenise_end"] = time.perf_counter()
+
+    def prefill_after_tokenising_began(req):
+        assert started.wait(timeout=60)
+        time.sleep(0.02)  # (the set-up thread is inside the tokenizer by now)
+        times["prefill_start"] = time.perf_counter()
+        return prefill(req)
+
+    monkeypatch.setattr(hf_decoder, "tokenize_references", timed_tokenize)
+    monkeypatch.setattr(tiny, "_prefill", prefill_after_tokenising_began)
+    text = " ".join(f"passage {i} says the river rises in the hills near town {i % 97}." for i in range(9000))
+    out = tiny.generate([5, 6, 7], references=[text], max_new_tokens=4)
+    _join_set_up_threads()
+    assert len(out.token_ids) == 4
+    tokenising = times["tokenise_end"] - times["tokenise_start"]
+    assert times["prefill_start"] < times["tokenise_start"] + 0.5 * tokenising, (times, tokenising)
+
+
 def _join_set_up_threads():
     for t in threading.enumerate():
         if t.name == "rag-accel-setup":

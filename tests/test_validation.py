@@ -37,12 +37,10 @@ def still_works(dec):
 
 
 class CountingTokenizer:
-    """The real tokenizer, counting how many texts it was asked to encode (by a call, or by its
-    Rust backend, which :func:`rag_accel.inputs.encode_text` calls directly)."""
+    """The real tokenizer, counting how many texts it was asked to encode."""
 
     def __init__(self, tok):
         self.tok, self.calls = tok, 0
-        self.backend_tokenizer = _CountingBackend(self)
 
     def __call__(self, text, **kw):
         self.calls += 1
@@ -50,18 +48,6 @@ class CountingTokenizer:
 
     def __getattr__(self, name):
         return getattr(self.tok, name)
-
-
-class _CountingBackend:
-    def __init__(self, counting):
-        self._counting = counting
-
-    def encode(self, text, **kw):
-        self._counting.calls += 1
-        return self._counting.tok.backend_tokenizer.encode(text, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._counting.tok.backend_tokenizer, name)
 
 
 # ------------------------------------------------------------------ 3. config bounds
@@ -188,26 +174,6 @@ def test_references_are_tokenised_one_at_a_time_up_to_the_limit(tokenizer):
     with pytest.raises(ValueError, match=r"references hold at least 1\d{3} tokens, more than max_reference_tokens="):
         encode_references(counting, [doc] * 100, len(tokenizer), 1000)
     assert 0 < counting.calls < 20  # stopped as soon as the running total passed the limit
-
-
-def test_reference_text_gets_the_ids_the_tokenizer_call_gives(tokenizer, default_model_dir):
-    """encode_text calls the fast tokenizer's backend directly: the same ids as
-    ``tokenizer(text, add_special_tokens=False)`` on real passages and awkward text; a backend set
-    to truncate is not called directly (the call turns truncation off: all the ids)."""
-    from transformers import AutoTokenizer
-
-    from rag_accel.data import load_msmarco_sample
-    from rag_accel.inputs import encode_text
-
-    texts = [p for it in load_msmarco_sample(limit=40) for p in it.passages]
-    texts += ["<|im_start|>user hi<|im_end|>", "  two spaces", "tab\tx\n\nnew", "héllo 😀 日本", "e\u0301", "\x14#", ""]
-    for text in texts:
-        assert encode_text(tokenizer, text) == tokenizer(text, add_special_tokens=False)["input_ids"], text
-    truncating = AutoTokenizer.from_pretrained(default_model_dir)
-    truncating.backend_tokenizer.enable_truncation(max_length=4)
-    text = texts[0]
-    assert len(encode_text(truncating, text)) > 4
-    assert encode_text(truncating, text) == tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.parametrize("text", [

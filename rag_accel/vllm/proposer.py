@@ -23,7 +23,7 @@ from typing import Any
 
 from ..config import DecoderConfig
 from ..drafters import ReferenceDrafter
-from ..inputs import check_ids, encode_text
+from ..inputs import check_ids
 from ..memory import AnswerMemory
 from ..outputs import GenerationStats
 from ..policy import AcceptanceStats
@@ -185,7 +185,7 @@ class RagProposer:
                     from transformers import AutoTokenizer
 
                     self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_name)
-                ids.append(encode_text(self._tokenizer, r))
+                ids.append(self._tokenizer(r, add_special_tokens=False)["input_ids"] if r else [])
             else:
                 check_ids(r, "reference", self.vocab_size)
                 ids.append(list(r))
