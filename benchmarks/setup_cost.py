@@ -11,6 +11,11 @@ Then, end to end, a 10-token answer of that prompt: ``generate_greedy`` (the mod
 interleaved runs in one process (warm: the cost curve was measured at load). The decoder tokenises
 and indexes references on a thread while the prefill runs; the last column is what the first token
 still waited for them after the prefill (median).
+
+Then the first token of a short prompt (the question alone): a prefill far shorter than the
+references' set-up, as on a GPU. Time to the first streamed piece and to the end, greedy (the
+model's own ``generate`` streamed) against ours with each reference size. ``--threads 1`` leaves
+the second core to the set-up thread, as a GPU leaves the host's cores free.
 """
 
 from __future__ import annotations
@@ -46,8 +51,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--new", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/setup_cost"))
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     dec = ReferenceDecoder.from_pretrained(args.model)
     items = load_msmarco_sample(with_answers=True)
@@ -93,6 +101,7 @@ def main() -> None:
             if name in waits:
                 waits[name].append(out.stats.setup_wait_s)
             outputs.setdefault(name, out.token_ids)
+    first = _first_token(dec, dec.encode_prompt([{"role": "user", "content": item.query}]), refs, args)
     greedy_s = statistics.median(runs["greedy"])
     e2e = [{"method": m, "median_s": statistics.median(v), "vs_greedy": greedy_s / statistics.median(v),
             "identical": outputs[m] == outputs["greedy"],
@@ -101,11 +110,12 @@ def main() -> None:
            "threads": torch.get_num_threads(), "torch": torch.__version__,
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "load_before": load_before,
            "load_after": os.getloadavg(), "prompt_tokens": len(prompt), "item": item.id, "plain_step_ms": step_ms}
-    command = f"python benchmarks/setup_cost.py --sizes {args.sizes} --new {args.new} --repeats {args.repeats} " \
-              f"--out {args.out}"
+    threads = "" if args.threads is None else f" --threads {args.threads}"
+    command = f"python benchmarks/setup_cost.py --sizes {args.sizes} --new {args.new} --repeats {args.repeats}" \
+              f"{threads} --out {args.out}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"environment": env, "command": command, "setup": rows,
-                                                         "short_answer": e2e}, indent=1))
+                                                         "short_answer": e2e, "short_prompt": first}, indent=1))
     lines = [f"# Per-request set-up against reference size, and a {args.new}-token answer", "",
              f"- command: `{command}`",
              f"- {env['model']} float32 on {env['device']} ({env['threads']} threads), torch {env['torch']}, "
@@ -120,8 +130,60 @@ def main() -> None:
               "|---|---|---|---|---|"]
     lines += [f"| {r['method']} | {r['median_s']:.3f} | {r['vs_greedy']:.3f}x | {r['identical']} | "
               + ("-" if r["setup_wait_ms"] is None else f"{r['setup_wait_ms']:.1f}") + " |" for r in e2e]
+    lines += ["", f"A short prompt ({first['prompt_tokens']} tokens: the question alone), a {args.new}-token answer "
+              f"(median of {args.repeats} interleaved runs):", "",
+              "| method | first token (s) | first token vs greedy | end (s) | end vs greedy | identical | "
+              "waited for set-up (ms) |", "|---|---|---|---|---|---|---|"]
+    g = first["rows"][0]
+    lines += [f"| {r['method']} | {r['first_s']:.3f} | {g['first_s'] / r['first_s']:.3f}x | {r['end_s']:.3f} | "
+              f"{g['end_s'] / r['end_s']:.3f}x | {r['identical']} | "
+              + ("-" if r["setup_wait_ms"] is None else f"{r['setup_wait_ms']:.1f}") + " |" for r in first["rows"]]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _first_token(dec: ReferenceDecoder, prompt: list[int], refs: dict[int, str], args: argparse.Namespace) -> dict:
+    """Time to the first streamed piece and to the end of a short prompt's answer, greedy against
+    ours with each reference size (interleaved, median of ``args.repeats``)."""
+    from threading import Thread
+
+    from transformers import TextIteratorStreamer
+
+    def greedy() -> tuple[float, float, list[int], None]:
+        streamer = TextIteratorStreamer(dec.tokenizer, skip_prompt=True)
+        x = torch.tensor([prompt])
+        box: dict = {}
+        t0 = time.perf_counter()
+        th = Thread(target=lambda: box.update(out=dec.model.generate(
+            x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=args.new, streamer=streamer)))
+        th.start()
+        first = None
+        for piece in streamer:
+            if piece and first is None:
+                first = time.perf_counter() - t0
+        th.join()
+        return first, time.perf_counter() - t0, box["out"][0, len(prompt):].tolist(), None
+
+    def ours(text: str) -> tuple[float, float, list[int], float]:
+        t0 = time.perf_counter()
+        stream = dec.stream(prompt, references=[text], max_new_tokens=args.new)
+        first = None
+        for _ in stream:
+            if first is None:
+                first = time.perf_counter() - t0
+        return first, time.perf_counter() - t0, stream.output.token_ids, stream.output.stats.setup_wait_s
+
+    methods = {"greedy": greedy, **{f"ours, {n:,}-token reference": (lambda t=t: ours(t)) for n, t in refs.items()}}
+    got: dict[str, list] = {m: [] for m in methods}
+    for r in range(args.repeats):
+        for m in (list(methods) if r % 2 == 0 else list(reversed(methods))):
+            got[m].append(methods[m]())
+    want = got["greedy"][0][2]
+    rows = [{"method": m, "first_s": statistics.median(g[0] for g in v), "end_s": statistics.median(g[1] for g in v),
+             "identical": all(g[2] == want for g in v),
+             "setup_wait_ms": None if m == "greedy" else 1000 * statistics.median(g[3] for g in v)}
+            for m, v in got.items()]
+    return {"prompt_tokens": len(prompt), "rows": rows}
 
 
 if __name__ == "__main__":
