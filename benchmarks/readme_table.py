@@ -24,6 +24,10 @@ VLLM_COLD = RESULTS / "bench_vllm_cpu_smollm2_last30x64_cold_r5.json"
 TRECDL_COLD = RESULTS / "bench_cpu_smollm2_trecdl30x64_cold.json"  # other queries and passages, cold
 MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejected
 MEMORY = RESULTS / "bench_vllm_cpu_smollm2_memory_last16x64.json"  # the server's memory against suffix's tree
+INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2.json"  # every peer in flight, each level on unseen items
+# a request's references set up beside its prefill: 2 torch threads (the CPU's cores), and 1 (a core left free,
+# as a GPU leaves the host's)
+SETUP, SETUP_FREE = RESULTS / "setup_cost_cpu_smollm2.json", RESULTS / "setup_cost_cpu_smollm2_1thread.json"
 
 
 def engine_section(path: Path) -> str:
@@ -198,8 +202,12 @@ def summary_section() -> str:
     lines = [f"Per request, {r['items']} MS-MARCO items x {r['max_new_tokens']} new tokens, {env['model']} "
              f"{env['dtype']} on a {env['cpu_threads']}-core CPU, vLLM {env['vllm']}, {env['date']} "
              f"([all of this run](benchmarks/results/{PEERS.with_suffix('.md').name})):", "",
-             markdown_table(r["summary"])]
-    if r.get("concurrency_summary"):
+             markdown_table(r["summary"], legend=False), "",
+             "Speed-up: per item, greedy's latency (the median of its runs) over the method's; geo-mean over the items; "
+             "worst item: the lowest, named. Tokens/step: new tokens per model forward pass, prefill included. Identical: "
+             "the runs whose token ids equal the item's greedy run on the method's engine (vllm-greedy for vllm-*), token "
+             "for token; the last column against transformers' greedy. Tokens/s: all runs together."]
+    if r.get("concurrency_summary") and not INFLIGHT.is_file():  # (the in-flight run below has every peer, more levels)
         lines += ["", "In flight (vLLM, the same run):", "", concurrency_table(r["concurrency_summary"])]
     if SERVE.is_file():
         sv = json.loads(SERVE.read_text())
@@ -263,6 +271,35 @@ def summary_section() -> str:
                       f"[run](benchmarks/results/{MEMORY.with_suffix('.md').name})), per request against vllm-greedy; "
                       "vllm-ours-memory gets the passages only, its memory holding the earlier answers as suffix "
                       "decoding's tree does; in the reworded case vllm-ours gets the cached answer from the client: " + "; ".join(said) + "."]
+    if INFLIGHT.is_file():  # suffix and a tuned dynamic n-gram in flight, on items they never saw
+        fl = json.loads(INFLIGHT.read_text())
+        sm, levels = fl["summary"], sorted({v["in_flight"] for v in fl["summary"].values()})
+        methods = list(dict.fromkeys(v["method"] for v in sm.values()))
+        lines += ["", f"In flight against every peer, each level on its own items of the sample's last "
+                      f"{len(sum(fl['items'].values(), []))} (so suffix decoding never meets an item twice), "
+                      f"{fl['environment']['new_tokens']} tokens a request, {fl['environment']['date']} "
+                      f"([run](benchmarks/results/{INFLIGHT.with_suffix('.md').name}); vllm-ngram-dynamic: vLLM's "
+                      f"dynamic speculative decoding with the schedule `{fl['schedule']}` tuned first on the sample's "
+                      "first items): tokens/s against vllm-greedy:", "",
+                  "| method | " + " | ".join(f"{c} in flight" for c in levels) + " | identical |",
+                  "|---|" + "---|" * (len(levels) + 1)]
+        for m in methods:
+            cells = [f"{sm[f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels]
+            same = sum(sm[f"{m}@{c}"]["identical"] for c in levels)
+            total = sum(sm[f"{m}@{c}"]["requests"] for c in levels)
+            lines.append(f"| {m} | " + " | ".join(cells) + f" | {same / total:.0%} |")
+    if SETUP.is_file() and SETUP_FREE.is_file():  # the first token of a short prompt with big references
+        said = []
+        for path, how in ((SETUP, "2 torch threads"), (SETUP_FREE, "1 thread, a core left free as a GPU leaves the host's")):
+            st = json.loads(path.read_text())
+            rows = st["short_prompt"]["rows"]
+            g = rows[0]
+            said.append(f"{how}: " + ", ".join(f"{r['method'].split(', ')[1]} {g['first_s'] / r['first_s']:.2f}x"
+                                               for r in rows[1:]))
+        lines += ["", f"First token of a short prompt ({st['short_prompt']['prompt_tokens']} tokens) with big "
+                      "references, against greedy's (transformers; the references are tokenised and indexed beside "
+                      f"the prefill and never waited for; [run](benchmarks/results/{SETUP.with_suffix('.md').name}), "
+                      f"[free core](benchmarks/results/{SETUP_FREE.with_suffix('.md').name})): " + "; ".join(said) + "."]
     replay = RESULTS / "cold_replay_smollm2_last100.json"
     if replay.is_file():
         rs = json.loads(replay.read_text())["summary"]

@@ -1,0 +1,272 @@
+"""Requests in flight on vLLM against the strongest peers, each level on items no engine saw before.
+
+    python benchmarks/inflight_bench.py --out benchmarks/results/inflight_vllm_cpu_smollm2
+
+(in the vLLM virtualenv, arctic-inference installed for vllm-suffix). Levels of 1, 4, 16 and 32
+requests in flight: a level's items in groups of that size, one ``generate_batch`` per group and
+method, the methods' order rotating per group; throughput is new tokens over the wall time of a
+level's groups. Each level has its own items, taken from the sample's last ones (no default was
+tuned on them): vLLM's suffix decoding also copies from its engine's earlier answers, and here it
+never meets an item twice (the README's in-flight table repeats the per-request items, so it sat out).
+
+The peers, one engine each, float32, eager, prefix caching off, at most ``k`` = 10 draft tokens:
+
+* ``vllm-greedy``: no speculation, the baseline each output is compared with, token for token;
+* ``vllm-ngram``: vLLM's prompt lookup, ``k`` tokens, n-grams of 2 to 4;
+* ``vllm-ngram-dynamic``: the same with vLLM's dynamic speculative decoding
+  (``num_speculative_tokens_per_batch_size``), its schedule tuned on this machine first (below);
+* ``vllm-suffix``: vLLM's suffix decoding (arctic-inference), vLLM's defaults but ``k`` tokens;
+* ``vllm-ours``: our proposer, each request with its own passages as references.
+
+Tuning the dynamic schedule (on the sample's FIRST items, which no level here is judged on): at
+each level, vLLM's n-gram with 1, 2, 4 and 10 draft tokens and with none (vllm-greedy), interleaved
+as above; the schedule gives each level the count with the highest throughput (0: none), and
+batch sizes between two levels that of the nearer level (split at their geometric mean).
+Tokens per step: new tokens over the engine steps that gave a request tokens (``VllmDecoder``
+counts them for every kind of speculation; vLLM's Prometheus counters cannot tell them apart, since
+each engine made in a process unregisters the earlier engines' collectors).
+
+``--render FILE.json`` rewrites a run's markdown and plot from its JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+LEVELS = (1, 4, 16, 32)
+TUNE_KS = (1, 2, 4, 10)
+
+
+def ngram_config(k: int, schedule: list[tuple[int, int, int]] | None = None) -> dict:
+    cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if schedule is not None:
+        cfg["num_speculative_tokens_per_batch_size"] = [list(e) for e in schedule]
+    return cfg
+
+
+def make_engines(specs: dict[str, dict], model: str, k: int, max_model_len: int) -> dict:
+    from rag_accel.vllm import VllmDecoder
+
+    engines = {}
+    for name, spec in specs.items():
+        print(f"starting {name} ...", flush=True)
+        engines[name] = VllmDecoder.from_pretrained(model, num_speculative_tokens=k, dtype="float32",
+                                                    max_model_len=max_model_len, enforce_eager=True,
+                                                    enable_prefix_caching=False, disable_log_stats=False, **spec)
+    return engines
+
+
+def run_levels(engines: dict, prompts_by_level: dict[int, list], refs_by_level: dict[int, list], new: int) -> list[dict]:
+    """One row per (method, level, group): seconds, new tokens, outputs, spec counters' deltas."""
+    rows = []
+    methods = list(engines)
+    for c, prompts in prompts_by_level.items():
+        for g, start in enumerate(range(0, len(prompts), c)):
+            order = methods[g % len(methods):] + methods[:g % len(methods)]
+            for m in order:
+                refs = refs_by_level[c][start:start + c] if m == "vllm-ours" else None
+                t0 = time.perf_counter()
+                outs = engines[m].generate_batch(prompts[start:start + c], refs, max_new_tokens=new)
+                dt = time.perf_counter() - t0
+                rows.append({"method": m, "in_flight": c, "group": g, "seconds": dt,
+                             "new_tokens": sum(len(o.token_ids) for o in outs),
+                             "steps": sum(o.stats.steps for o in outs), "token_ids": [o.token_ids for o in outs]})
+            base = next(r for r in rows[-len(methods):] if r["method"] == "vllm-greedy")["token_ids"]
+            for r in rows[-len(methods):]:
+                r["identical"] = sum(a == b for a, b in zip(r["token_ids"], base))
+            print(f"{c} in flight, group {g + 1}: " + " ".join(
+                f"{r['method']}={r['new_tokens'] / r['seconds']:.1f}" for r in rows[-len(methods):]), flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for r in rows:
+        s = out.setdefault(f"{r['method']}@{r['in_flight']}", {"method": r["method"], "in_flight": r["in_flight"],
+                                                                "seconds": 0.0, "new_tokens": 0, "steps": 0,
+                                                                "identical": 0, "requests": 0})
+        for key in ("seconds", "new_tokens", "steps", "identical"):
+            s[key] += r[key]
+        s["requests"] += len(r["token_ids"])
+    for s in out.values():
+        s["tokens_per_s"] = s["new_tokens"] / s["seconds"]
+        s["tokens_per_step"] = s["new_tokens"] / max(1, s["steps"])
+        base = out[f"vllm-greedy@{s['in_flight']}"]
+        s["vs_greedy"] = s["tokens_per_s"] / (base["new_tokens"] / base["seconds"])
+    return out
+
+
+def schedule_from(tuning: dict[str, dict], levels: tuple[int, ...]) -> tuple[list[tuple[int, int, int]], dict]:
+    """The best draft-token count per level (0: speculation off was fastest), as vLLM's schedule."""
+    best = {}
+    for c in levels:
+        cands = {0: tuning[f"vllm-greedy@{c}"]["tokens_per_s"]}
+        cands.update({k: tuning[f"ngram-k{k}@{c}"]["tokens_per_s"] for k in TUNE_KS})
+        best[c] = max(cands, key=cands.get)
+    bounds = [1] + [math.floor(math.sqrt(a * b)) + 1 for a, b in zip(levels, levels[1:])]
+    ends = [b - 1 for b in bounds[1:]] + [1024]
+    return [(lo, hi, best[c]) for lo, hi, c in zip(bounds, ends, levels)], best
+
+
+def take_prompts(items, n_by_level: dict[int, int], tokenizer_dec):
+    from rag_accel.data import rag_messages
+
+    prompts, refs, ids, i = {}, {}, {}, 0
+    for c, n in n_by_level.items():
+        chunk = items[i:i + n]
+        i += n
+        prompts[c] = [tokenizer_dec.encode_prompt(rag_messages(it.query, it.passages)) for it in chunk]
+        refs[c] = [list(it.passages) for it in chunk]
+        ids[c] = [it.id for it in chunk]
+    return prompts, refs, ids
+
+
+def table(summary: dict[str, dict], methods: list[str], levels: tuple[int, ...]) -> list[str]:
+    steps = all("tokens_per_step" in s for s in summary.values())  # (the first run counted no steps)
+    what = "tokens/s (vs vllm-greedy; tokens/step)" if steps else "tokens/s (vs vllm-greedy)"
+    lines = ["| method | " + " | ".join(f"{c} in flight: {what}" for c in levels)
+             + " | identical |", "|---|" + "---|" * (len(levels) + 1)]
+    for m in methods:
+        cells, ident, total = [], 0, 0
+        for c in levels:
+            s = summary[f"{m}@{c}"]
+            cells.append(f"{s['tokens_per_s']:.1f} ({s['vs_greedy']:.2f}x"
+                         + (f"; {s['tokens_per_step']:.2f})" if steps else ")"))
+            ident, total = ident + s["identical"], total + s["requests"]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {ident}/{total} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--items", default="8,16,32,32", help="items per level (1, 4, 16, 32 in flight)")
+    ap.add_argument("--tune-items", default="4,8,16,32", help="tuning items per level, from the sample's first")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/inflight_vllm_cpu_smollm2"))
+    ap.add_argument("--render", type=Path, default=None, help="rewrite a run's markdown and plot from its JSON")
+    args = ap.parse_args()
+    if args.render is not None:
+        return render(args.render)
+    from rag_accel import ReferenceDecoder
+    from rag_accel.data import load_msmarco_sample
+    from rag_accel.vllm.requests import speculative_config
+
+    load_before = os.getloadavg()
+    n_judged = dict(zip(LEVELS, (int(x) for x in args.items.split(","))))
+    n_tune = dict(zip(LEVELS, (int(x) for x in args.tune_items.split(","))))
+    sample = load_msmarco_sample(with_answers=True)
+    judged_items = sample[-sum(n_judged.values()):]
+    tune_items = sample[:sum(n_tune.values())]
+    dec = ReferenceDecoder.from_pretrained(args.model)  # (the prompts' tokenizer; no model work)
+    tp, tr, _ = take_prompts(tune_items, n_tune, dec)
+    jp, jr, jids = take_prompts(judged_items, n_judged, dec)
+    t_start = time.time()
+    # 1. tune the dynamic schedule on the first items
+    specs = {"vllm-greedy": {"speculation": "off"}}
+    specs.update({f"ngram-k{k}": {"speculation": "ngram", "speculative_config": ngram_config(k)} for k in TUNE_KS})
+    engines = make_engines(specs, args.model, args.k, args.max_model_len)
+    try:
+        tuning_rows = run_levels(engines, tp, tr, args.new)
+        tuning = summarize(tuning_rows)
+        schedule, best = schedule_from(tuning, LEVELS)
+        print("tuned schedule:", schedule, flush=True)
+        for name in [n for n in engines if n.startswith("ngram-k") and n != f"ngram-k{args.k}"]:
+            engines.pop(name).close()
+        engines["vllm-ngram"] = engines.pop(f"ngram-k{args.k}")
+        # 2. the peers on the last items, each level its own
+        more = {"vllm-ngram-dynamic": {"speculation": "ngram",
+                                       "speculative_config": ngram_config(args.k, schedule)},
+                "vllm-suffix": {"speculation": "suffix",
+                                "speculative_config": speculative_config("suffix", args.k)},
+                "vllm-ours": {"speculation": "ours"}}
+        engines.update(make_engines(more, args.model, args.k, args.max_model_len))
+        rows = run_levels(engines, jp, jr, args.new)
+    finally:
+        for e in engines.values():
+            e.close()
+    summary = summarize(rows)
+    import torch
+    import vllm
+
+    env = {"model": args.model, "device": platform.processor() or platform.machine(), "vllm": vllm.__version__,
+           "torch": torch.__version__, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+           "load_before": load_before, "load_after": os.getloadavg(), "minutes": (time.time() - t_start) / 60,
+           "vllm_env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")
+                        if k in os.environ}, "k": args.k, "new_tokens": args.new}
+    command = (f"python benchmarks/inflight_bench.py --items {args.items} --tune-items {args.tune_items} "
+               f"--new {args.new} --out {args.out}")
+    for r in rows + tuning_rows:
+        r.pop("token_ids")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"environment": env, "command": command, "schedule": schedule, "best_k_per_level": best,
+         "tuning": tuning, "summary": summary, "items": jids, "n_judged": n_judged, "n_tune": n_tune,
+         "rows": rows, "tuning_rows": tuning_rows}, indent=1))
+    render(args.out.with_suffix(".json"))
+
+
+def render(path: Path) -> None:
+    """A run's markdown and plot from its JSON."""
+    run = json.loads(path.read_text())
+    env, summary, schedule = run["environment"], run["summary"], run["schedule"]
+    n_judged = {int(c): len(ids) for c, ids in run["items"].items()}
+    n_tune = {int(c): int(n) for c, n in run.get("n_tune", dict(zip(LEVELS, (4, 8, 16, 32)))).items()}
+    methods = ["vllm-greedy", "vllm-ngram", "vllm-ngram-dynamic", "vllm-suffix", "vllm-ours"]
+    lines = [f"# In flight on vLLM, each level on items no engine saw before: {env['model']} float32, "
+             f"{env['device']}, {env['date']}", "",
+             f"- command: `{run['command']}` (in the vLLM virtualenv)",
+             f"- vLLM {env['vllm']}, torch {env['torch']}, {env['k']} draft tokens at most, {env['new_tokens']} new "
+             f"tokens a request, env {env['vllm_env']}",
+             f"- machine load (1/5/15 min) before {tuple(round(x, 2) for x in env['load_before'])}, after "
+             f"{tuple(round(x, 2) for x in env['load_after'])}; {env['minutes']:.0f} minutes in all",
+             f"- items: the sample's last {sum(n_judged.values())}, "
+             + ", ".join(f"{n} for {c} in flight" for c, n in n_judged.items())
+             + " (each level its own); tokens/s: new tokens over the wall time of the level's groups",
+             "", *table(summary, methods, LEVELS), "",
+             "The dynamic n-gram schedule, tuned first on the sample's first "
+             f"{sum(n_tune.values())} items ({', '.join(f'{n} at {c}' for c, n in n_tune.items())} in flight): "
+             f"`num_speculative_tokens_per_batch_size={schedule}` "
+             "(the best draft-token count per level; 0: speculation off was fastest):", "",
+             *table(run["tuning"], ["vllm-greedy"] + [f"ngram-k{k}" for k in TUNE_KS], LEVELS)]
+    if run.get("note"):
+        lines += ["", run["note"]]
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for m in methods:
+            ax.plot(LEVELS, [summary[f"{m}@{c}"]["vs_greedy"] for c in LEVELS], marker="o", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(LEVELS, [str(c) for c in LEVELS])
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("requests in flight")
+        ax.set_ylabel("tokens/s vs vllm-greedy")
+        ax.set_title(f"{env['model']}, {env['device']}, each level on unseen items")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=110)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+
+
+if __name__ == "__main__":
+    main()
