@@ -49,7 +49,10 @@ TUNE_KS = (1, 2, 4, 10)
 
 
 def ngram_config(k: int, schedule: list[tuple[int, int, int]] | None = None) -> dict:
-    cfg = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    """vLLM's n-gram speculation as the bench's vllm-ngram runs it, with a dynamic schedule if given."""
+    from rag_accel.vllm.requests import speculative_config
+
+    cfg = speculative_config("ngram", k)
     if schedule is not None:
         cfg["num_speculative_tokens_per_batch_size"] = [list(e) for e in schedule]
     return cfg

@@ -278,7 +278,6 @@ def test_large_references_join_the_request_when_ready(tiny, monkeypatch):
     out = stream.output
     assert out.token_ids == want
     assert out.stats.by_drafter["reference"]["accepted"] > 0
-    assert out.stats.setup_wait_s < 60
 
 
 def test_a_request_that_ends_stops_its_reference_indexing(tiny, monkeypatch):

@@ -614,7 +614,7 @@ class _SetUp:
 
     :meth:`wait` waits for the first part (and the second, if asked); :meth:`take` hands over the
     reference drafter once it is ready, without waiting; :meth:`stop` tells the second part that
-    the request needs it no more. What either part raises is raised where it is waited for or taken.
+    the request needs it no more. What either part raises, :meth:`check` and :meth:`take` raise.
     """
 
     def __init__(self, prompt_part: Callable[[], None],

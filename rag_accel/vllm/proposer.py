@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..config import DecoderConfig
-from ..drafters import ReferenceDrafter
+from ..drafters import Drafter, ReferenceDrafter
 from ..inputs import check_ids
 from ..memory import AnswerMemory
 from ..outputs import GenerationStats
@@ -208,10 +208,13 @@ class RagProposer:
         self._insert(row, drafter)
 
     @staticmethod
-    def _insert(row: _Row, drafter: ReferenceDrafter | None) -> None:
+    def _insert(row: _Row, drafter: Drafter | None) -> None:
+        """A reference or memory drafter joins the row's chain where the config's order puts it, the
+        memory just after the references (the HF decoder's big references join the same way)."""
         if drafter is not None and row.drafting is not None:
-            position = [n for n in row.config.drafters if n != "draft_model"].index("reference")
-            row.drafting.chain.insert(position, drafter)
+            order = list(row.config.drafters)
+            order.insert(order.index("reference") + 1, "memory")
+            row.drafting.add_drafter(drafter, order)
 
     # ---------------------------------------------------------------- the memory of answers
     def _remember(self, rows: Sequence[_Row]) -> None:
