@@ -110,7 +110,7 @@ class ReferenceDrafter(_SpanCopier):
 
     def __init__(self, references: Sequence[Sequence[int]], min_match: int = 1, max_match: int = 32) -> None:
         super().__init__()
-        self.index = SuffixArrayIndex(concat_with_separators(references))
+        self.index = SuffixArrayIndex(concat_with_separators(references), max_match=max_match)
         self.min_match, self.max_match = min_match, max_match
 
     def _source(self) -> Sequence[int]:

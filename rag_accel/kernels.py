@@ -35,45 +35,63 @@ def concat_with_separators(docs: Sequence[Sequence[int]]) -> np.ndarray:
         >>> concat_with_separators([[5, 6], [7]]).tolist()
         [5, 6, -1, 7]
     """
-    parts: list[int] = []
+    parts: list[np.ndarray] = []
+    sep = np.full(1, SEPARATOR, dtype=np.int64)
     for i, doc in enumerate(docs):
         if i:
-            parts.append(SEPARATOR)
-        parts.extend(int(t) for t in doc)
-    return np.asarray(parts, dtype=np.int64)
+            parts.append(sep)
+        parts.append(np.asarray(doc, dtype=np.int64).reshape(-1))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def suffix_array(tokens: np.ndarray) -> np.ndarray:
+def suffix_array(tokens: np.ndarray, depth: int | None = None) -> np.ndarray:
     """Suffix array of an integer array by prefix doubling (numpy, ``O(N log^2 N)``).
 
     Suffixes are ordered lexicographically with "end of array" smaller than any
-    symbol. Returns int64 start positions.
+    symbol. Returns int64 start positions. ``depth``: order the suffixes by their first
+    ``depth`` symbols rounded up to a power of two only, suffixes equal there by their
+    position, latest first (the earliest in forward order, for an index over a reversed
+    source); the doubling stops after ``log2(depth)`` rounds, where a source with long
+    repeats would need ``log2`` of its longest one.
 
     Example:
         >>> suffix_array(np.array([2, 1, 2, 1])).tolist()   # suffixes: 1 | 1 2 1 | 2 1 | 2 1 2 1
         [3, 1, 2, 0]
+        >>> suffix_array(np.array([1, 2, 1, 3])).tolist()            # 1 2 1 3 | 1 3 | 2 1 3 | 3
+        [0, 2, 1, 3]
+        >>> suffix_array(np.array([1, 2, 1, 3]), depth=1).tolist()   # 1 (at 2, 0) | 2 | 3
+        [2, 0, 1, 3]
     """
     n = len(tokens)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
-    # rank: dense rank of each suffix by its first k symbols, 1-based (0 = past the end).
-    _, rank = np.unique(np.asarray(tokens, dtype=np.int64), return_inverse=True)
-    rank = rank.astype(np.int64) + 1
+    # rank: of each suffix by its first k symbols, 1-based (0 = past the end); the symbols themselves
+    # at first (shifted), dense ranks (<= n) after the first round.
+    tokens = np.asarray(tokens, dtype=np.int64)
+    rank = tokens - tokens.min() + 1
+    top = int(rank.max())
+    if top > 1 << 31:  # (far beyond any vocabulary: dense ranks, so that rank * (top + 1) fits in int64)
+        rank = np.unique(tokens, return_inverse=True)[1].reshape(-1).astype(np.int64) + 1
+        top = int(rank.max())
     k = 1
-    while True:
+    while depth is None or k < depth:
         second = np.zeros(n, dtype=np.int64)
         second[: n - k] = rank[k:] if k < n else second[:0]
-        order = np.lexsort((second, rank))  # sort by (rank, second)
-        r_sorted, s_sorted = rank[order], second[order]
+        # one key, (rank, second) in one int64: a single sort instead of a two-key lexsort
+        key = rank * (top + 1) + second
+        order = np.argsort(key, kind="stable")
+        key = key[order]
         new_group = np.empty(n, dtype=bool)
         new_group[0] = True
-        new_group[1:] = (r_sorted[1:] != r_sorted[:-1]) | (s_sorted[1:] != s_sorted[:-1])
-        new_rank = np.empty(n, dtype=np.int64)
-        new_rank[order] = np.cumsum(new_group)
-        rank = new_rank
+        new_group[1:] = key[1:] != key[:-1]
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.cumsum(new_group)
+        top = int(rank[order[-1]])
         if new_group.all() or k >= n:
             return order.astype(np.int64)
         k *= 2
+    # ranked by the first k >= depth symbols: ties by position, latest first
+    return np.lexsort((-np.arange(n, dtype=np.int64), rank)).astype(np.int64)
 
 
 class SuffixArrayIndex:
@@ -83,7 +101,9 @@ class SuffixArrayIndex:
     context read backwards (last token first) is a *prefix* pattern: each extra
     token of context narrows the suffix-array interval by two binary searches.
     The result is the longest suffix of the context that occurs in the source
-    (up to ``max_match``) and where its continuation starts.
+    (up to ``max_match``) and where its continuation starts. ``max_match`` given
+    here bounds every query's and sorts the suffixes that deep only (fewer rounds
+    of :func:`suffix_array` on a source with long repeats).
 
     Example:
         >>> idx = SuffixArrayIndex([7, 1, 2, 3, 9, 1, 2, 4])
@@ -95,12 +115,14 @@ class SuffixArrayIndex:
         True
     """
 
-    def __init__(self, tokens: Sequence[int] | np.ndarray, candidate_scan: int = 64) -> None:
+    def __init__(self, tokens: Sequence[int] | np.ndarray, candidate_scan: int = 64,
+                 max_match: int | None = None) -> None:
         arr = np.asarray(tokens, dtype=np.int64)
         self.n = len(arr)
         self.tokens = arr.tolist()  # forward order, for copying continuations
+        self.max_match = max_match  # (None: any length)
         rev = arr[::-1].copy()
-        sa = suffix_array(rev)
+        sa = suffix_array(rev, max_match)
         self._rev = rev.tolist()
         self._sa = sa.tolist()
         self._first = rev[sa]  # sorted first symbol of each reversed suffix (numpy, for searchsorted)
@@ -134,7 +156,7 @@ class SuffixArrayIndex:
         """
         if self.n == 0 or not context:
             return None
-        m = min(max_match, len(context))
+        m = min(max_match, len(context), self.max_match or max_match)
         q0 = int(context[-1])
         lo = int(np.searchsorted(self._first, q0, side="left"))
         hi = int(np.searchsorted(self._first, q0, side="right"))

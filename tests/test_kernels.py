@@ -25,6 +25,19 @@ def test_suffix_array_sorts_all_suffixes(seq):
     assert sa == sorted(range(len(seq)), key=lambda i: seq[i:])
 
 
+@given(tokens, st.integers(1, 6))
+def test_suffix_array_to_a_depth_sorts_by_that_many_symbols(seq, depth):
+    sa = suffix_array(np.array(seq, dtype=np.int64), depth).tolist()
+    k = 1 << (depth - 1).bit_length()  # depth rounded up to a power of two
+    # by the first k symbols (a shorter suffix first on a tie of its symbols), then latest first
+    assert sa == sorted(range(len(seq)), key=lambda i: (seq[i:i + k], -i))
+
+
+def test_suffix_array_of_huge_symbols():
+    seq = [2**62, -(2**62), 2**62, 7]
+    assert suffix_array(np.array(seq, dtype=np.int64)).tolist() == sorted(range(4), key=lambda i: seq[i:])
+
+
 def _brute_longest(source, context, min_match, max_match):
     """Reference implementation of the documented rule: take the longest suffix of the context
     (up to max_match) that occurs in the source; among its occurrences the earliest one
@@ -51,6 +64,16 @@ def test_suffix_array_index_matches_brute_force(docs, context, min_match, max_ma
     source = concat_with_separators(docs).tolist()
     idx = SuffixArrayIndex(source, candidate_scan=10_000)
     assert idx.longest_match(context, min_match, max_match) == _brute_longest(source, context, min_match, max_match)
+
+
+@settings(max_examples=300)
+@given(st.lists(st.lists(st.integers(0, 2), max_size=15), max_size=3), tokens,
+       st.integers(1, 8), st.integers(1, 5))
+def test_suffix_array_index_to_a_depth_matches_brute_force(docs, context, max_match, depth):
+    """Sorted only ``depth`` symbols deep, the index answers as the rule says for matches up to ``depth``."""
+    source = concat_with_separators(docs).tolist()
+    idx = SuffixArrayIndex(source, candidate_scan=10_000, max_match=depth)
+    assert idx.longest_match(context, 1, max_match) == _brute_longest(source, context, 1, min(max_match, depth))
 
 
 def test_suffix_array_index_five_tokens():
