@@ -11,6 +11,8 @@ import json
 import math
 import numbers
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -189,20 +191,71 @@ def may_exceed(refs: Sequence[str | list[int]], max_tokens: int) -> bool:
     return sum(len(r) for r in refs) > max_tokens
 
 
+class TokenCache:
+    """The token ids of reference texts tokenised lately, by text: the last ``max_tokens`` tokens'
+    worth, least recently used first out (int32, ~4 bytes a token). A passage that comes back (the
+    next turn of a conversation, a document many questions retrieve) is tokenised once. Safe to
+    share between threads.
+
+    Example:
+        >>> cache = TokenCache(max_tokens=3)
+        >>> cache.put("a b", [5, 6]); cache.get("a b")
+        [5, 6]
+        >>> cache.put("c d", [7, 8]); cache.get("a b") is None   # over 3 tokens: the oldest is out
+        True
+    """
+
+    def __init__(self, max_tokens: int = 1_000_000) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0  # held now
+        self._items: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> list[int] | None:
+        with self._lock:
+            ids = self._items.get(text)
+            if ids is None:
+                return None
+            self._items.move_to_end(text)
+        return ids.tolist()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self.tokens = 0
+
+    def put(self, text: str, ids: Sequence[int]) -> None:
+        if len(ids) > self.max_tokens:
+            return
+        arr = np.asarray(ids, dtype=np.int32)
+        with self._lock:
+            old = self._items.pop(text, None)
+            self.tokens += len(arr) - (0 if old is None else len(old))
+            self._items[text] = arr
+            while self.tokens > self.max_tokens:
+                self.tokens -= len(self._items.popitem(last=False)[1])
+
+
 def tokenize_references(tokenizer: Any, refs: Sequence[str | list[int]], max_tokens: int,
-                        stop: Callable[[], bool] | None = None) -> list[list[int]]:
+                        stop: Callable[[], bool] | None = None,
+                        cache: TokenCache | None = None) -> list[list[int]]:
     """Checked references (:func:`check_references`) as token-id lists, refusing more than
     ``max_tokens`` in all as soon as the running total passes it. ``stop``: asked before each
-    text; when it says so, what was tokenised so far is returned (the request no longer needs it)."""
+    text; when it says so, what was tokenised so far is returned (the request no longer needs it).
+    ``cache``: texts tokenised before are taken from it, new ones go into it."""
     out: list[list[int]] = []
     total = 0
     for i, ref in enumerate(refs):
         if isinstance(ref, str):
             if stop is not None and stop():
                 return out
-            # (the tokenizer's call releases the GIL while Rust encodes, as encode_batch does; its
-            # backend's single encode holds it, which would stop the prefill beside this thread)
-            ids = tokenizer(ref, add_special_tokens=False)["input_ids"] if ref else []
+            ids = cache.get(ref) if cache is not None and ref else None
+            if ids is None:
+                # (the tokenizer's call releases the GIL while Rust encodes, as encode_batch does; its
+                # backend's single encode holds it, which would stop the prefill beside this thread)
+                ids = tokenizer(ref, add_special_tokens=False)["input_ids"] if ref else []
+                if cache is not None and ref:
+                    cache.put(ref, ids)
         else:
             ids = ref
         out.append(ids)

@@ -157,10 +157,10 @@ def test_references_are_set_up_during_the_prefill(tiny, monkeypatch):
     started, seen = threading.Event(), {}
     tokenize, prefill = hf_decoder.tokenize_references, tiny._prefill
 
-    def tokenize_and_tell(tokenizer, refs, max_tokens, stop=None):
+    def tokenize_and_tell(tokenizer, refs, max_tokens, stop=None, cache=None):
         seen["setup_thread"] = threading.current_thread().name
         started.set()
-        return tokenize(tokenizer, refs, max_tokens, stop)
+        return tokenize(tokenizer, refs, max_tokens, stop, cache)
 
     def prefill_waiting(req):
         seen["setup_started_during_prefill"] = started.wait(timeout=30)
@@ -191,11 +191,11 @@ def test_tokenising_a_big_reference_lets_the_prefill_run(tiny, monkeypatch):
     started, times = threading.Event(), {}
     tokenize, prefill = hf_decoder.tokenize_references, tiny._prefill
 
-    def timed_tokenize(tokenizer, refs, max_tokens, stop=None):
+    def timed_tokenize(tokenizer, refs, max_tokens, stop=None, cache=None):
         times["tokenise_start"] = time.perf_counter()
         started.set()
         try:
-            return tokenize(tokenizer, refs, max_tokens, stop)
+            return tokenize(tokenizer, refs, max_tokens, stop, cache)
         finally:
             times["tokenise_end"] = time.perf_counter()
 
@@ -228,10 +228,10 @@ def _held_tokenizing(monkeypatch):
     release, calls = threading.Event(), []
     tokenize = hf_decoder.tokenize_references
 
-    def held(tokenizer, refs, max_tokens, stop=None):
+    def held(tokenizer, refs, max_tokens, stop=None, cache=None):
         calls.append(threading.current_thread().name)
         assert release.wait(timeout=60), "the decode loop waited for the references"
-        return tokenize(tokenizer, refs, max_tokens, stop)
+        return tokenize(tokenizer, refs, max_tokens, stop, cache)
 
     monkeypatch.setattr(hf_decoder, "tokenize_references", held)
     return release, calls
@@ -288,13 +288,13 @@ def test_a_request_that_ends_stops_its_reference_indexing(tiny, monkeypatch):
     release, started, asked = threading.Event(), threading.Event(), []
     tokenize = hf_decoder.tokenize_references
 
-    def held(tokenizer, refs, max_tokens, stop=None):
+    def held(tokenizer, refs, max_tokens, stop=None, cache=None):
         def stop_and_tell():
             started.set()
             assert release.wait(timeout=60)
             asked.append(stop())
             return asked[-1]
-        return tokenize(tokenizer, refs, max_tokens, stop_and_tell)
+        return tokenize(tokenizer, refs, max_tokens, stop_and_tell, cache)
 
     monkeypatch.setattr(hf_decoder, "tokenize_references", held)
     texts = ["word " * 1000] * 3  # 15,000 characters: not waited for

@@ -176,6 +176,35 @@ def test_references_are_tokenised_one_at_a_time_up_to_the_limit(tokenizer):
     assert 0 < counting.calls < 20  # stopped as soon as the running total passed the limit
 
 
+def test_a_reference_text_that_comes_back_is_tokenised_once(tokenizer):
+    dec = ReferenceDecoder(tiny_model("gpt2", len(tokenizer), seed=3), tokenizer, DecoderConfig(adaptive=False))
+    dec.tokenizer = counting = CountingTokenizer(tokenizer)
+    passage = "the same passage, retrieved again for the next turn of a conversation. " * 4
+    expected = hf_greedy(dec.model, PROMPT, 6)
+    calls = counting.calls
+    for _ in range(2):
+        assert dec.generate(PROMPT, [passage, "another one"], max_new_tokens=6).token_ids == expected
+    assert counting.calls == calls + 2  # each text once
+    assert dec.reference_tokens.get(passage) == tokenizer(passage, add_special_tokens=False)["input_ids"]
+    dec.reset_learning()  # a fresh process's decoder: nothing cached
+    assert dec.generate(PROMPT, [passage], max_new_tokens=6).token_ids == expected
+    assert counting.calls == calls + 3
+
+
+def test_the_token_cache_keeps_the_latest_texts_within_its_bound():
+    from rag_accel.inputs import TokenCache
+
+    cache = TokenCache(max_tokens=10)
+    cache.put("a", [1] * 4)
+    cache.put("b", [2] * 4)
+    assert cache.get("a") == [1] * 4  # now the latest used
+    cache.put("c", [3] * 4)  # 12 > 10: "b", the least recently used, goes
+    assert cache.get("b") is None and cache.get("a") == [1] * 4 and cache.get("c") == [3] * 4
+    assert cache.tokens == 8
+    cache.put("d", [4] * 11)  # more than the whole cache: not kept, nothing evicted for it
+    assert cache.get("d") is None and cache.tokens == 8
+
+
 @pytest.mark.parametrize("text", [
     "#" * 80_000, "\n" + " " * 100_000, "=" * 50_000, "é" * 10_000, "😀" * 5000, "漢字" * 4000,
     "word " * 10_000, "e\u0301" * 10_000,

@@ -20,8 +20,8 @@ from .attention import install as install_packed_gqa
 from .attention import packed_gqa
 from ..config import DecoderConfig
 from ..drafters import Draft, Drafter, ReferenceDrafter
-from ..inputs import (check_lengths, check_references, check_stops, encode_prompt, encode_references, may_exceed,
-                      tokenize_references)
+from ..inputs import (TokenCache, check_lengths, check_references, check_stops, encode_prompt, encode_references,
+                      may_exceed, tokenize_references)
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
@@ -132,6 +132,7 @@ class ReferenceDecoder:
         # (max_draft, pack_gqa, fast_head) -> curve: each forward path is timed as it runs
         self._cost_curves: dict[tuple[int, bool, bool], tuple[float, ...]] = {}
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
+        self.reference_tokens = TokenCache()  # reference texts tokenised lately (a passage that comes back)
         self.clock = time.perf_counter  # what the step timing reads (a test may inject its own)
         self.step_costs = StepCosts()  # what verify steps and draft-model tokens really cost, learnt online
         # Serialises the model's use: held for one step of a call, never across a stream's yield (see _decode).
@@ -328,7 +329,8 @@ class ReferenceDecoder:
         t0 = self.clock()
         refs = check_references(self.tokenizer, references, self.vocab_size, cfg.max_reference_tokens)
         if may_exceed(refs, cfg.max_reference_tokens):  # only tokenising tells: refuse now, before any iteration
-            refs = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens)
+            refs = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens,
+                                       cache=self.reference_tokens)
         encode_s = self.clock() - t0  # (other texts are tokenised during the prefill)
         sampling = self._sampling(do_sample, temperature, top_k, top_p, seed)
         return GenerationStream(self._decode(prompt_ids, refs, max_new_tokens, stops, cfg, drafters, sampling,
@@ -424,11 +426,12 @@ class ReferenceDecoder:
         return self._cost_curves[key]
 
     def reset_learning(self) -> None:
-        """Forget what earlier requests taught: the acceptance rates and the learnt step costs (the
-        decoder of a fresh process; the measured cost curve is kept)."""
+        """Forget what earlier requests taught: the acceptance rates, the learnt step costs and the
+        reference texts tokenised (the decoder of a fresh process; the measured cost curve is kept)."""
         with self._lock:
             self.acceptance = AcceptanceStats()
             self.step_costs = StepCosts()
+            self.reference_tokens.clear()
 
     # ------------------------------------------------------------ the loop
     def _decode(self, prompt_ids: list[int], refs: list[str | list[int]], max_new_tokens: int, stops: list[str],
@@ -526,7 +529,7 @@ class ReferenceDecoder:
                           stop: Callable[[], bool]) -> ReferenceDrafter | None:
         """The request's references tokenised and indexed (on the set-up thread, after
         :meth:`_set_up_drafting`); ``None`` when ``stop`` said the request no longer needs them."""
-        ref_ids = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens, stop)
+        ref_ids = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens, stop, self.reference_tokens)
         if stop() or not any(ref_ids):
             return None
         return ReferenceDrafter(ref_ids, cfg.reference_min_match, cfg.reference_max_match)
