@@ -91,18 +91,17 @@ def main() -> None:
     for r in range(args.repeats):
         names = list(runs) if r % 2 == 0 else list(reversed(runs))
         for name in names:
+            if ", seen before" in name:  # an earlier request passed the same text (untimed)
+                dec.generate(prompt, references=[refs[_size(name)]], max_new_tokens=1)
+            elif name != "greedy":
+                dec.reference_tokens.clear()
             t0 = time.perf_counter()
             if name == "greedy":
                 out = dec.generate_greedy(prompt, max_new_tokens=args.new)
             elif name == "ours, no references":
                 out = dec.generate(prompt, max_new_tokens=args.new)
             else:
-                n = int(name.split(", ")[1].split("-")[0].replace(",", ""))
-                if name.endswith("seen before"):
-                    dec.generate(prompt, references=[refs[n]], max_new_tokens=1)  # (an earlier request, untimed)
-                else:
-                    dec.reference_tokens.clear()
-                out = dec.generate(prompt, references=[refs[n]], max_new_tokens=args.new)
+                out = dec.generate(prompt, references=[refs[_size(name)]], max_new_tokens=args.new)
             runs[name].append(time.perf_counter() - t0)
             if name in waits:
                 waits[name].append(out.stats.setup_wait_s)
@@ -146,6 +145,11 @@ def main() -> None:
               + ("-" if r["setup_wait_ms"] is None else f"{r['setup_wait_ms']:.1f}") + " |" for r in first["rows"]]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _size(method: str) -> int:
+    """The reference size a method's name gives ("ours, 1,000-token reference[, seen before]")."""
+    return int(method.split(", ")[1].split("-")[0].replace(",", ""))
 
 
 def _first_token(dec: ReferenceDecoder, prompt: list[int], refs: dict[int, str], args: argparse.Namespace) -> dict:
