@@ -1,0 +1,228 @@
+"""Which occurrence of a match to copy from: simple rules against an oracle, on the model's own answers.
+
+    python benchmarks/match_choice.py --outputs benchmarks/results/greedy_outputs_smollm2_first50x64.json \\
+        --out benchmarks/results/match_choice_smollm2_first50
+
+(``--save-outputs`` of ``rag-accel bench --methods greedy`` wrote the outputs file.) No timing: the model's
+greedy answers are known, so what a draft would get accepted is too.
+
+1. At every position of every answer, the occurrences of the longest suffix of the context (prompt + answer so
+   far, up to 32 tokens) in the references and in the context itself, and how many of the next ``K`` tokens each
+   occurrence's continuation gets right. Per position, by the longest match's length: the best occurrence (an
+   oracle that knows the answer), the best of all matches of any length, and rules that pick without knowing it:
+   the earliest in the references (the reference drafter's), the latest in the context (prompt lookup's), the
+   answer so far first, a vote on the next token, and the occurrence closest after the span last followed.
+2. The real drafting (:class:`rag_accel.speculation.RequestDrafting`: drafters and the cost-aware policy, one
+   engine learning across the items) at vLLM-like costs on this CPU (a verify of ``L`` draft tokens costs
+   ``1 + 0.025 L`` plain steps at one request in flight): tokens per step and modelled speed-up of the decoding
+   steps, at ``K`` = 10 and 24, and with the closest-after-the-span rule in the reference drafter.
+
+Tune on the sample's first items, judge on its last ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from rag_accel import DecoderConfig, ReferenceDecoder
+from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.drafters import ReferenceDrafter, build_drafters
+from rag_accel.kernels import SEPARATOR, concat_with_separators
+from rag_accel.policy import AcceptanceStats, leading_matches
+from rag_accel.speculation import RequestDrafting, StepCosts
+
+K, MAX_MATCH, SLOPE, NEAR = 10, 32, 0.025, 64
+
+
+def match_lengths(source: np.ndarray, context: np.ndarray) -> np.ndarray:
+    """``L[p]``: how many tokens of the context's tail end at ``source[p - 1]`` (a match continued at ``p``)."""
+    n = len(source)
+    lengths = np.zeros(n + 1, dtype=np.int64)
+    alive = np.nonzero(source == context[-1])[0] + 1  # continuation positions of a 1-token match
+    for j in range(min(MAX_MATCH, len(context))):
+        if j:
+            alive = alive[alive - 1 - j >= 0]
+            alive = alive[source[alive - 1 - j] == context[-1 - j]]
+        if not len(alive):
+            break
+        lengths[alive] += 1
+    return lengths[:n]
+
+
+def occurrences(source: np.ndarray, context: np.ndarray) -> list[tuple[int, int]]:
+    """``(match length, continuation start)`` of every match with a continuation."""
+    lengths = match_lengths(source, context)
+    return [(int(lengths[p]), int(p)) for p in np.nonzero(lengths)[0] if source[p] != SEPARATOR]
+
+
+def continuation(source: np.ndarray, start: int) -> list[int]:
+    out = source[start:start + K].tolist()
+    return out[:out.index(SEPARATOR)] if SEPARATOR in out else out
+
+
+def bucket(length: int) -> str:
+    return "1" if length == 1 else "2" if length == 2 else "3-4" if length <= 4 else "5-8" if length <= 8 else "9+"
+
+
+def rules_at_positions(prepared: Sequence[tuple]) -> dict[str, dict[str, float]]:
+    """Part 1: mean accepted tokens per position, per rule, by the longest match's length."""
+    sums: dict[str, Counter] = defaultdict(Counter)
+    for _, prompt, refs, target in prepared:
+        ref = concat_with_separators(refs)
+        near = None  # where the span last followed in the references stands now
+        for n in range(1, len(target) - 1):
+            ctx = np.asarray(list(prompt) + list(target[:n]), dtype=np.int64)
+            truth = target[n:]
+            found = [(L, "ref", p) for L, p in occurrences(ref, ctx)] + \
+                    [(L, "answer" if p > len(prompt) else "prompt", p) for L, p in occurrences(ctx, ctx)]
+            if not found:
+                near = None if near is None else near + 1
+                continue
+            longest = max(c[0] for c in found)
+            top = [c for c in found if c[0] == longest]
+            got = {c: leading_matches(continuation(ref if c[1] == "ref" else ctx, c[2]), truth) for c in found}
+            refs_at = [c for c in top if c[1] == "ref"]
+            ctx_at = [c for c in top if c[1] != "ref"]
+            answer_at = [c for c in top if c[1] == "answer"]
+            earliest_ref = min(refs_at, key=lambda c: c[2]) if refs_at else None
+            latest_ctx = max(ctx_at, key=lambda c: c[2]) if ctx_at else None
+            first_token = {c: int((ref if c[1] == "ref" else ctx)[c[2]]) for c in top}
+            voted = Counter(first_token.values()).most_common(1)[0][0]
+            winners = [c for c in top if first_token[c] == voted]
+            close = [c for c in refs_at if near is not None and 0 <= c[2] - near <= NEAR
+                     and SEPARATOR not in ref[near:c[2]].tolist()]
+            picks = {
+                "oracle: best occurrence of the longest match": max(got[c] for c in top),
+                "oracle: best occurrence of any match": max(got.values()),
+                "earliest in the references, else latest in the context": got[earliest_ref or latest_ctx],
+                "latest in the context, else earliest in the references": got[latest_ctx or earliest_ref],
+                "the answer so far first (latest), then as the reference drafter":
+                    got[max(answer_at, key=lambda c: c[2])] if answer_at else got[earliest_ref or latest_ctx],
+                "a vote on the next token, then the earliest": got[min(winners, key=lambda c: (c[1] != "ref", c[2]))],
+                "closest after the span last followed, else the reference drafter's":
+                    got[min(close, key=lambda c: c[2])] if close else got[earliest_ref or latest_ctx],
+            }
+            b = bucket(longest)
+            for name, value in picks.items():
+                sums[b][name] += value
+                sums["all"][name] += value
+            sums[b]["positions"] += 1
+            sums["all"]["positions"] += 1
+            # the span followed: where the references continue the answer's tail, closest after the last one
+            nxt = np.asarray(list(ctx) + [target[n]], dtype=np.int64)
+            spans = [p for L, p in occurrences(ref, nxt) if L >= 3]
+            after = [p for p in spans if near is not None and 0 <= p - near <= NEAR]
+            near = min(after) if after else (min(spans) if spans else (None if near is None else near + 1))
+    return {b: {k: (v / c["positions"] if k != "positions" else v) for k, v in c.items()} for b, c in sums.items()}
+
+
+class CloseAfterSpan(ReferenceDrafter):
+    """The reference drafter, but when its longest match is 1-2 tokens it copies from the occurrence closest after
+    where the span it followed broke off (within ``NEAR`` tokens, same reference), if there is one."""
+
+    name = "reference"
+
+    def __init__(self, refs: Sequence[Sequence[int]], min_match: int, max_match: int) -> None:
+        super().__init__(refs, min_match, max_match)
+        self._source_arr = np.asarray(self.index.tokens, dtype=np.int64)
+        self._near: int | None = None
+
+    def _search(self, context: Sequence[int]) -> tuple[int, int] | None:
+        found = super()._search(context)
+        if found is None or found[0] > 2 or self._near is None:
+            return found
+        ctx = np.asarray(context[-found[0]:], dtype=np.int64)
+        close = [p for L, p in occurrences(self._source_arr, ctx) if L == found[0]
+                 and 0 <= p - self._near <= NEAR and SEPARATOR not in self.index.tokens[self._near:p]]
+        return (found[0], min(close)) if close else found
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        if self._follow is not None and num_new > 0:
+            new, start, j = context[len(context) - num_new:], self._follow, 0
+            while j < num_new and start + j < len(self.index.tokens) and self.index.tokens[start + j] == new[j]:
+                j += 1
+            self._near = start + j
+        super().update(context, num_new)
+
+
+def replay(prepared: Sequence[tuple], k: int, close_after_span: bool) -> dict[str, float]:
+    """Part 2: the real drafting, one engine learning across the items, at ``1 + SLOPE L`` per verify."""
+    cfg = DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"), max_draft_tokens=k)
+    curve = [1.0 + SLOPE * n for n in range(k + 1)]
+    acceptance, costs = AcceptanceStats(), StepCosts()
+    tokens = steps = 0
+    speedups = []
+    for _, prompt, refs, target in prepared:
+        context = list(prompt)
+        chain = build_drafters(cfg, context, refs).drafters
+        if close_after_span:
+            chain = [CloseAfterSpan(refs, cfg.reference_min_match, cfg.reference_max_match)
+                     if d.name == "reference" else d for d in chain]
+        drafting = RequestDrafting.from_config(cfg, context, refs, curve, acceptance, costs, drafters=chain)
+        drafting.prefill_steps = 0.03 * len(prompt)
+        cost, n_steps, new = 0.0, 1, [target[0]]
+        context.append(target[0])
+        while len(context) - len(prompt) < len(target):
+            drafting.learn(context, new)
+            n = len(context) - len(prompt)
+            draft, n_send = drafting.choose(context, n, 1 << 30)
+            sent = draft.tokens[:n_send]
+            accepted = leading_matches(sent, target[n:n + n_send + 1])
+            new = sent[:accepted] + target[n + accepted:n + accepted + 1]
+            drafting.account(n_send, accepted, curve[n_send], len(context))
+            cost += curve[n_send]
+            n_steps += 1
+            context.extend(new)
+        tokens += len(target)
+        steps += n_steps
+        speedups.append((len(target) - 1) / cost if cost else 1.0)
+    return {"tokens_per_step": tokens / steps,
+            "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--outputs", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/match_choice"))
+    args = ap.parse_args()
+    saved = json.loads(args.outputs.read_text())
+    dec = ReferenceDecoder.from_pretrained(saved.get("model", "smollm2-135m-instruct"), calibrate=False)
+    items = {it.id: it for it in load_msmarco_sample(with_answers=True)}
+    prepared = [(item_id, dec.encode_prompt(rag_messages(items[item_id].query, items[item_id].passages)),
+                 dec.encode_references(list(items[item_id].passages)), target)
+                for item_id, target in saved["outputs"].items()]
+    positions = rules_at_positions(prepared)
+    replays = {f"K={k}{', closest after the span' if close else ''}": replay(prepared, k, close)
+               for k, close in ((10, False), (24, False), (10, True))}
+    command = f"python benchmarks/match_choice.py --outputs {args.outputs} --out {args.out}"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "items": len(prepared), "k": K,
+                                                         "positions": positions, "replays": replays}, indent=1))
+    buckets = [b for b in ("1", "2", "3-4", "5-8", "9+", "all") if b in positions]
+    rules = [r for r in positions["all"] if r != "positions"]
+    lines = [f"# Which occurrence to copy from: {len(prepared)} items' greedy answers replayed (no timing)", "",
+             f"- command: `{command}`", "",
+             f"Mean tokens a {K}-token draft from the chosen occurrence gets accepted, per answer position, by the "
+             "length of the context's longest match (references, prompt, answer so far):", "",
+             "| rule | " + " | ".join(f"longest {b} ({int(positions[b]['positions'])})" for b in buckets) + " |",
+             "|---|" + "---|" * len(buckets)]
+    lines += [f"| {r} | " + " | ".join(f"{positions[b][r]:.2f}" for b in buckets) + " |" for r in rules]
+    lines += ["", f"The real drafting and policy, one engine learning across the items, a verify of L draft tokens "
+                  f"costing 1 + {SLOPE} L plain steps (vLLM at one request in flight on this CPU):", "",
+              "| configuration | tokens/step | modelled speed-up of the decoding steps (geo-mean) |", "|---|---|---|"]
+    lines += [f"| {name} | {v['tokens_per_step']:.3f} | {v['modelled_speedup_decoding']:.3f}x |"
+              for name, v in replays.items()]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
