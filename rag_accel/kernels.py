@@ -102,8 +102,8 @@ class SuffixArrayIndex:
     token of context narrows the suffix-array interval by two binary searches.
     The result is the longest suffix of the context that occurs in the source
     (up to ``max_match``) and where its continuation starts. ``max_match`` given
-    here bounds every query's and sorts the suffixes that deep only (fewer rounds
-    of :func:`suffix_array` on a source with long repeats).
+    here bounds every query's match length and sorts the suffixes that deep only
+    (fewer rounds of :func:`suffix_array` on a source with long repeats).
 
     Example:
         >>> idx = SuffixArrayIndex([7, 1, 2, 3, 9, 1, 2, 4])
