@@ -68,15 +68,17 @@ def suffix_array(tokens: np.ndarray, depth: int | None = None) -> np.ndarray:
     # rank: of each suffix by its first k symbols, 1-based (0 = past the end); the symbols themselves
     # at first (shifted), dense ranks (<= n) after the first round.
     tokens = np.asarray(tokens, dtype=np.int64)
-    rank = tokens - tokens.min() + 1
-    top = int(rank.max())
-    if top > 1 << 31:  # (far beyond any vocabulary: dense ranks, so that rank * (top + 1) fits in int64)
+    low, high = int(tokens.min()), int(tokens.max())
+    if high - low < 1 << 31:
+        rank, top = tokens - low + 1, high - low + 1
+    else:  # (far beyond any vocabulary: dense ranks, so that rank * (top + 1) fits in int64)
         rank = np.unique(tokens, return_inverse=True)[1].reshape(-1).astype(np.int64) + 1
         top = int(rank.max())
     k = 1
     while depth is None or k < depth:
         second = np.zeros(n, dtype=np.int64)
-        second[: n - k] = rank[k:] if k < n else second[:0]
+        if k < n:
+            second[: n - k] = rank[k:]
         # one key, (rank, second) in one int64: a single sort instead of a two-key lexsort
         key = rank * (top + 1) + second
         order = np.argsort(key, kind="stable")
