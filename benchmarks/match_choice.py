@@ -128,8 +128,6 @@ class CloseAfterSpan(ReferenceDrafter):
     """The reference drafter, but when its longest match is 1-2 tokens it copies from the occurrence closest after
     where the span it followed broke off (within ``NEAR`` tokens, same reference), if there is one."""
 
-    name = "reference"
-
     def __init__(self, refs: Sequence[Sequence[int]], min_match: int, max_match: int) -> None:
         super().__init__(refs, min_match, max_match)
         self._source_arr = np.asarray(self.index.tokens, dtype=np.int64)
