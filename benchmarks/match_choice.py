@@ -151,10 +151,12 @@ class CloseAfterSpan(ReferenceDrafter):
         super().update(context, num_new)
 
 
-def replay(prepared: Sequence[tuple], k: int, close_after_span: bool) -> dict[str, float]:
-    """Part 2: the real drafting, one engine learning across the items, at ``1 + SLOPE L`` per verify."""
+def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
+           curve: Sequence[float] | None = None) -> dict[str, float]:
+    """Part 2: the real drafting, one engine learning across the items, a verify of ``L`` draft tokens costing
+    ``curve[L]`` plain steps (default ``1 + SLOPE L``)."""
     cfg = DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"), max_draft_tokens=k)
-    curve = [1.0 + SLOPE * n for n in range(k + 1)]
+    curve = [1.0 + SLOPE * n for n in range(k + 1)] if curve is None else list(curve[:k + 1])
     acceptance, costs = AcceptanceStats(), StepCosts()
     tokens = steps = 0
     speedups = []
