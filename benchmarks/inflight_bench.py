@@ -16,7 +16,11 @@ The peers, one engine each, float32, eager, prefix caching off, at most ``k`` = 
 * ``vllm-ngram-dynamic``: the same with vLLM's dynamic speculative decoding
   (``num_speculative_tokens_per_batch_size``), its schedule tuned on this machine first (below);
 * ``vllm-suffix``: vLLM's suffix decoding (arctic-inference), vLLM's defaults but ``k`` tokens;
-* ``vllm-ours``: our proposer, each request with its own passages as references.
+* ``vllm-ours``: our proposer, each request with its own passages as references;
+* ``vllm-ours-memory`` (only with ``--methods``): the same with every request in one memory scope, so that
+  it also drafts from the engine's earlier answers, as suffix decoding's tree does by default.
+
+``--methods`` runs a subset (the tuning runs only for the n-gram methods, which need it).
 
 Tuning the dynamic schedule (on the sample's FIRST items, which no level here is judged on): at
 each level, vLLM's n-gram with 1, 2, 4 and 10 draft tokens and with none (vllm-greedy), interleaved
@@ -46,6 +50,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 LEVELS = (1, 4, 16, 32)
 TUNE_KS = (1, 2, 4, 10)
+METHODS = ("vllm-greedy", "vllm-ngram", "vllm-ngram-dynamic", "vllm-suffix", "vllm-ours", "vllm-ours-memory")
+OURS = ("vllm-ours", "vllm-ours-memory")
 
 
 def ngram_config(k: int, schedule: list[tuple[int, int, int]] | None = None) -> dict:
@@ -78,7 +84,7 @@ def run_levels(engines: dict, prompts_by_level: dict[int, list], refs_by_level: 
         for g, start in enumerate(range(0, len(prompts), c)):
             order = methods[g % len(methods):] + methods[:g % len(methods)]
             for m in order:
-                refs = refs_by_level[c][start:start + c] if m == "vllm-ours" else None
+                refs = refs_by_level[c][start:start + c] if m in OURS else None
                 t0 = time.perf_counter()
                 outs = engines[m].generate_batch(prompts[start:start + c], refs, max_new_tokens=new)
                 dt = time.perf_counter() - t0
@@ -160,10 +166,15 @@ def main() -> None:
     ap.add_argument("--tune-items", default="4,8,16,32", help="tuning items per level, from the sample's first")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/inflight_vllm_cpu_smollm2"))
+    ap.add_argument("--methods", default=",".join(METHODS[:5]), help=f"from {','.join(METHODS)} (vllm-greedy always)")
     ap.add_argument("--render", type=Path, default=None, help="rewrite a run's markdown and plot from its JSON")
     args = ap.parse_args()
     if args.render is not None:
         return render(args.render)
+    methods = [m for m in METHODS if m == "vllm-greedy" or m in args.methods.split(",")]
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
     from rag_accel import ReferenceDecoder
     from rag_accel.data import load_msmarco_sample
     from rag_accel.vllm.requests import speculative_config
@@ -178,25 +189,36 @@ def main() -> None:
     tp, tr, _ = take_prompts(tune_items, n_tune, dec)
     jp, jr, jids = take_prompts(judged_items, n_judged, dec)
     t_start = time.time()
-    # 1. tune the dynamic schedule on the first items
+    tune = any(m in methods for m in ("vllm-ngram", "vllm-ngram-dynamic"))
+    # 1. tune the dynamic schedule on the first items (for the n-gram methods)
     specs = {"vllm-greedy": {"speculation": "off"}}
-    specs.update({f"ngram-k{k}": {"speculation": "ngram", "speculative_config": ngram_config(k)} for k in TUNE_KS})
+    if tune:
+        specs.update({f"ngram-k{k}": {"speculation": "ngram", "speculative_config": ngram_config(k)}
+                      for k in TUNE_KS})
     engines = make_engines(specs, args.model, args.k, args.max_model_len)
     try:
-        tuning_rows = run_levels(engines, tp, tr, args.new)
-        tuning = summarize(tuning_rows)
-        schedule, best = schedule_from(tuning, LEVELS)
-        print("tuned schedule:", schedule, flush=True)
-        for name in [n for n in engines if n.startswith("ngram-k") and n != f"ngram-k{args.k}"]:
-            engines.pop(name).close()
-        engines["vllm-ngram"] = engines.pop(f"ngram-k{args.k}")
+        tuning_rows, tuning, schedule, best = [], {}, None, {}
+        if tune:
+            tuning_rows = run_levels(engines, tp, tr, args.new)
+            tuning = summarize(tuning_rows)
+            schedule, best = schedule_from(tuning, LEVELS)
+            print("tuned schedule:", schedule, flush=True)
+            for name in [n for n in engines if n.startswith("ngram-k") and n != f"ngram-k{args.k}"]:
+                engines.pop(name).close()
+            ngram = engines.pop(f"ngram-k{args.k}")
+            if "vllm-ngram" in methods:
+                engines["vllm-ngram"] = ngram
+            else:
+                ngram.close()
         # 2. the peers on the last items, each level its own
         more = {"vllm-ngram-dynamic": {"speculation": "ngram",
                                        "speculative_config": ngram_config(args.k, schedule)},
                 "vllm-suffix": {"speculation": "suffix",
                                 "speculative_config": speculative_config("suffix", args.k)},
-                "vllm-ours": {"speculation": "ours"}}
-        engines.update(make_engines(more, args.model, args.k, args.max_model_len))
+                "vllm-ours": {"speculation": "ours"},
+                "vllm-ours-memory": {"speculation": "ours", "memory_scope": "bench"}}
+        engines.update(make_engines({m: more[m] for m in methods if m in more}, args.model, args.k,
+                                    args.max_model_len))
         rows = run_levels(engines, jp, jr, args.new)
     finally:
         for e in engines.values():
@@ -212,6 +234,8 @@ def main() -> None:
                         if k in os.environ}, "k": args.k, "new_tokens": args.new}
     command = (f"python benchmarks/inflight_bench.py --items {args.items} --tune-items {args.tune_items} "
                f"--new {args.new} --out {args.out}")
+    if methods != ["vllm-greedy", *METHODS[1:5]]:
+        command += f" --methods {','.join(m for m in methods if m != 'vllm-greedy')}"
     for r in rows + tuning_rows:
         r.pop("token_ids")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -228,7 +252,7 @@ def render(path: Path) -> None:
     env, summary, schedule = run["environment"], run["summary"], run["schedule"]
     n_judged = {int(c): len(ids) for c, ids in run["items"].items()}
     n_tune = {int(c): int(n) for c, n in run.get("n_tune", dict(zip(LEVELS, (4, 8, 16, 32)))).items()}
-    methods = ["vllm-greedy", "vllm-ngram", "vllm-ngram-dynamic", "vllm-suffix", "vllm-ours"]
+    methods = [m for m in METHODS if f"{m}@{LEVELS[0]}" in summary]
     lines = [f"# In flight on vLLM, each level on items no engine saw before: {env['model']} float32, "
              f"{env['device']}, {env['date']}", "",
              f"- command: `{run['command']}` (in the vLLM virtualenv)",
@@ -239,12 +263,17 @@ def render(path: Path) -> None:
              f"- items: the sample's last {sum(n_judged.values())}, "
              + ", ".join(f"{n} for {c} in flight" for c, n in n_judged.items())
              + " (each level its own); tokens/s: new tokens over the wall time of the level's groups",
-             "", *table(summary, methods, LEVELS), "",
-             "The dynamic n-gram schedule, tuned first on the sample's first "
-             f"{sum(n_tune.values())} items ({', '.join(f'{n} at {c}' for c, n in n_tune.items())} in flight): "
-             f"`num_speculative_tokens_per_batch_size={schedule}` "
-             "(the best draft-token count per level; 0: speculation off was fastest):", "",
-             *table(run["tuning"], ["vllm-greedy"] + [f"ngram-k{k}" for k in TUNE_KS], LEVELS)]
+             "", *table(summary, methods, LEVELS)]
+    if "vllm-ours-memory" in methods:
+        lines += ["", "vllm-ours-memory: our proposer with all its requests in one memory scope (`memory_scope`), so "
+                      "that it also drafts from the engine's earlier answers, as vllm-suffix's tree does by default; "
+                      "both engines met the same items in the same order."]
+    if schedule is not None:
+        lines += ["", "The dynamic n-gram schedule, tuned first on the sample's first "
+                  f"{sum(n_tune.values())} items ({', '.join(f'{n} at {c}' for c, n in n_tune.items())} in flight): "
+                  f"`num_speculative_tokens_per_batch_size={schedule}` "
+                  "(the best draft-token count per level; 0: speculation off was fastest):", "",
+                  *table(run["tuning"], ["vllm-greedy"] + [f"ngram-k{k}" for k in TUNE_KS], LEVELS)]
     if run.get("note"):
         lines += ["", run["note"]]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")

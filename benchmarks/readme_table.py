@@ -27,6 +27,8 @@ TRECDL_COLD = RESULTS / "bench_cpu_smollm2_trecdl30x64_cold.json"  # other queri
 MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejected
 MEMORY = RESULTS / "bench_vllm_cpu_smollm2_memory_last16x64.json"  # the server's memory against suffix's tree
 INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2.json"  # every peer in flight, each level on unseen items
+# the memory of earlier answers in flight, beside suffix decoding (and a repeat of ours with and without it)
+INFLIGHT_MEMORY = (RESULTS / "inflight_vllm_cpu_smollm2_memory.json", RESULTS / "inflight_vllm_cpu_smollm2_memory_r2.json")
 # a request's references set up beside its prefill: 2 torch threads (the CPU's cores), and 1 (a core left free,
 # as a GPU leaves the host's)
 SETUP, SETUP_FREE = RESULTS / "setup_cost_cpu_smollm2.json", RESULTS / "setup_cost_cpu_smollm2_1thread.json"
@@ -295,6 +297,17 @@ def summary_section() -> str:
             same = sum(sm[f"{m}@{c}"]["identical"] for c in levels)
             total = sum(sm[f"{m}@{c}"]["requests"] for c in levels)
             lines.append(f"| {m} | " + " | ".join(cells) + f" | {same / total:.0%} |")
+    if all(p.is_file() for p in INFLIGHT_MEMORY):  # our memory in flight, as suffix's tree is on by default
+        said = []
+        for path in INFLIGHT_MEMORY:
+            sm = json.loads(path.read_text())["summary"]
+            levels = sorted({v["in_flight"] for v in sm.values()})
+            methods = [m for m in ("vllm-ours-memory", "vllm-suffix", "vllm-ours") if f"{m}@{levels[0]}" in sm]
+            said.append(", ".join(f"{m} " + "/".join(f"{sm[f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
+                                  for m in methods) + f" ([run](benchmarks/results/{path.with_suffix('.md').name}))")
+        lines += ["", "With the memory of earlier answers on (vllm-ours-memory: every request in one scope, as suffix "
+                      "decoding's tree holds every answer), the same items in runs of their own, tokens/s against "
+                      f"vllm-greedy at {'/'.join(str(c) for c in levels)} in flight: " + "; again: ".join(said) + "."]
     if SETUP.is_file() and SETUP_FREE.is_file():  # the first token of a short prompt with big references
         said = []
         for path, how in ((SETUP, "2 torch threads"), (SETUP_FREE, "1 thread, a core left free as a GPU leaves the host's")):
