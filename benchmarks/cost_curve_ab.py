@@ -32,40 +32,20 @@ import torch
 from rag_accel import ReferenceDecoder
 from rag_accel.data import load_msmarco_sample, rag_messages
 from rag_accel.hf.decoder import measure_cost_curve
-from rag_accel.hf.kv import rollback_cache
+from tree_verify import cost_of, forward_costs
 
 ARMS = ("greedy", "before", "after")
 
 
 def curve_with_dips(decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2) -> tuple:
     """The candidate rule: every size up to 8 timed (then 12, 16, 24, 32, 48, 64, ``max_draft + 1``), a longer
-    forward that costs less kept (linear between sizes, at least 1), as :func:`measure_cost_curve` otherwise."""
+    forward that costs less kept (linear between sizes, at least 1), as :func:`measure_cost_curve` otherwise
+    (its context length and repeats; the timing loop is ``tree_verify.forward_costs``)."""
     ctx_len = max(1, min(context_len, (decoder.context_window or 1 << 30) - max_draft - 2))
-    gen = torch.Generator().manual_seed(0)
     sizes = sorted({*range(1, min(8, max_draft + 1) + 1),
                     *(s for s in (12, 16, 24, 32, 48, 64) if s <= max_draft), max_draft + 1})
-    samples: dict[int, list[float]] = {s: [] for s in sizes}
-    cfg = decoder.config
-    with torch.inference_mode():
-        cache = decoder._new_cache()
-        decoder._forward(torch.randint(0, decoder.vocab_size, (ctx_len,), generator=gen).tolist(), cache,
-                         last_only=True, fast_head=cfg.fast_head)
-        for r in range(repeats + 1):  # round-robin, the first round a warm-up
-            for size in sizes:
-                ids = torch.randint(0, decoder.vocab_size, (size,), generator=gen).tolist()
-                t0 = time.perf_counter()
-                decoder._forward(ids, cache, pack_gqa=cfg.pack_gqa, fast_head=cfg.fast_head)
-                if r:
-                    samples[size].append(time.perf_counter() - t0)
-                rollback_cache(cache, size)
-    times = {s: min(v) for s, v in samples.items()}
-    curve = [1.0]
-    for L in range(1, max_draft + 1):
-        s = L + 1
-        lo, hi = max(x for x in sizes if x <= s), min(x for x in sizes if x >= s)
-        t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (s - lo) / (hi - lo)
-        curve.append(max(1.0, t / times[1]))
-    return tuple(curve)
+    costs = forward_costs(decoder, ctx_len, repeats, sizes)
+    return (1.0, *(max(1.0, cost_of(costs, L + 1)) for L in range(1, max_draft + 1)))
 
 
 def geo(values: Sequence[float]) -> float:
@@ -78,8 +58,8 @@ def render(data: dict, out: Path) -> None:
     speed = {a: [med["greedy"][i] / med[a][i] for i in items] for a in ("before", "after")}
     paired = [med["before"][i] / med["after"][i] for i in items]
     worst = {a: min(zip(speed[a], items)) for a in speed}
-    lines = [f"# The decoder's cost curve kept non-decreasing (before) and with its dips (after): {data['model']} float32, "
-             f"{len(items)} last MS-MARCO items (cold), {data['max_new_tokens']} tokens, {data['date']}", "",
+    lines = [f"# The decoder's cost curve kept non-decreasing (before) and with its dips (after): {data['model']} "
+             f"float32, {len(items)} last MS-MARCO items (cold), {data['max_new_tokens']} tokens, {data['date']}", "",
              f"- command: `{data['command']}`", f"- machine: {data['machine']}; load (1/5/15 min) before "
              f"{data['load_before']}, after {data['load_after']}",
              f"- per item: the median of {data['repeats']} interleaved runs of each arm; every run of ours cold",

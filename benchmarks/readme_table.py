@@ -28,7 +28,8 @@ MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejecte
 MEMORY = RESULTS / "bench_vllm_cpu_smollm2_memory_last16x64.json"  # the server's memory against suffix's tree
 INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2.json"  # every peer in flight, each level on unseen items
 # the memory of earlier answers in flight, beside suffix decoding (and a repeat of ours with and without it)
-INFLIGHT_MEMORY = (RESULTS / "inflight_vllm_cpu_smollm2_memory.json", RESULTS / "inflight_vllm_cpu_smollm2_memory_r2.json")
+INFLIGHT_MEMORY = (RESULTS / "inflight_vllm_cpu_smollm2_memory.json",
+                   RESULTS / "inflight_vllm_cpu_smollm2_memory_r2.json")
 # a request's references set up beside its prefill: 2 torch threads (the CPU's cores), and 1 (a core left free,
 # as a GPU leaves the host's)
 SETUP, SETUP_FREE = RESULTS / "setup_cost_cpu_smollm2.json", RESULTS / "setup_cost_cpu_smollm2_1thread.json"

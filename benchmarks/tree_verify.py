@@ -49,15 +49,17 @@ from rag_accel.kernels import concat_with_separators
 SIZES = (1, 2, 3, 4, 6, 8, 11, 12, 16, 22, 24, 32)
 
 
-def forward_costs(dec: ReferenceDecoder, context: int, repeats: int) -> dict[int, float]:
-    """Part 1: a forward over ``N`` tokens on a cached ``context``, relative to ``N = 1``, for ``N`` in SIZES."""
+def forward_costs(dec: ReferenceDecoder, context: int, repeats: int,
+                  sizes: Sequence[int] = SIZES) -> dict[int, float]:
+    """Part 1: a forward over ``N`` tokens on a cached ``context``, relative to ``N = 1`` (which ``sizes`` must
+    hold), for ``N`` in ``sizes``: round-robin, the first round a warm-up, the least disturbed of ``repeats``."""
     gen = torch.Generator().manual_seed(0)
-    samples: dict[int, list[float]] = {n: [] for n in SIZES}
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
         cache = dec._new_cache()
         dec._forward(torch.randint(0, dec.vocab_size, (context,), generator=gen).tolist(), cache, last_only=True)
         for r in range(repeats + 1):  # the first round warms up
-            for n in SIZES:
+            for n in sizes:
                 ids = torch.randint(0, dec.vocab_size, (n,), generator=gen).tolist()
                 t0 = time.perf_counter()
                 dec._forward(ids, cache, pack_gqa=dec.config.pack_gqa, fast_head=dec.config.fast_head)
@@ -138,7 +140,8 @@ def accepted(tree: set[tuple[int, ...]], truth: Sequence[int]) -> int:
     return n
 
 
-def replay_trees(prepared: Sequence[tuple], draft: Callable[[list, Sequence[int]], set], costs: dict[int, float]) -> dict[str, float]:
+def replay_trees(prepared: Sequence[tuple], draft: Callable[[list, Sequence[int]], set],
+                 costs: dict[int, float]) -> dict[str, float]:
     """Tokens per step (the prefill's included, as in ``match_choice.replay``), draft tokens verified per step and
     the decoding steps' modelled speed-up (geo-mean over items) of ``draft(found, truth) -> tree``."""
     tokens = steps = nodes = 0
