@@ -18,7 +18,15 @@ The peers, one engine each, float32, eager, prefix caching off, at most ``k`` = 
 * ``vllm-suffix``: vLLM's suffix decoding (arctic-inference), vLLM's defaults but ``k`` tokens;
 * ``vllm-ours``: our proposer, each request with its own passages as references;
 * ``vllm-ours-memory`` (only with ``--methods``): the same with every request in one memory scope, so that
-  it also drafts from the engine's earlier answers, as suffix decoding's tree does by default.
+  it also drafts from the engine's earlier answers, as suffix decoding's tree does by default;
+* ``vllm-ours-control`` (only with ``--methods``): a second engine configured as ``vllm-ours``. Two engines
+  of one configuration, in one process, on the same items, differed by -6% to +15% at 16 and 32 in flight
+  on this 2-core CPU (``inflight_vllm_cpu_smollm2_memory_control`` and ``_repeats``); the gap between this
+  one and ``vllm-ours`` is the run's own measure of that spread, and the markdown says so beside the table.
+
+``--repeats N`` runs the judged levels N times on the same items, each time on engines built afresh (so
+one engine's luck does not decide a method's number); the table sums all runs, and the markdown adds
+each run's ratios.
 
 ``--methods`` runs a subset (the tuning runs only for the n-gram methods, which need it).
 
@@ -50,8 +58,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 LEVELS = (1, 4, 16, 32)
 TUNE_KS = (1, 2, 4, 10)
-METHODS = ("vllm-greedy", "vllm-ngram", "vllm-ngram-dynamic", "vllm-suffix", "vllm-ours", "vllm-ours-memory")
-OURS = ("vllm-ours", "vllm-ours-memory")
+METHODS = ("vllm-greedy", "vllm-ngram", "vllm-ngram-dynamic", "vllm-suffix", "vllm-ours", "vllm-ours-memory",
+           "vllm-ours-control")
+OURS = ("vllm-ours", "vllm-ours-memory", "vllm-ours-control")
 
 
 def ngram_config(k: int, schedule: list[tuple[int, int, int]] | None = None) -> dict:
@@ -167,11 +176,15 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/inflight_vllm_cpu_smollm2"))
     ap.add_argument("--methods", default=",".join(METHODS[:5]), help=f"from {','.join(METHODS)} (vllm-greedy always)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="runs of the judged levels, each on engines built afresh (the same items)")
     ap.add_argument("--render", type=Path, default=None, help="rewrite a run's markdown and plot from its JSON")
     args = ap.parse_args()
     if args.render is not None:
         return render(args.render)
     methods = [m for m in METHODS if m == "vllm-greedy" or m in args.methods.split(",")]
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     unknown = set(args.methods.split(",")) - set(METHODS)
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
@@ -210,16 +223,26 @@ def main() -> None:
                 engines["vllm-ngram"] = ngram
             else:
                 ngram.close()
-        # 2. the peers on the last items, each level its own
-        more = {"vllm-ngram-dynamic": {"speculation": "ngram",
-                                       "speculative_config": ngram_config(args.k, schedule)},
-                "vllm-suffix": {"speculation": "suffix",
-                                "speculative_config": speculative_config("suffix", args.k)},
-                "vllm-ours": {"speculation": "ours"},
-                "vllm-ours-memory": {"speculation": "ours", "memory_scope": "bench"}}
-        engines.update(make_engines({m: more[m] for m in methods if m in more}, args.model, args.k,
-                                    args.max_model_len))
-        rows = run_levels(engines, jp, jr, args.new)
+        # 2. the peers on the last items, each level its own; each further repeat on engines built afresh
+        more = {"vllm-greedy": lambda: {"speculation": "off"},
+                "vllm-ngram": lambda: {"speculation": "ngram", "speculative_config": ngram_config(args.k)},
+                "vllm-ngram-dynamic": lambda: {"speculation": "ngram",
+                                               "speculative_config": ngram_config(args.k, schedule)},
+                "vllm-suffix": lambda: {"speculation": "suffix",
+                                        "speculative_config": speculative_config("suffix", args.k)},
+                "vllm-ours": lambda: {"speculation": "ours"},
+                "vllm-ours-memory": lambda: {"speculation": "ours", "memory_scope": "bench"},
+                "vllm-ours-control": lambda: {"speculation": "ours"}}  # (built only if asked: suffix needs arctic)
+        rows = []
+        for repeat in range(args.repeats):
+            if repeat:
+                for e in engines.values():
+                    e.close()
+                engines = {}
+            engines.update(make_engines({m: more[m]() for m in methods if m not in engines}, args.model, args.k,
+                                        args.max_model_len))
+            engines = {m: engines[m] for m in methods}  # (the rotation's order: the methods')
+            rows += [{**r, "repeat": repeat} for r in run_levels(engines, jp, jr, args.new)]
     finally:
         for e in engines.values():
             e.close()
@@ -234,6 +257,8 @@ def main() -> None:
                         if k in os.environ}, "k": args.k, "new_tokens": args.new}
     command = (f"python benchmarks/inflight_bench.py --items {args.items} --tune-items {args.tune_items} "
                f"--new {args.new} --out {args.out}")
+    if args.repeats != 1:
+        command += f" --repeats {args.repeats}"
     if methods != ["vllm-greedy", *METHODS[1:5]]:
         command += f" --methods {','.join(m for m in methods if m != 'vllm-greedy')}"
     for r in rows + tuning_rows:
@@ -268,6 +293,29 @@ def render(path: Path) -> None:
         lines += ["", "vllm-ours-memory: our proposer with all its requests in one memory scope (`memory_scope`), so "
                       "that it also drafts from the engine's earlier answers, as vllm-suffix's tree does by default; "
                       "both engines met the same items in the same order."]
+    if "vllm-ours-control" in methods and "vllm-ours" in methods:
+        spread = [summary[f"vllm-ours-control@{c}"]["tokens_per_s"] / summary[f"vllm-ours@{c}"]["tokens_per_s"] - 1
+                  for c in LEVELS]
+        lines += ["", "vllm-ours-control: a second engine configured as vllm-ours (built after the others). Its "
+                      "tokens/s against vllm-ours at " + "/".join(str(c) for c in LEVELS) + " in flight: "
+                      + "/".join(f"{d:+.1%}" for d in spread) + ". That is this run's spread between two engines "
+                      "of one configuration: a difference between methods no larger than it is not told apart "
+                      "from it."]
+    repeats = sorted({r.get("repeat", 0) for r in run["rows"]})
+    if len(repeats) > 1:  # the same items on engines built afresh: how far one run's ratios are from another's
+        lines += ["", f"Each of the {len(repeats)} runs on its own engines (the table above: all runs' tokens over all "
+                      "runs' time), tokens/s against vllm-greedy:", "",
+                  "| method | " + " | ".join(f"{c} in flight, run " + "/".join(str(k + 1) for k in repeats)
+                                           for c in LEVELS) + " |", "|---|" + "---|" * len(LEVELS)]
+        for m in methods[1:]:
+            cells = []
+            for c in LEVELS:
+                rate = {(x, k): sum(r["new_tokens"] for r in run["rows"] if (r["method"], r["in_flight"],
+                                    r.get("repeat", 0)) == (x, c, k)) / sum(
+                    r["seconds"] for r in run["rows"] if (r["method"], r["in_flight"], r.get("repeat", 0)) == (x, c, k))
+                        for x in (m, "vllm-greedy") for k in repeats}
+                cells.append(" / ".join(f"{rate[m, k] / rate['vllm-greedy', k]:.2f}x" for k in repeats))
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
     if schedule is not None:
         lines += ["", "The dynamic n-gram schedule, tuned first on the sample's first "
                   f"{sum(n_tune.values())} items ({', '.join(f'{n} at {c}' for c, n in n_tune.items())} in flight): "
