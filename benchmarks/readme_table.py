@@ -30,6 +30,10 @@ INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2.json"  # every peer in flight, e
 # the memory of earlier answers in flight, beside suffix decoding (and a repeat of ours with and without it)
 INFLIGHT_MEMORY = (RESULTS / "inflight_vllm_cpu_smollm2_memory.json",
                    RESULTS / "inflight_vllm_cpu_smollm2_memory_r2.json")
+# ... with a second engine configured as vllm-ours beside them (the spread between engines): once, and twice on
+# engines built afresh
+INFLIGHT_CONTROL = (RESULTS / "inflight_vllm_cpu_smollm2_memory_control.json",
+                    RESULTS / "inflight_vllm_cpu_smollm2_memory_repeats.json")
 # a request's references set up beside its prefill: 2 torch threads (the CPU's cores), and 1 (a core left free,
 # as a GPU leaves the host's)
 SETUP, SETUP_FREE = RESULTS / "setup_cost_cpu_smollm2.json", RESULTS / "setup_cost_cpu_smollm2_1thread.json"
@@ -309,6 +313,30 @@ def summary_section() -> str:
         lines += ["", "With the memory of earlier answers on (vllm-ours-memory: every request in one scope, as suffix "
                       "decoding's tree holds every answer), the same items in runs of their own, tokens/s against "
                       f"vllm-greedy at {'/'.join(str(c) for c in levels)} in flight: " + "; again: ".join(said) + "."]
+    if all(p.is_file() for p in INFLIGHT_MEMORY + INFLIGHT_CONTROL):  # (said after the memory: how far two engines differ)
+        def ratios(path: Path, method: str) -> list[dict[int, float]]:
+            """Per run (repeat) of ``path``: ``method``'s tokens/s over vllm-ours's, per level."""
+            rows = json.loads(path.read_text())["rows"]
+            out = []
+            for k in sorted({r.get("repeat", 0) for r in rows}):
+                def rate(m: str, c: int) -> float:
+                    mine = [r for r in rows if (r["method"], r["in_flight"], r.get("repeat", 0)) == (m, c, k)]
+                    return sum(r["new_tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+                out.append({c: rate(method, c) / rate("vllm-ours", c) for c in sorted({r["in_flight"] for r in rows})})
+            return out
+
+        control = [(ratios(path, "vllm-ours-control"), path) for path in INFLIGHT_CONTROL]
+        levels = sorted(control[0][0][0])
+        said = [" and ".join("/".join(f"{run[c] - 1:+.0%}" for c in levels) for run in runs)
+                + f" ([run](benchmarks/results/{path.with_suffix('.md').name}))" for runs, path in control]
+        memory = [run[16] - 1 for path in INFLIGHT_MEMORY + INFLIGHT_CONTROL for run in ratios(path, "vllm-ours-memory")]
+        lines[-1] += (" Two engines of one configuration differ as much on this 2-core CPU. A second engine configured "
+                      "as vllm-ours beside them (vllm-ours-control, the same items in the same order) had tokens/s "
+                      f"against vllm-ours at {'/'.join(str(c) for c in levels)} in flight of " + "; in two runs on "
+                      "engines built afresh, ".join(said) + f". So the memory's gap at 16 in flight ({len(memory)} "
+                      f"runs: {min(memory):+.0%} to {max(memory):+.0%}, {sum(memory) / len(memory):+.0%} on average) "
+                      "is not told apart from that spread: a cost of a few per cent there is possible, not shown. "
+                      "Nor is any in-flight difference between methods of that size, from one run with one engine each.")
     if SETUP.is_file() and SETUP_FREE.is_file():  # the first token of a short prompt with big references
         said = []
         for path, how in ((SETUP, "2 torch threads"), (SETUP_FREE, "1 thread, a core left free as a GPU leaves the host's")):
