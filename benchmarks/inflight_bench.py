@@ -125,6 +125,22 @@ def summarize(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
+def run_rates(rows: list[dict]) -> dict[tuple[str, int, int], float]:
+    """Tokens/s per (method, level, repeat) from a run's rows (a run without repeats: repeat 0).
+
+    Example:
+        >>> run_rates([{"method": "m", "in_flight": 4, "new_tokens": 10, "seconds": 2.0},
+        ...            {"method": "m", "in_flight": 4, "new_tokens": 20, "seconds": 2.0, "repeat": 0}])
+        {('m', 4, 0): 7.5}
+    """
+    sums: dict[tuple[str, int, int], list[float]] = {}
+    for r in rows:
+        s = sums.setdefault((r["method"], r["in_flight"], r.get("repeat", 0)), [0.0, 0.0])
+        s[0] += r["new_tokens"]
+        s[1] += r["seconds"]
+    return {key: tokens / seconds for key, (tokens, seconds) in sums.items()}
+
+
 def schedule_from(tuning: dict[str, dict], levels: tuple[int, ...]) -> tuple[list[tuple[int, int, int]], dict]:
     """The best draft-token count per level (0: speculation off was fastest), as vLLM's schedule."""
     best = {}
@@ -307,14 +323,9 @@ def render(path: Path) -> None:
                       "runs' time), tokens/s against vllm-greedy:", "",
                   "| method | " + " | ".join(f"{c} in flight, run " + "/".join(str(k + 1) for k in repeats)
                                            for c in LEVELS) + " |", "|---|" + "---|" * len(LEVELS)]
+        rate = run_rates(run["rows"])
         for m in methods[1:]:
-            cells = []
-            for c in LEVELS:
-                rate = {(x, k): sum(r["new_tokens"] for r in run["rows"] if (r["method"], r["in_flight"],
-                                    r.get("repeat", 0)) == (x, c, k)) / sum(
-                    r["seconds"] for r in run["rows"] if (r["method"], r["in_flight"], r.get("repeat", 0)) == (x, c, k))
-                        for x in (m, "vllm-greedy") for k in repeats}
-                cells.append(" / ".join(f"{rate[m, k] / rate['vllm-greedy', k]:.2f}x" for k in repeats))
+            cells = [" / ".join(f"{rate[m, c, k] / rate['vllm-greedy', c, k]:.2f}x" for k in repeats) for c in LEVELS]
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
     if schedule is not None:
         lines += ["", "The dynamic n-gram schedule, tuned first on the sample's first "

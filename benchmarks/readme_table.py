@@ -314,16 +314,13 @@ def summary_section() -> str:
                       "decoding's tree holds every answer), the same items in runs of their own, tokens/s against "
                       f"vllm-greedy at {'/'.join(str(c) for c in levels)} in flight: " + "; again: ".join(said) + "."]
     if all(p.is_file() for p in INFLIGHT_MEMORY + INFLIGHT_CONTROL):  # (said after the memory: how far two engines differ)
+        from inflight_bench import run_rates  # (this folder is on sys.path when run as a script)
+
         def ratios(path: Path, method: str) -> list[dict[int, float]]:
             """Per run (repeat) of ``path``: ``method``'s tokens/s over vllm-ours's, per level."""
-            rows = json.loads(path.read_text())["rows"]
-            out = []
-            for k in sorted({r.get("repeat", 0) for r in rows}):
-                def rate(m: str, c: int) -> float:
-                    mine = [r for r in rows if (r["method"], r["in_flight"], r.get("repeat", 0)) == (m, c, k)]
-                    return sum(r["new_tokens"] for r in mine) / sum(r["seconds"] for r in mine)
-                out.append({c: rate(method, c) / rate("vllm-ours", c) for c in sorted({r["in_flight"] for r in rows})})
-            return out
+            rate = run_rates(json.loads(path.read_text())["rows"])
+            repeats, levels = sorted({k for _, _, k in rate}), sorted({c for _, c, _ in rate})
+            return [{c: rate[method, c, k] / rate["vllm-ours", c, k] for c in levels} for k in repeats]
 
         control = [(ratios(path, "vllm-ours-control"), path) for path in INFLIGHT_CONTROL]
         levels = sorted(control[0][0][0])
