@@ -16,6 +16,12 @@ greedy answers are known, so what a draft would get accepted is too.
    engine learning across the items) at vLLM-like costs on this CPU (a verify of ``L`` draft tokens costs
    ``1 + 0.025 L`` plain steps at one request in flight): tokens per step and modelled speed-up of the decoding
    steps, at ``K`` = 10 and 24, and with the closest-after-the-span rule in the reference drafter.
+3. With ``--learn-from`` (another outputs file: the items to learn on): a learned choice. Every distinct
+   continuation of every match (any length; references, prompt, answer so far) gets the features of
+   :data:`FEATURES`, and a linear score fitted by least squares to the tokens it gets accepted on the
+   ``--learn-from`` answers picks one. Judged on ``--outputs``: each step sends the ``K`` tokens of the pick
+   (no policy) against the drafter chain's first draft and the best continuation (an oracle), and the pick in
+   place of the reference drafter inside the real drafting of part 2.
 
 Tune on the sample's first items, judge on its last ones.
 """
@@ -34,7 +40,7 @@ import numpy as np
 
 from rag_accel import DecoderConfig, ReferenceDecoder
 from rag_accel.data import load_msmarco_sample, rag_messages
-from rag_accel.drafters import ReferenceDrafter, build_drafters
+from rag_accel.drafters import ReferenceDrafter, _SpanCopier, build_drafters
 from rag_accel.kernels import SEPARATOR, concat_with_separators
 from rag_accel.policy import AcceptanceStats, leading_matches
 from rag_accel.speculation import RequestDrafting, StepCosts
@@ -151,10 +157,137 @@ class CloseAfterSpan(ReferenceDrafter):
         super().update(context, num_new)
 
 
+#: Part 3's features of a distinct continuation (the occurrence with its longest match stands for it).
+FEATURES = ("bias", "match length / 32", "log match length", "is the longest match", "longest - its match length",
+            "occurs in the references", "occurs in the answer so far", "occurs in the prompt",
+            "log occurrences", "share of all occurrences with its first token",
+            "overlap of the 64 tokens before it with the context's last 32", "position in its source (0-1)",
+            "length / K", "first token among the context's last 3")
+
+
+def continuations(ref: np.ndarray, ctx: np.ndarray, n_prompt: int) -> tuple[np.ndarray, list[tuple]]:
+    """Part 3: every distinct ``K``-token continuation of any match of the context's tail, its :data:`FEATURES`
+    (rows) and ``(tokens, (source, start))`` of the occurrence standing for it (source 0: references, 1: context)."""
+    groups: dict[tuple, dict] = {}
+    recent = set(ctx[-32:].tolist())
+    for kind, src in ((0, ref), (1, ctx)):
+        lengths = match_lengths(src, ctx)
+        for p in np.nonzero(lengths)[0].tolist():
+            tokens = tuple(continuation(src, p))
+            if not tokens:
+                continue
+            length = int(lengths[p])
+            overlap = len(set(src[max(0, p - length - 64):p - length].tolist()) & recent) / 32
+            g = groups.setdefault(tokens, {"n": 0, "where": set(), "best": (0, 0.0, 0.0, (kind, p))})
+            g["n"] += 1
+            g["where"].add("ref" if kind == 0 else "answer" if p >= n_prompt else "prompt")
+            g["best"] = max(g["best"], (length, overlap, p / max(1, len(src)), (kind, p)))
+    if not groups:
+        return np.zeros((0, len(FEATURES))), []
+    longest = max(g["best"][0] for g in groups.values())
+    first = Counter()
+    for tokens, g in groups.items():
+        first[tokens[0]] += g["n"]
+    total, last = sum(first.values()), set(ctx[-3:].tolist())
+    rows, picks = [], []
+    for tokens, g in groups.items():
+        length, overlap, position, where = g["best"]
+        rows.append([1.0, min(length, 32) / 32, math.log(length), float(length == longest), float(longest - length),
+                     float("ref" in g["where"]), float("answer" in g["where"]), float("prompt" in g["where"]),
+                     math.log(g["n"]), first[tokens[0]] / total, overlap, position, len(tokens) / K,
+                     float(tokens[0] in last)])
+        picks.append((list(tokens), where))
+    return np.asarray(rows), picks
+
+
+def fit_score(prepared: Sequence[tuple]) -> np.ndarray:
+    """Part 3: least-squares weights of :data:`FEATURES` for the tokens a continuation gets accepted, over every
+    position of every answer."""
+    xs, ys = [], []
+    for _, prompt, refs, target in prepared:
+        ref = concat_with_separators(refs)
+        for n in range(1, len(target) - 1):
+            rows, picks = continuations(ref, np.asarray(list(prompt) + list(target[:n]), dtype=np.int64), len(prompt))
+            xs.append(rows)
+            ys += [leading_matches(tokens, target[n:]) for tokens, _ in picks]
+    return np.linalg.lstsq(np.concatenate(xs), np.asarray(ys, dtype=np.float64), rcond=None)[0]
+
+
+class LearnedChoice(_SpanCopier):
+    """The reference drafter's place in the chain, picking by the learned score among every continuation of any
+    match in the references and the context (then following the picked span, as copy drafters do)."""
+
+    name = "reference"
+    weights: np.ndarray = np.zeros(len(FEATURES))
+
+    def __init__(self, refs: Sequence[Sequence[int]], n_prompt: int) -> None:
+        super().__init__()
+        self.ref = concat_with_separators(refs)
+        self.ref_tokens, self.n_prompt = self.ref.tolist(), n_prompt
+        self._tokens: Sequence[int] = self.ref_tokens
+
+    def _source(self) -> Sequence[int]:
+        return self._tokens
+
+    def _search(self, context: Sequence[int]) -> tuple[int, int] | None:
+        rows, picks = continuations(self.ref, np.asarray(context, dtype=np.int64), self.n_prompt)
+        if not picks:
+            return None
+        best = int(np.argmax(rows @ self.weights))
+        kind, start = picks[best][1]
+        self._tokens = self.ref_tokens if kind == 0 else context
+        return int(round(rows[best][1] * 32)), start
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        if self._tokens is not self.ref_tokens:
+            self._tokens = context  # (a span in the context: the context as it grew)
+        super().update(context, num_new)
+
+
+def always_send(prepared: Sequence[tuple], choice: str, weights: np.ndarray | None = None) -> dict[str, float]:
+    """Part 3: every step sends ``K`` tokens (no policy) of ``choice``: ``chain`` (the drafter chain's first draft),
+    ``learned`` (the learned score's pick, its span followed while it is accepted) or ``oracle`` (the continuation
+    of any match that gets the most accepted)."""
+    cfg = DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"), max_draft_tokens=K)
+    tokens = steps = 0
+    speedups = []
+    for _, prompt, refs, target in prepared:
+        ref = concat_with_separators(refs)
+        context = list(prompt) + [target[0]]
+        chain = build_drafters(cfg, context, refs)
+        chain.update(context, 1)
+        learned = LearnedChoice(refs, len(prompt))
+        learned.weights = weights if weights is not None else learned.weights
+        cost, n_steps = 0.0, 1
+        while len(context) - len(prompt) < len(target):
+            truth = target[len(context) - len(prompt):]
+            if choice == "chain":
+                draft = chain.propose(context, K).tokens
+            elif choice == "learned":
+                draft = learned.propose(context, K).tokens
+            else:
+                ctx = np.asarray(context, dtype=np.int64)
+                picks = continuations(ref, ctx, len(prompt))[1]
+                draft = max((t for t, _ in picks), key=lambda t: leading_matches(t, truth), default=[])
+            accepted = leading_matches(draft, truth)
+            new = draft[:accepted] + truth[accepted:accepted + 1]
+            cost += 1.0 + SLOPE * len(draft)
+            n_steps += 1
+            context.extend(new)
+            chain.update(context, len(new))
+            learned.update(context, len(new))
+        tokens += len(target)
+        steps += n_steps
+        speedups.append((len(target) - 1) / cost)
+    return {"tokens_per_step": tokens / steps,
+            "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
+
+
 def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
-           curve: Sequence[float] | None = None) -> dict[str, float]:
+           curve: Sequence[float] | None = None, weights: np.ndarray | None = None) -> dict[str, float]:
     """Part 2: the real drafting, one engine learning across the items, a verify of ``L`` draft tokens costing
-    ``curve[L]`` plain steps (default ``1 + SLOPE L``)."""
+    ``curve[L]`` plain steps (default ``1 + SLOPE L``); ``weights``: part 3's learned choice in the reference
+    drafter's place."""
     cfg = DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"), max_draft_tokens=k)
     curve = [1.0 + SLOPE * n for n in range(k + 1)] if curve is None else list(curve[:k + 1])
     acceptance, costs = AcceptanceStats(), StepCosts()
@@ -166,6 +299,10 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
         if close_after_span:
             chain = [CloseAfterSpan(refs, cfg.reference_min_match, cfg.reference_max_match)
                      if d.name == "reference" else d for d in chain]
+        if weights is not None:
+            learned = LearnedChoice(refs, len(prompt))
+            learned.weights = weights
+            chain = [learned if d.name == "reference" else d for d in chain]
         drafting = RequestDrafting.from_config(cfg, context, refs, curve, acceptance, costs, drafters=chain)
         drafting.prefill_steps = 0.03 * len(prompt)
         cost, n_steps, new = 0.0, 1, [target[0]]
@@ -188,24 +325,40 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
             "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
 
 
+def prepare(path: Path, dec: ReferenceDecoder, items: dict) -> list[tuple]:
+    """``(item id, prompt ids, reference ids, the model's answer ids)`` of an outputs file's items."""
+    saved = json.loads(path.read_text())
+    return [(item_id, dec.encode_prompt(rag_messages(items[item_id].query, items[item_id].passages)),
+             dec.encode_references(list(items[item_id].passages)), target)
+            for item_id, target in saved["outputs"].items()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", type=Path, required=True)
+    ap.add_argument("--learn-from", type=Path, default=None, help="outputs file of the items part 3 learns on")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/match_choice"))
     args = ap.parse_args()
-    saved = json.loads(args.outputs.read_text())
-    dec = ReferenceDecoder.from_pretrained(saved.get("model", "smollm2-135m-instruct"), calibrate=False)
+    model = json.loads(args.outputs.read_text()).get("model", "smollm2-135m-instruct")
+    dec = ReferenceDecoder.from_pretrained(model, calibrate=False)
     items = {it.id: it for it in load_msmarco_sample(with_answers=True)}
-    prepared = [(item_id, dec.encode_prompt(rag_messages(items[item_id].query, items[item_id].passages)),
-                 dec.encode_references(list(items[item_id].passages)), target)
-                for item_id, target in saved["outputs"].items()]
+    prepared = prepare(args.outputs, dec, items)
     positions = rules_at_positions(prepared)
     replays = {f"K={k}{', closest after the span' if close else ''}": replay(prepared, k, close)
                for k, close in ((10, False), (24, False), (10, True))}
-    command = f"python benchmarks/match_choice.py --outputs {args.outputs} --out {args.out}"
+    learned = None
+    if args.learn_from is not None:
+        weights = fit_score(prepare(args.learn_from, dec, items))
+        replays["K=10, the learned choice in the reference drafter's place"] = replay(prepared, 10, False,
+                                                                                      weights=weights)
+        learned = {"from": str(args.learn_from), "weights": dict(zip(FEATURES, weights.tolist())),
+                   "always_send": {c: always_send(prepared, c, weights) for c in ("chain", "learned", "oracle")}}
+    command = f"python benchmarks/match_choice.py --outputs {args.outputs} --out {args.out}" + \
+        (f" --learn-from {args.learn_from}" if args.learn_from else "")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"command": command, "items": len(prepared), "k": K,
-                                                         "positions": positions, "replays": replays}, indent=1))
+                                                         "positions": positions, "replays": replays,
+                                                         "learned": learned}, indent=1))
     buckets = [b for b in ("1", "2", "3-4", "5-8", "9+", "all") if b in positions]
     rules = [r for r in positions["all"] if r != "positions"]
     lines = [f"# Which occurrence to copy from: {len(prepared)} items' greedy answers replayed (no timing)", "",
@@ -220,6 +373,15 @@ def main() -> None:
               "| configuration | tokens/step | modelled speed-up of the decoding steps (geo-mean) |", "|---|---|---|"]
     lines += [f"| {name} | {v['tokens_per_step']:.3f} | {v['modelled_speedup_decoding']:.3f}x |"
               for name, v in replays.items()]
+    if learned is not None:
+        names = {"chain": "the drafter chain's first draft", "learned": "the learned choice",
+                 "oracle": "oracle: the best continuation of any match"}
+        lines += ["", f"A learned choice among every continuation of any match, its linear score fitted on "
+                      f"`{args.learn_from}`. Every step sends {K} tokens, no policy, at the same costs:", "",
+                  "| draft | tokens/step | modelled speed-up of the decoding steps (geo-mean) |", "|---|---|---|"]
+        lines += [f"| {names[c]} | {v['tokens_per_step']:.3f} | {v['modelled_speedup_decoding']:.3f}x |"
+                  for c, v in learned["always_send"].items()]
+        lines += ["", "Its weights: " + "; ".join(f"{f}: {w:+.3f}" for f, w in learned["weights"].items()) + "."]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
