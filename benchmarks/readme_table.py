@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from inflight_bench import run_rates  # (this folder is on sys.path when run as a script)
+
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
@@ -34,6 +36,8 @@ INFLIGHT_MEMORY = (RESULTS / "inflight_vllm_cpu_smollm2_memory.json",
 # engines built afresh
 INFLIGHT_CONTROL = (RESULTS / "inflight_vllm_cpu_smollm2_memory_control.json",
                     RESULTS / "inflight_vllm_cpu_smollm2_memory_repeats.json")
+# suffix decoding and ours again in flight, twice on engines built afresh, a control engine beside them
+INFLIGHT_PEERS_REPEATS = RESULTS / "inflight_vllm_cpu_smollm2_peers_repeats.json"
 # a request's references set up beside its prefill: 2 torch threads (the CPU's cores), and 1 (a core left free,
 # as a GPU leaves the host's)
 SETUP, SETUP_FREE = RESULTS / "setup_cost_cpu_smollm2.json", RESULTS / "setup_cost_cpu_smollm2_1thread.json"
@@ -314,8 +318,6 @@ def summary_section() -> str:
                       "decoding's tree holds every answer), the same items in runs of their own, tokens/s against "
                       f"vllm-greedy at {'/'.join(str(c) for c in levels)} in flight: " + "; again: ".join(said) + "."]
     if all(p.is_file() for p in INFLIGHT_MEMORY + INFLIGHT_CONTROL):  # (said after the memory: how far two engines differ)
-        from inflight_bench import run_rates  # (this folder is on sys.path when run as a script)
-
         def ratios(path: Path, method: str) -> list[dict[int, float]]:
             """Per run (repeat) of ``path``: ``method``'s tokens/s over vllm-ours's, per level."""
             rate = run_rates(json.loads(path.read_text())["rows"])
@@ -334,6 +336,26 @@ def summary_section() -> str:
                       f"runs: {min(memory):+.0%} to {max(memory):+.0%}, {sum(memory) / len(memory):+.0%} on average) "
                       "is not told apart from that spread: a cost of a few per cent there is possible, not shown. "
                       "Nor is any in-flight difference between methods of that size, from one run with one engine each.")
+    if INFLIGHT_PEERS_REPEATS.is_file() and all(p.is_file() for p in INFLIGHT_MEMORY):  # (after the spread)
+        run = json.loads(INFLIGHT_PEERS_REPEATS.read_text())
+        sm, rate = run["summary"], run_rates(run["rows"])
+        levels = sorted({c for _, c, _ in rate})
+        repeats = sorted({k for _, _, k in rate})
+        both = "; ".join(
+            f"{m} " + "/".join(f"{sm[f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
+            + " (" + "/".join(f"{sm[f'{m}@{c}']['tokens_per_step']:.2f}" for c in levels) + " tokens/step)"
+            for m in ("vllm-suffix", "vllm-ours", "vllm-ours-control"))
+        ours_vs = "/".join(f"{sm[f'vllm-ours@{c}']['tokens_per_s'] / sm[f'vllm-suffix@{c}']['tokens_per_s']:.2f}x"
+                           for c in levels)
+        control = " and ".join("/".join(f"{rate['vllm-ours-control', c, k] / rate['vllm-ours', c, k] - 1:+.0%}"
+                                        for c in levels) for k in repeats)
+        lines[-1] += (f" Suffix decoding and ours again, {len(repeats)} runs on engines built afresh, a control engine "
+                      f"beside them ([run](benchmarks/results/{INFLIGHT_PEERS_REPEATS.with_suffix('.md').name}), the "
+                      f"table's items), all runs' tokens/s against vllm-greedy at {'/'.join(map(str, levels))} in "
+                      f"flight: {both}. Ours against suffix: {ours_vs}, while the control against ours was {control} in the "
+                      "runs: in flight the two are tied within the spread between engines. At 16 and 32 in flight, "
+                      "where a verify's draft tokens cost this CPU nearly their full share, neither beats greedy; "
+                      "ours drafts less there, suffix as much as alone.")
     if SETUP.is_file() and SETUP_FREE.is_file():  # the first token of a short prompt with big references
         said = []
         for path, how in ((SETUP, "2 torch threads"), (SETUP_FREE, "1 thread, a core left free as a GPU leaves the host's")):
