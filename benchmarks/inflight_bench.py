@@ -25,8 +25,9 @@ The peers, one engine each, float32, eager, prefix caching off, at most ``k`` = 
   one and ``vllm-ours`` is the run's own measure of that spread, and the markdown says so beside the table.
 
 ``--repeats N`` runs the judged levels N times on the same items, each time on engines built afresh (so
-one engine's luck does not decide a method's number); the table sums all runs, and the markdown adds
-each run's ratios.
+one engine's luck does not decide a method's number), in an order rotated by one method per run (the first
+engine built in a process was the slowest of identical ones in two of three probes); the table sums all
+runs, and the markdown adds each run's ratios and build orders.
 
 ``--methods`` runs a subset (the tuning runs only for the n-gram methods, which need it).
 
@@ -249,14 +250,18 @@ def main() -> None:
                 "vllm-ours": lambda: {"speculation": "ours"},
                 "vllm-ours-memory": lambda: {"speculation": "ours", "memory_scope": "bench"},
                 "vllm-ours-control": lambda: {"speculation": "ours"}}  # (built only if asked: suffix needs arctic)
-        rows = []
+        rows, build_orders = [], []
         for repeat in range(args.repeats):
             if repeat:
                 for e in engines.values():
                     e.close()
                 engines = {}
-            engines.update(make_engines({m: more[m]() for m in methods if m not in engines}, args.model, args.k,
-                                        args.max_model_len))
+            # each run builds its engines in an order rotated by one method: in two of three probes the first engine
+            # built in a process was ~10% slower than identical ones built after it (in the third, the fastest)
+            shift = repeat % len(methods)
+            build = [m for m in methods[shift:] + methods[:shift] if m not in engines]
+            build_orders.append([*engines, *build])
+            engines.update(make_engines({m: more[m]() for m in build}, args.model, args.k, args.max_model_len))
             engines = {m: engines[m] for m in methods}  # (the rotation's order: the methods')
             rows += [{**r, "repeat": repeat} for r in run_levels(engines, jp, jr, args.new)]
     finally:
@@ -283,7 +288,7 @@ def main() -> None:
     args.out.with_suffix(".json").write_text(json.dumps(
         {"environment": env, "command": command, "schedule": schedule, "best_k_per_level": best,
          "tuning": tuning, "summary": summary, "items": jids, "n_judged": n_judged, "n_tune": n_tune,
-         "rows": rows, "tuning_rows": tuning_rows}, indent=1))
+         "rows": rows, "tuning_rows": tuning_rows, "build_orders": build_orders}, indent=1))
     render(args.out.with_suffix(".json"))
 
 
@@ -312,15 +317,20 @@ def render(path: Path) -> None:
     if "vllm-ours-control" in methods and "vllm-ours" in methods:
         spread = [summary[f"vllm-ours-control@{c}"]["tokens_per_s"] / summary[f"vllm-ours@{c}"]["tokens_per_s"] - 1
                   for c in LEVELS]
-        lines += ["", "vllm-ours-control: a second engine configured as vllm-ours (built after the others). Its "
+        lines += ["", "vllm-ours-control: a second engine configured as vllm-ours"
+                      + ("" if run.get("build_orders") else " (built after the others)") + ". Its "
                       "tokens/s against vllm-ours at " + "/".join(str(c) for c in LEVELS) + " in flight: "
                       + "/".join(f"{d:+.1%}" for d in spread) + ". That is this run's spread between two engines "
                       "of one configuration: a difference between methods no larger than it is not told apart "
                       "from it."]
     repeats = sorted({r.get("repeat", 0) for r in run["rows"]})
     if len(repeats) > 1:  # the same items on engines built afresh: how far one run's ratios are from another's
+        built = ""  # (runs before the rotation built vllm-greedy first every time and did not record it)
+        if run.get("build_orders"):
+            built = " (engines built in the order " + "; ".join(
+                f"run {k + 1}: {', '.join(order)}" for k, order in enumerate(run["build_orders"])) + ")"
         lines += ["", f"Each of the {len(repeats)} runs on its own engines (the table above: all runs' tokens over all "
-                      "runs' time), tokens/s against vllm-greedy:", "",
+                      f"runs' time), tokens/s against vllm-greedy{built}:", "",
                   "| method | " + " | ".join(f"{c} in flight, run " + "/".join(str(k + 1) for k in repeats)
                                            for c in LEVELS) + " |", "|---|" + "---|" * len(LEVELS)]
         rate = run_rates(run["rows"])

@@ -36,6 +36,8 @@ INFLIGHT_MEMORY = (RESULTS / "inflight_vllm_cpu_smollm2_memory.json",
 # engines built afresh
 INFLIGHT_CONTROL = (RESULTS / "inflight_vllm_cpu_smollm2_memory_control.json",
                     RESULTS / "inflight_vllm_cpu_smollm2_memory_repeats.json")
+# identical vLLM engines built in turn in one process: is the first one slower?
+ENGINE_ORDER = RESULTS / "engine_order_vllm_cpu_smollm2.json"
 # suffix decoding and ours again in flight, twice on engines built afresh, a control engine beside them
 INFLIGHT_PEERS_REPEATS = RESULTS / "inflight_vllm_cpu_smollm2_peers_repeats.json"
 # a request's references set up beside its prefill: 2 torch threads (the CPU's cores), and 1 (a core left free,
@@ -220,6 +222,21 @@ def summary_section() -> str:
              "worst item: the lowest, named. Tokens/step: new tokens per model forward pass, prefill included. Identical: "
              "the runs whose token ids equal the item's greedy run on the method's engine (vllm-greedy for vllm-*), token "
              "for token; the last column against transformers' greedy. Tokens/s: all runs together."]
+    if ENGINE_ORDER.is_file():  # every vLLM bench builds vllm-greedy first: how far that can flatter its ratios
+        fork = [run for run in json.loads(ENGINE_ORDER.read_text())["runs"]
+                if run["mp_method"] == "fork" and not run["throwaway_first"]]
+        first = []
+        for run in fork:
+            total = {m: sum(g[m] for g in run["groups"]) for m in run["groups"][0]}
+            names = list(total)
+            first.append(total[names[0]] / (sum(total[m] for m in names[1:]) / (len(names) - 1)) - 1)
+        slower, rest = [d for d in first if d > 0.02], [d for d in first if d <= 0.02]
+        lines[-1] += (" The vLLM engines of a run share one process, vllm-greedy built first; in "
+                      f"{len(slower)} of {len(first)} probes the first engine built was {min(slower):.0%}-"
+                      f"{max(slower):.0%} slower than identical ones built after it, in the rest "
+                      + ", ".join(f"{d:+.0%}" for d in rest) + " "
+                      f"([probe](benchmarks/results/{ENGINE_ORDER.with_suffix('.md').name})): ratios against "
+                      "vllm-greedy may be flattered by that much, those between the other vllm-* methods are not.")
     if r.get("concurrency_summary") and not INFLIGHT.is_file():  # (the in-flight run below has every peer, more levels)
         lines += ["", "In flight (vLLM, the same run):", "", concurrency_table(r["concurrency_summary"])]
     if SERVE.is_file():
