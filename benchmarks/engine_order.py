@@ -2,11 +2,11 @@
 
     python benchmarks/engine_order.py --out benchmarks/results/engine_order_vllm_cpu_smollm2
     python benchmarks/engine_order.py --throwaway --out benchmarks/results/engine_order_vllm_cpu_smollm2
-    VLLM_WORKER_MULTIPROC_METHOD=spawn python benchmarks/engine_order.py --out ...
 
 (in the vLLM virtualenv, with the bench environment: ``VLLM_CPU_OMP_THREADS_BIND=0-1``,
 ``LD_PRELOAD=$VIRTUAL_ENV/lib/libiomp5.so``). Every benchmark here builds its vLLM engines in one
-process, ``vllm-greedy`` first. This builds ``--engines`` identical ``vllm-greedy`` engines in turn
+process, ``vllm-greedy`` first (each engine core a process of its own, spawned: vLLM's CPU platform
+sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` whatever the environment says). This builds ``--engines`` identical ``vllm-greedy`` engines in turn
 (with ``--throwaway``, one more first, never timed), gives each an untimed warm-up batch, then times
 ``--groups`` groups of 16 requests in flight x 64 tokens on each engine, the order rotating per group,
 on the sample's items 100 on (none of the judged last ones). Each run is appended to the JSON; the
@@ -58,7 +58,7 @@ def measure(n_engines: int, n_groups: int, throwaway: bool, model: str) -> dict:
         for e in engines.values():
             e.close()
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), "throwaway_first": throwaway,
-            "mp_method": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"), "groups": groups,
+            "groups": groups,
             "load_before": load_before, "load_after": os.getloadavg()}
 
 
@@ -79,8 +79,9 @@ def render(path: Path) -> None:
         names = list(run["groups"][0])
         total = {m: sum(g[m] for g in run["groups"]) for m in names}
         others = [total[m] for m in names[1:]]
-        how = ("a throwaway engine built first, " if run["throwaway_first"] else "") + run["mp_method"]
-        lines.append(f"| {run['date']} ({how}{'; ' + run['note'] if run.get('note') else ''}) | "
+        how = "; ".join(([] if not run["throwaway_first"] else ["a throwaway engine built first"])
+                        + ([run["note"]] if run.get("note") else []))
+        lines.append(f"| {run['date']}{f' ({how})' if how else ''} | "
                      + " / ".join(f"{total[m]:.1f}" for m in names)
                      + f" | {total[names[0]] / (sum(others) / len(others)) - 1:+.1%} |")
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -223,10 +223,8 @@ def summary_section() -> str:
              "the runs whose token ids equal the item's greedy run on the method's engine (vllm-greedy for vllm-*), token "
              "for token; the last column against transformers' greedy. Tokens/s: all runs together."]
     if ENGINE_ORDER.is_file():  # every vLLM bench builds vllm-greedy first: how far that can flatter its ratios
-        fork = [run for run in json.loads(ENGINE_ORDER.read_text())["runs"]
-                if run["mp_method"] == "fork" and not run["throwaway_first"]]
         first = []
-        for run in fork:
+        for run in [run for run in json.loads(ENGINE_ORDER.read_text())["runs"] if not run["throwaway_first"]]:
             total = {m: sum(g[m] for g in run["groups"]) for m in run["groups"][0]}
             names = list(total)
             first.append(total[names[0]] / (sum(total[m] for m in names[1:]) / (len(names) - 1)) - 1)
