@@ -26,8 +26,8 @@ The peers, one engine each, float32, eager, prefix caching off, at most ``k`` = 
 
 ``--repeats N`` runs the judged levels N times on the same items, each time on engines built afresh (so
 one engine's luck does not decide a method's number), in an order rotated by one method per run (the first
-engine built in a process was the slowest of identical ones in two of three probes); the table sums all
-runs, and the markdown adds each run's ratios and build orders.
+engine built in a process tends to be slower than identical ones: ``benchmarks/engine_order.py``); the
+table sums all runs, and the markdown adds each run's ratios and build orders.
 
 ``--methods`` runs a subset (the tuning runs only for the n-gram methods, which need it).
 
@@ -256,8 +256,8 @@ def main() -> None:
                 for e in engines.values():
                     e.close()
                 engines = {}
-            # each run builds its engines in an order rotated by one method: in two of three probes the first engine
-            # built in a process was ~10% slower than identical ones built after it (in the third, the fastest)
+            # each run builds its engines in an order rotated by one method: the first engine built in a process
+            # tends to be slower than identical ones built after it (results/engine_order_vllm_cpu_smollm2.md)
             shift = repeat % len(methods)
             build = [m for m in methods[shift:] + methods[:shift] if m not in engines]
             build_orders.append([*engines, *build])
