@@ -36,6 +36,8 @@ INFLIGHT_MEMORY = (RESULTS / "inflight_vllm_cpu_smollm2_memory.json",
 # engines built afresh
 INFLIGHT_CONTROL = (RESULTS / "inflight_vllm_cpu_smollm2_memory_control.json",
                     RESULTS / "inflight_vllm_cpu_smollm2_memory_repeats.json")
+# ours and its control against greedy in flight, the engines' build order rotated from run to run
+INFLIGHT_ROTATED = RESULTS / "inflight_vllm_cpu_smollm2_rotated.json"
 # identical vLLM engines built in turn in one process: is the first one slower?
 ENGINE_ORDER = RESULTS / "engine_order_vllm_cpu_smollm2.json"
 # suffix decoding and ours again in flight, twice on engines built afresh, a control engine beside them
@@ -371,6 +373,30 @@ def summary_section() -> str:
                       "runs: in flight the two are tied within the spread between engines. At 16 and 32 in flight, "
                       "where a verify's draft tokens cost this CPU nearly their full share, neither beats greedy; "
                       "ours drafts less there, suffix as much as alone.")
+    if INFLIGHT_ROTATED.is_file() and INFLIGHT_PEERS_REPEATS.is_file() and all(p.is_file() for p in INFLIGHT_MEMORY):
+        run = json.loads(INFLIGHT_ROTATED.read_text())
+        rate = run_rates(run["rows"])
+        levels, repeats = sorted({c for _, c, _ in rate}), sorted({k for _, _, k in rate})
+        said = []
+        for k, order in zip(repeats, run["build_orders"]):
+            where = "first" if order[0] == "vllm-greedy" else "last" if order[-1] == "vllm-greedy" else "in between"
+            said.append(f"vllm-greedy built {where}: " + ", ".join(
+                f"{m} " + "/".join(f"{rate[m, c, k] / rate['vllm-greedy', c, k]:.2f}x" for c in levels)
+                for m in ("vllm-ours", "vllm-ours-control")))
+        lines[-1] += (" With the engines' build order rotated from run to run ([run](benchmarks/results/"
+                      f"{INFLIGHT_ROTATED.with_suffix('.md').name})), tokens/s against vllm-greedy at "
+                      f"{'/'.join(map(str, levels))} in flight: " + "; ".join(said) + "; both runs: " + ", ".join(
+                          f"{m} " + "/".join(f"{run['summary'][f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
+                          for m in ("vllm-ours", "vllm-ours-control"))
+                      + ".")
+        orders = run["build_orders"]
+        if len(repeats) == 2 and orders[0][0] == "vllm-greedy" and orders[1][-1] == "vllm-greedy":
+            lines[-1] += (" From vllm-greedy built first to built last, those ratios moved by " + ", ".join(
+                          f"{m} " + " to ".join(f"{d:+.0%}" for d in (min(moved), max(moved)))
+                          for m, moved in ((m, [rate[m, c, repeats[1]] / rate["vllm-greedy", c, repeats[1]]
+                                                / (rate[m, c, repeats[0]] / rate["vllm-greedy", c, repeats[0]]) - 1
+                                                for c in levels]) for m in ("vllm-ours", "vllm-ours-control")))
+                          + ": a bias of that size is not told apart from the spread in one pair of runs.")
     if SETUP.is_file() and SETUP_FREE.is_file():  # the first token of a short prompt with big references
         said = []
         for path, how in ((SETUP, "2 torch threads"), (SETUP_FREE, "1 thread, a core left free as a GPU leaves the host's")):
