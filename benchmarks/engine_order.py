@@ -6,8 +6,9 @@
 (in the vLLM virtualenv, with the bench environment: ``VLLM_CPU_OMP_THREADS_BIND=0-1``,
 ``LD_PRELOAD=$VIRTUAL_ENV/lib/libiomp5.so``). Every benchmark here builds its vLLM engines in one
 process, ``vllm-greedy`` first (each engine core a process of its own, spawned: vLLM's CPU platform
-sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` whatever the environment says). This builds ``--engines`` identical ``vllm-greedy`` engines in turn
-(with ``--throwaway``, one more first, never timed), gives each an untimed warm-up batch, then times
+sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` whatever the environment says). This builds ``--engines``
+identical ``vllm-greedy`` engines in turn (with ``--throwaway``, one more first, never timed), gives
+each an untimed warm-up batch, then times
 ``--groups`` groups of 16 requests in flight x 64 tokens on each engine, the order rotating per group,
 on the sample's items 100 on (none of the judged last ones). Each run is appended to the JSON; the
 markdown is rewritten from all runs.
@@ -62,6 +63,22 @@ def measure(n_engines: int, n_groups: int, throwaway: bool, model: str) -> dict:
             "load_before": load_before, "load_after": os.getloadavg()}
 
 
+def totals(run: dict) -> dict[str, float]:
+    """Seconds per timed engine over a run's groups, in the order the engines were built."""
+    return {m: sum(g[m] for g in run["groups"]) for m in run["groups"][0]}
+
+
+def first_vs_others(run: dict) -> float:
+    """How much longer the first engine built took than the mean of the others (-0.05: 5% less).
+
+    Example:
+        >>> round(first_vs_others({"groups": [{"g0": 11.0, "g1": 10.0, "g2": 10.0}]}), 3)
+        0.1
+    """
+    seconds = list(totals(run).values())
+    return seconds[0] / (sum(seconds[1:]) / len(seconds[1:])) - 1
+
+
 def render(path: Path) -> None:
     """The markdown of every run in ``path``'s JSON."""
     runs = json.loads(path.read_text())["runs"]
@@ -76,14 +93,11 @@ def render(path: Path) -> None:
              "| run | engines built first to last: seconds | first built against the mean of the others |",
              "|---|---|---|"]
     for run in runs:
-        names = list(run["groups"][0])
-        total = {m: sum(g[m] for g in run["groups"]) for m in names}
-        others = [total[m] for m in names[1:]]
         how = "; ".join(([] if not run["throwaway_first"] else ["a throwaway engine built first"])
                         + ([run["note"]] if run.get("note") else []))
         lines.append(f"| {run['date']}{f' ({how})' if how else ''} | "
-                     + " / ".join(f"{total[m]:.1f}" for m in names)
-                     + f" | {total[names[0]] / (sum(others) / len(others)) - 1:+.1%} |")
+                     + " / ".join(f"{t:.1f}" for t in totals(run).values())
+                     + f" | {first_vs_others(run):+.1%} |")
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -167,7 +167,8 @@ FEATURES = ("bias", "match length / 32", "log match length", "is the longest mat
 
 def continuations(ref: np.ndarray, ctx: np.ndarray, n_prompt: int) -> tuple[np.ndarray, list[tuple]]:
     """Part 3: every distinct ``K``-token continuation of any match of the context's tail, its :data:`FEATURES`
-    (rows) and ``(tokens, (source, start))`` of the occurrence standing for it (source 0: references, 1: context)."""
+    (rows) and ``(tokens, (source, start), match length)`` of the occurrence standing for it (source 0: references,
+    1: context)."""
     groups: dict[tuple, dict] = {}
     recent = set(ctx[-32:].tolist())
     for kind, src in ((0, ref), (1, ctx)):
@@ -196,7 +197,7 @@ def continuations(ref: np.ndarray, ctx: np.ndarray, n_prompt: int) -> tuple[np.n
                      float("ref" in g["where"]), float("answer" in g["where"]), float("prompt" in g["where"]),
                      math.log(g["n"]), first[tokens[0]] / total, overlap, position, len(tokens) / K,
                      float(tokens[0] in last)])
-        picks.append((list(tokens), where))
+        picks.append((list(tokens), where, length))
     return np.asarray(rows), picks
 
 
@@ -209,7 +210,7 @@ def fit_score(prepared: Sequence[tuple]) -> np.ndarray:
         for n in range(1, len(target) - 1):
             rows, picks = continuations(ref, np.asarray(list(prompt) + list(target[:n]), dtype=np.int64), len(prompt))
             xs.append(rows)
-            ys += [leading_matches(tokens, target[n:]) for tokens, _ in picks]
+            ys += [leading_matches(tokens, target[n:]) for tokens, _, _ in picks]
     return np.linalg.lstsq(np.concatenate(xs), np.asarray(ys, dtype=np.float64), rcond=None)[0]
 
 
@@ -234,9 +235,9 @@ class LearnedChoice(_SpanCopier):
         if not picks:
             return None
         best = int(np.argmax(rows @ self.weights))
-        kind, start = picks[best][1]
+        _, (kind, start), length = picks[best]
         self._tokens = self.ref_tokens if kind == 0 else context
-        return int(round(rows[best][1] * 32)), start
+        return length, start
 
     def update(self, context: Sequence[int], num_new: int) -> None:
         if self._tokens is not self.ref_tokens:
@@ -268,7 +269,7 @@ def always_send(prepared: Sequence[tuple], choice: str, weights: np.ndarray | No
             else:
                 ctx = np.asarray(context, dtype=np.int64)
                 picks = continuations(ref, ctx, len(prompt))[1]
-                draft = max((t for t, _ in picks), key=lambda t: leading_matches(t, truth), default=[])
+                draft = max((t for t, _, _ in picks), key=lambda t: leading_matches(t, truth), default=[])
             accepted = leading_matches(draft, truth)
             new = draft[:accepted] + truth[accepted:accepted + 1]
             cost += 1.0 + SLOPE * len(draft)

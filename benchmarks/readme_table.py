@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from inflight_bench import run_rates  # (this folder is on sys.path when run as a script)
+from engine_order import first_vs_others  # (this folder is on sys.path when run as a script)
+from inflight_bench import run_rates
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -225,11 +226,8 @@ def summary_section() -> str:
              "the runs whose token ids equal the item's greedy run on the method's engine (vllm-greedy for vllm-*), token "
              "for token; the last column against transformers' greedy. Tokens/s: all runs together."]
     if ENGINE_ORDER.is_file():  # every vLLM bench builds vllm-greedy first: how far that can flatter its ratios
-        first = []
-        for run in [run for run in json.loads(ENGINE_ORDER.read_text())["runs"] if not run["throwaway_first"]]:
-            total = {m: sum(g[m] for g in run["groups"]) for m in run["groups"][0]}
-            names = list(total)
-            first.append(total[names[0]] / (sum(total[m] for m in names[1:]) / (len(names) - 1)) - 1)
+        first = [first_vs_others(run) for run in json.loads(ENGINE_ORDER.read_text())["runs"]
+                 if not run["throwaway_first"]]
         slower, rest = [d for d in first if d > 0.02], [d for d in first if d <= 0.02]
         lines[-1] += (" The vLLM engines of a run share one process, vllm-greedy built first; in "
                       f"{len(slower)} of {len(first)} probes the first engine built was {min(slower):.0%}-"
@@ -377,25 +375,27 @@ def summary_section() -> str:
         run = json.loads(INFLIGHT_ROTATED.read_text())
         rate = run_rates(run["rows"])
         levels, repeats = sorted({c for _, c, _ in rate}), sorted({k for _, _, k in rate})
+        ours = ("vllm-ours", "vllm-ours-control")
+
+        def vs_greedy(m: str, c: int, k: int) -> float:
+            return rate[m, c, k] / rate["vllm-greedy", c, k]
+
         said = []
         for k, order in zip(repeats, run["build_orders"]):
             where = "first" if order[0] == "vllm-greedy" else "last" if order[-1] == "vllm-greedy" else "in between"
             said.append(f"vllm-greedy built {where}: " + ", ".join(
-                f"{m} " + "/".join(f"{rate[m, c, k] / rate['vllm-greedy', c, k]:.2f}x" for c in levels)
-                for m in ("vllm-ours", "vllm-ours-control")))
+                f"{m} " + "/".join(f"{vs_greedy(m, c, k):.2f}x" for c in levels) for m in ours))
         lines[-1] += (" With the engines' build order rotated from run to run ([run](benchmarks/results/"
                       f"{INFLIGHT_ROTATED.with_suffix('.md').name})), tokens/s against vllm-greedy at "
                       f"{'/'.join(map(str, levels))} in flight: " + "; ".join(said) + "; both runs: " + ", ".join(
                           f"{m} " + "/".join(f"{run['summary'][f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
-                          for m in ("vllm-ours", "vllm-ours-control"))
+                          for m in ours)
                       + ".")
         orders = run["build_orders"]
         if len(repeats) == 2 and orders[0][0] == "vllm-greedy" and orders[1][-1] == "vllm-greedy":
-            lines[-1] += (" From vllm-greedy built first to built last, those ratios moved by " + ", ".join(
-                          f"{m} " + " to ".join(f"{d:+.0%}" for d in (min(moved), max(moved)))
-                          for m, moved in ((m, [rate[m, c, repeats[1]] / rate["vllm-greedy", c, repeats[1]]
-                                                / (rate[m, c, repeats[0]] / rate["vllm-greedy", c, repeats[0]]) - 1
-                                                for c in levels]) for m in ("vllm-ours", "vllm-ours-control")))
+            moved = {m: [vs_greedy(m, c, repeats[1]) / vs_greedy(m, c, repeats[0]) - 1 for c in levels] for m in ours}
+            lines[-1] += (" From vllm-greedy built first to built last, those ratios moved by "
+                          + ", ".join(f"{m} {min(d):+.0%} to {max(d):+.0%}" for m, d in moved.items())
                           + ": a bias of that size is not told apart from the spread in one pair of runs.")
     if SETUP.is_file() and SETUP_FREE.is_file():  # the first token of a short prompt with big references
         said = []
