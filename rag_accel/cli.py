@@ -274,6 +274,8 @@ def bench(
         warmup = next((it for it in spare if not too_long(dec, [it], max_new_tokens, engines=engines)), None)
         env = environment(dec, model, num_speculative_tokens=num_speculative_tokens if uses_vllm else None)
         env["load_before"] = load_before
+        if uses_vllm:
+            env["spare_engine_first"] = True  # (vllm_engines' default)
         if draft_model is not None:
             env["draft_model"] = draft_model
         report = BenchReport(out, "rag-accel bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]), env,

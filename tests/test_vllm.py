@@ -599,3 +599,41 @@ def test_bench_runs_the_vllm_methods_beside_the_transformers_ones(dec, items, ba
     c = summarize_concurrency(batch)
     assert set(c) == {"vllm-greedy@2", "vllm-ours@2"} and c["vllm-ours@2"]["requests"] == 4
     assert c["vllm-ours@2"]["identical_rate"] == 1.0
+
+
+@pytest.mark.slow
+def test_bench_engines_are_built_after_a_spare_that_is_closed(monkeypatch, items, baseline):
+    """``rag-accel bench``'s engines (:func:`vllm_engines`): the first engine built in a process
+    tends to be slower than identical ones built after it, so a spare plain engine is built first,
+    given a request and shut down once the timed ones are built: vllm-greedy is the second engine
+    built, and only its engine process stays. The real engines, watched by a spy."""
+    import multiprocessing
+
+    from rag_accel.bench import vllm_engines
+
+    built, closed = [], []
+    real_make, real_close = VllmDecoder.from_pretrained.__func__, VllmDecoder.close
+
+    def make(cls, *a, **kw):
+        built.append(kw["speculation"])
+        return real_make(cls, *a, **kw)
+
+    def close(self):
+        closed.append(len(built))
+        real_close(self)
+
+    monkeypatch.setattr(VllmDecoder, "from_pretrained", classmethod(make))
+    monkeypatch.setattr(VllmDecoder, "close", close)
+    before = len(multiprocessing.active_children())
+    engines = vllm_engines(["vllm-greedy"], MODEL, k=4, max_model_len=2048)
+    try:
+        assert list(engines) == ["vllm-greedy"] and built == ["off", "off"]
+        assert closed == [2]  # the spare, once both were built
+        assert len(multiprocessing.active_children()) == before + 1
+        it = items[0]
+        out = engines["vllm-greedy"].generate(rag_messages(it.query, it.passages), max_new_tokens=MAX_NEW)
+        assert out.token_ids == baseline.alone[0]
+    finally:
+        for e in engines.values():
+            e.close()
+    assert len(multiprocessing.active_children()) == before

@@ -172,11 +172,17 @@ def _vllm_runner(vdec: Any, method: str, max_new_tokens: int) -> Runner:
 
 
 def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, k: int = 10,
-                 max_model_len: int = 4096) -> dict[str, Any]:
+                 max_model_len: int = 4096, spare_first: bool = True) -> dict[str, Any]:
     """One :class:`rag_accel.vllm.VllmDecoder` per vLLM method in ``methods`` (``vllm-greedy``
     always, the baseline): float32 unless ``dtype``, eager mode, prefix caching off (a repeated
     prompt must not skip its prefill for one method and not another), up to ``k`` draft tokens a
-    step for both proposers."""
+    step for both proposers.
+
+    ``spare_first``: build one more plain engine before them, give it a request and close it
+    once they are built, so that none of the timed engines is the process's first: the first
+    engine built in a process tends to be slower than identical ones built after it (4 of 5
+    probes, 4%-10%; results/engine_order_vllm_cpu_smollm2.md), which flattered every ratio
+    against vllm-greedy, built first. Costs one engine start, no memory while timing."""
     try:
         import vllm  # noqa: F401
 
@@ -184,20 +190,27 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
     except ImportError as e:
         raise ValueError(VLLM_HINT) from e
     wanted = [m for m in VLLM_METHODS if m in methods or m == "vllm-greedy"]
+    common = dict(num_speculative_tokens=k, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+                  enable_prefix_caching=False)
     engines: dict[str, Any] = {}
+    spare = None
     try:
+        if spare_first:
+            spare = VllmDecoder.from_pretrained(model, speculation="off", **common)
+            spare.generate("Warm up.", None, max_new_tokens=4)
         for m in wanted:
             try:
-                engines[m] = VllmDecoder.from_pretrained(
-                    model, speculation=VLLM_METHODS[m], num_speculative_tokens=k, dtype=dtype,
-                    max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
-                    memory_scope=MEMORY_SCOPE.get(m))
+                engines[m] = VllmDecoder.from_pretrained(model, speculation=VLLM_METHODS[m],
+                                                         memory_scope=MEMORY_SCOPE.get(m), **common)
             except ImportError as e:  # e.g. vllm-suffix without arctic-inference: the message says what to install
                 raise ValueError(f"method {m!r}: {e}; or leave {m} out of --methods") from e
     except BaseException:
         for e in engines.values():
             e.close()
         raise
+    finally:
+        if spare is not None:
+            spare.close()
     return engines
 
 
