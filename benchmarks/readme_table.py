@@ -217,7 +217,8 @@ def summary_section() -> str:
 
     r = json.loads(PEERS.read_text())
     env = r["environment"]
-    lines = [f"Per request, {r['items']} MS-MARCO items x {r['max_new_tokens']} new tokens, {env['model']} "
+    judged = " (the sample's last, which no default was tuned on)" if r.get("last") else ""
+    lines = [f"Per request, {r['items']} MS-MARCO items{judged} x {r['max_new_tokens']} new tokens, {env['model']} "
              f"{env['dtype']} on a {env['cpu_threads']}-core CPU, vLLM {env['vllm']}, {env['date']} "
              f"([all of this run](benchmarks/results/{PEERS.with_suffix('.md').name})):", "",
              markdown_table(r["summary"], legend=False), "",
@@ -229,12 +230,18 @@ def summary_section() -> str:
         first = [first_vs_others(run) for run in json.loads(ENGINE_ORDER.read_text())["runs"]
                  if not run["throwaway_first"]]
         slower, rest = [d for d in first if d > 0.02], [d for d in first if d <= 0.02]
-        lines[-1] += (" The vLLM engines of a run share one process, vllm-greedy built first; in "
-                      f"{len(slower)} of {len(first)} probes the first engine built was {min(slower):.0%}-"
-                      f"{max(slower):.0%} slower than identical ones built after it, in the rest "
-                      + ", ".join(f"{d:+.0%}" for d in rest) + " "
-                      f"([probe](benchmarks/results/{ENGINE_ORDER.with_suffix('.md').name})): ratios against "
-                      "vllm-greedy may be flattered by that much, those between the other vllm-* methods are not.")
+        probes = (f"in {len(slower)} of {len(first)} probes the first engine built in a process was "
+                  f"{min(slower):.0%}-{max(slower):.0%} slower than identical ones built after it, in the rest "
+                  + ", ".join(f"{d:+.0%}" for d in rest) + " "
+                  f"([probe](benchmarks/results/{ENGINE_ORDER.with_suffix('.md').name}))")
+        if env.get("spare_engine_first"):
+            lines[-1] += (" The vLLM engines of a run share one process; a spare one is built and closed before them, "
+                          f"so none timed is the process's first: {probes}. The runs before this one "
+                          "built vllm-greedy first, which may have flattered their ratios against it by that much.")
+        else:
+            lines[-1] += (" The vLLM engines of a run share one process, vllm-greedy built first; " + probes + ": "
+                          "ratios against vllm-greedy may be flattered by that much, those between the other vllm-* "
+                          "methods are not.")
     if r.get("concurrency_summary") and not INFLIGHT.is_file():  # (the in-flight run below has every peer, more levels)
         lines += ["", "In flight (vLLM, the same run):", "", concurrency_table(r["concurrency_summary"])]
     if SERVE.is_file():

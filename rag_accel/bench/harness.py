@@ -178,11 +178,12 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
     prompt must not skip its prefill for one method and not another), up to ``k`` draft tokens a
     step for both proposers.
 
-    ``spare_first``: build one more plain engine before them, give it a request and close it
-    once they are built, so that none of the timed engines is the process's first: the first
-    engine built in a process tends to be slower than identical ones built after it (4 of 5
-    probes, 4%-10%; results/engine_order_vllm_cpu_smollm2.md), which flattered every ratio
-    against vllm-greedy, built first. Costs one engine start, no memory while timing."""
+    ``spare_first``: first build one more plain engine, give it a request and close it, so that
+    none of the timed engines is the process's first: the first engine built in a process tends
+    to be slower than identical ones built after it (4 of 5 probes, 4%-10%;
+    results/engine_order_vllm_cpu_smollm2.md), which flattered every ratio against vllm-greedy,
+    built first. Closed before the others start: kept beside the five engines of a full run
+    (2 GiB of KV cache each), it ran a 24 GiB machine out of memory. Costs one engine start."""
     try:
         import vllm  # noqa: F401
 
@@ -192,12 +193,14 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
     wanted = [m for m in VLLM_METHODS if m in methods or m == "vllm-greedy"]
     common = dict(num_speculative_tokens=k, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
-    engines: dict[str, Any] = {}
-    spare = None
-    try:
-        if spare_first:
-            spare = VllmDecoder.from_pretrained(model, speculation="off", **common)
+    if spare_first:
+        spare = VllmDecoder.from_pretrained(model, speculation="off", **common)
+        try:
             spare.generate("Warm up.", None, max_new_tokens=4)
+        finally:
+            spare.close()
+    engines: dict[str, Any] = {}
+    try:
         for m in wanted:
             try:
                 engines[m] = VllmDecoder.from_pretrained(model, speculation=VLLM_METHODS[m],
@@ -208,9 +211,6 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
         for e in engines.values():
             e.close()
         raise
-    finally:
-        if spare is not None:
-            spare.close()
     return engines
 
 
