@@ -34,6 +34,7 @@ from .harness import (
     reworded_items,
     run_benchmark,
     run_concurrency,
+    spare_engine,
     too_long,
     vllm_engines,
 )
@@ -58,6 +59,6 @@ __all__ = [
     "REMEMBERS_OUTPUTS", "REWORDED", "SPLIT_LEGEND", "TABLE_LEGEND", "VLLM_HINT", "VLLM_METHODS", "BatchRun",
     "BenchReport", "ForwardTimes", "Run", "TargetForcing", "baseline_of", "concurrency_table", "environment",
     "forced_targets", "item_seconds", "loadavg", "markdown_table", "median_run", "plot", "propose_cost",
-    "propose_table", "reworded_items", "run_benchmark", "run_concurrency", "split_table", "summarize",
-    "summarize_concurrency", "too_long", "vllm_engines", "where_the_time_went", "write_drafting_report",
+    "propose_table", "reworded_items", "run_benchmark", "run_concurrency", "spare_engine", "split_table",
+    "summarize", "summarize_concurrency", "too_long", "vllm_engines", "where_the_time_went", "write_drafting_report",
 ]

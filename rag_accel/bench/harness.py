@@ -171,6 +171,22 @@ def _vllm_runner(vdec: Any, method: str, max_new_tokens: int) -> Runner:
     return run_vllm
 
 
+def spare_engine(model: str, **kwargs: Any) -> None:
+    """Build a plain vLLM engine on ``model`` (``kwargs`` to ``VllmDecoder.from_pretrained``),
+    give it a request and close it: the first engine built in a process tends to be slower than
+    identical ones built after it (4 of 5 probes, 4%-10%; results/engine_order_vllm_cpu_smollm2.md),
+    which flattered every ratio against vllm-greedy when it was built first. Closed before the timed
+    engines start: kept beside the five engines of a full peers run (2 GiB of KV cache each), it ran
+    a 24 GiB machine out of memory. Costs one engine start."""
+    from ..vllm import VllmDecoder
+
+    spare = VllmDecoder.from_pretrained(model, **{**kwargs, "speculation": "off"})
+    try:
+        spare.generate("Warm up.", None, max_new_tokens=4)
+    finally:
+        spare.close()
+
+
 def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, k: int = 10,
                  max_model_len: int = 4096, spare_first: bool = True) -> dict[str, Any]:
     """One :class:`rag_accel.vllm.VllmDecoder` per vLLM method in ``methods`` (``vllm-greedy``
@@ -178,12 +194,8 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
     prompt must not skip its prefill for one method and not another), up to ``k`` draft tokens a
     step for both proposers.
 
-    ``spare_first``: first build one more plain engine, give it a request and close it, so that
-    none of the timed engines is the process's first: the first engine built in a process tends
-    to be slower than identical ones built after it (4 of 5 probes, 4%-10%;
-    results/engine_order_vllm_cpu_smollm2.md), which flattered every ratio against vllm-greedy,
-    built first. Closed before the others start: kept beside the five engines of a full run
-    (2 GiB of KV cache each), it ran a 24 GiB machine out of memory. Costs one engine start."""
+    ``spare_first``: :func:`spare_engine` first, so that none of the timed engines is the
+    process's first."""
     try:
         import vllm  # noqa: F401
 
@@ -194,11 +206,7 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
     common = dict(num_speculative_tokens=k, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
     if spare_first:
-        spare = VllmDecoder.from_pretrained(model, speculation="off", **common)
-        try:
-            spare.generate("Warm up.", None, max_new_tokens=4)
-        finally:
-            spare.close()
+        spare_engine(model, **common)
     engines: dict[str, Any] = {}
     try:
         for m in wanted:
