@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
 RESULTS = ROOT / "benchmarks" / "results"
-PEERS = RESULTS / "bench_vllm_cpu_smollm2_f32.json"  # every peer in one run, per request and in flight
+# every peer in one run, per request and in flight, on items no default was tuned on, a spare engine built first
+PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_spare.json"
 SERVE = RESULTS / "serve_cpu_smollm2.json"
 # cold: median of 5 runs per item (the run of 3 before it stays on the results page)
 COLD, WARM = RESULTS / "bench_cpu_smollm2_last30x64_cold_r5.json", RESULTS / "bench_cpu_smollm2_last30x64_warm.json"
