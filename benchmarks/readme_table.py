@@ -40,6 +40,8 @@ INFLIGHT_CONTROL = (RESULTS / "inflight_vllm_cpu_smollm2_memory_control.json",
                     RESULTS / "inflight_vllm_cpu_smollm2_memory_repeats.json")
 # ours and its control against greedy in flight, the engines' build order rotated from run to run
 INFLIGHT_ROTATED = RESULTS / "inflight_vllm_cpu_smollm2_rotated.json"
+# suffix decoding and ours in flight with a spare engine built (and closed) first, so none timed is the process's first
+INFLIGHT_SPARE = RESULTS / "inflight_vllm_cpu_smollm2_spare.json"
 # identical vLLM engines built in turn in one process: is the first one slower?
 ENGINE_ORDER = RESULTS / "engine_order_vllm_cpu_smollm2.json"
 # suffix decoding and ours again in flight, twice on engines built afresh, a control engine beside them
@@ -405,6 +407,24 @@ def summary_section() -> str:
             lines[-1] += (" From vllm-greedy built first to built last, those ratios moved by "
                           + ", ".join(f"{m} {min(d):+.0%} to {max(d):+.0%}" for m, d in moved.items())
                           + ": a bias of that size is not told apart from the spread in one pair of runs.")
+    if INFLIGHT_SPARE.is_file() and INFLIGHT_PEERS_REPEATS.is_file() and all(p.is_file() for p in INFLIGHT_MEMORY):
+        run = json.loads(INFLIGHT_SPARE.read_text())
+        sm, rate = run["summary"], run_rates(run["rows"])
+        levels, repeats = sorted({c for _, c, _ in rate}), sorted({k for _, _, k in rate})
+        peers = ("vllm-suffix", "vllm-ours")
+        each = "; ".join(f"run {k + 1}: " + ", ".join(
+            f"{m} " + "/".join(f"{rate[m, c, k] / rate['vllm-greedy', c, k]:.2f}x" for c in levels) for m in peers)
+            for k in repeats)
+        lines[-1] += (" Then with a spare engine built and closed before the timed ones, so that none is the process's "
+                      f"first, {len(repeats)} runs, the build order rotated ([run](benchmarks/results/"
+                      f"{INFLIGHT_SPARE.with_suffix('.md').name})), tokens/s against vllm-greedy at "
+                      f"{'/'.join(map(str, levels))} in flight, all runs: " + "; ".join(
+                          f"{m} " + "/".join(f"{sm[f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
+                          + " (" + "/".join(f"{sm[f'{m}@{c}']['tokens_per_step']:.2f}" for c in levels)
+                          + " tokens/step)" for m in peers)
+                      + "; ours against suffix " + "/".join(
+                          f"{sm[f'vllm-ours@{c}']['tokens_per_s'] / sm[f'vllm-suffix@{c}']['tokens_per_s']:.2f}x"
+                          for c in levels) + f" ({each}).")
     if SETUP.is_file() and SETUP_FREE.is_file():  # the first token of a short prompt with big references
         said = []
         for path, how in ((SETUP, "2 torch threads"), (SETUP_FREE, "1 thread, a core left free as a GPU leaves the host's")):
