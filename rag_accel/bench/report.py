@@ -162,7 +162,8 @@ class BenchReport:
             *([f"- per-item latency: median of {self.repeats} interleaved runs"] if self.repeats > 1 else []),
             *([f"- vLLM {env['vllm']}, {k} draft tokens per step, env {env['vllm_env']}; "
                "vLLM methods' identical = equal to vllm-greedy (the same engine, speculation off)"
-               + ("; a spare plain engine built and closed before them (none timed is the process's first)" if env.get("spare_engine_first") else "")]
+               + ("; a spare plain engine built and closed before them (none timed is the process's first)"
+                  if env.get("spare_engine_first") else "")]
               if uses_vllm else []),
             *(["- vllm-suffix: vLLM's suffix decoding (arctic-inference), vLLM's defaults but at most "
                f"{k} tokens a step; it also copies from its engine's earlier answers, so it warms up "
