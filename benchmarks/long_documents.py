@@ -1,8 +1,9 @@
 """The long-document case: the prompt holds chunks, the references the whole documents behind them.
 
     python benchmarks/long_documents.py --out benchmarks/results/long_documents_vllm_cpu_smollm2
+    python benchmarks/long_documents.py --plot benchmarks/results/long_documents_vllm_cpu_smollm2.json
 
-(in the vLLM virtualenv, arctic-inference installed for vllm-suffix). A RAG application that splits long
+(the first in the vLLM virtualenv, arctic-inference installed for vllm-suffix). A RAG application that splits long
 documents into chunks puts the retrieved chunks in the prompt; with rag_accel it can also pass the whole
 documents behind them as references, which vLLM's suffix decoding, copying from the prompt and its earlier
 answers, never sees. Here each passage of an item is a document and its first ``--chunk`` share of words the
@@ -47,16 +48,49 @@ def chunk(passage: str, share: float) -> str:
     return " ".join(words[:max(1, math.ceil(share * len(words)))])
 
 
+def plot(path: Path) -> None:
+    """The run's per-item speed-up against vllm-greedy and tokens per step, next to its JSON
+    (``--plot``, in a virtualenv with matplotlib: the vLLM one has none)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = json.loads(path.read_text())
+    rows = [r for r in run["rows"] if not r["warm_up"]]
+    greedy_s = {r["item"]: r["seconds"] for r in rows if r["method"] == "vllm-greedy"}
+    methods = [m for m in METHODS if m != "vllm-greedy"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, m in enumerate(methods):
+        sp = [greedy_s[r["item"]] / r["seconds"] for r in rows if r["method"] == m]
+        a.scatter([i + (j % 7 - 3) * 0.03 for j in range(len(sp))], sp, s=10, alpha=0.6)
+        a.hlines(run["summary"][m]["vs_greedy_geomean"], i - 0.3, i + 0.3, colors="k")
+    a.set_xticks(range(len(methods)), methods, rotation=20, ha="right")
+    a.axhline(1.0, color="grey", lw=0.8, ls="--")
+    a.set_ylabel("speed-up vs vllm-greedy (per item; bar = geo-mean)")
+    b.bar(list(METHODS), [run["summary"][m]["tokens_per_step"] for m in METHODS])
+    b.set_xticks(range(len(METHODS)), METHODS, rotation=20, ha="right")
+    b.set_ylabel("tokens per verification step")
+    fig.suptitle(f"long documents: {len(greedy_s)} items, {run['environment']['model']} float32, "
+                 f"{run['environment']['date']}")
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=100)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--items", type=int, default=16)
     ap.add_argument("--chunk", type=float, default=0.5, help="the share of each passage's words in the prompt")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/long_documents_vllm_cpu_smollm2"))
+    ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON, and nothing else")
     args = ap.parse_args()
+    if args.plot is not None:
+        return plot(args.plot)
     from inflight_bench import make_engines
 
     from rag_accel import ReferenceDecoder
+    from rag_accel.bench import spare_engine
     from rag_accel.data import load_msmarco_sample, rag_messages
     from rag_accel.vllm.requests import speculative_config
 
@@ -71,6 +105,9 @@ def main() -> None:
     specs = {"vllm-greedy": {"speculation": "off"},
              "vllm-suffix": {"speculation": "suffix", "speculative_config": speculative_config("suffix", 10)},
              "vllm-ours-chunks": {"speculation": "ours"}, "vllm-ours-documents": {"speculation": "ours"}}
+    # none of the timed engines is the process's first built (results/engine_order_vllm_cpu_smollm2.md)
+    spare_engine("smollm2-135m-instruct", num_speculative_tokens=10, dtype="float32", max_model_len=4096,
+                 enforce_eager=True, enable_prefix_caching=False)
     engines = make_engines(specs, "smollm2-135m-instruct", 10, 4096)
     rows = []
     try:
@@ -110,7 +147,7 @@ def main() -> None:
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "load_before": load_before,
            "load_after": os.getloadavg(),
            "vllm_env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")
-                        if k in os.environ}}
+                        if k in os.environ}, "spare_engine_first": True}
     command = (f"python benchmarks/long_documents.py --items {args.items} --chunk {args.chunk} --new {args.new} "
                f"--out {args.out}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +156,8 @@ def main() -> None:
     lines = [f"# The long-document case: chunks in the prompt, whole documents as references ({args.items} items)",
              "", f"- command: `{command}`",
              f"- {env['model']} float32 on {env['device']}, vLLM {env['vllm']}, torch {env['torch']}, {env['date']}; "
-             f"env {env['vllm_env']}; machine load (1/5/15 min) before {load_before}, after {env['load_after']}",
+             f"env {env['vllm_env']}; machine load (1/5/15 min) before {load_before}, after {env['load_after']}; "
+             "a spare plain engine built and closed before the timed ones (none timed is the process's first)",
              f"- the prompt: the question and the first {args.chunk:.0%} of each passage's words; the documents: "
              f"the whole passages; {args.new} new tokens, one request at a time, each item once per method", "",
              "| method | vs vllm-greedy (geo-mean) | worst item | tokens/step | identical to vllm-greedy |",
