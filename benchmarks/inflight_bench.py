@@ -74,15 +74,20 @@ def ngram_config(k: int, schedule: list[tuple[int, int, int]] | None = None) -> 
     return cfg
 
 
-def make_engines(specs: dict[str, dict], model: str, k: int, max_model_len: int) -> dict:
+def make_engines(specs: dict[str, dict], model: str, k: int, max_model_len: int, spare_first: bool = False) -> dict:
+    """One engine per spec, named by its key. ``spare_first``: a spare plain engine with the same settings
+    built and closed before them (:func:`rag_accel.bench.spare_engine`), so none is the process's first."""
+    from rag_accel.bench import spare_engine
     from rag_accel.vllm import VllmDecoder
 
+    common = dict(num_speculative_tokens=k, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
+                  enable_prefix_caching=False)
+    if spare_first:
+        spare_engine(model, **common)
     engines = {}
     for name, spec in specs.items():
         print(f"starting {name} ...", flush=True)
-        engines[name] = VllmDecoder.from_pretrained(model, num_speculative_tokens=k, dtype="float32",
-                                                    max_model_len=max_model_len, enforce_eager=True,
-                                                    enable_prefix_caching=False, disable_log_stats=False, **spec)
+        engines[name] = VllmDecoder.from_pretrained(model, disable_log_stats=False, **common, **spec)
     return engines
 
 
@@ -206,7 +211,6 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
     from rag_accel import ReferenceDecoder
-    from rag_accel.bench import spare_engine
     from rag_accel.data import load_msmarco_sample
     from rag_accel.vllm.requests import speculative_config
 
@@ -226,10 +230,7 @@ def main() -> None:
     if tune:
         specs.update({f"ngram-k{k}": {"speculation": "ngram", "speculative_config": ngram_config(k)}
                       for k in TUNE_KS})
-    # none of the timed engines is the process's first built (results/engine_order_vllm_cpu_smollm2.md)
-    spare_engine(args.model, num_speculative_tokens=args.k, dtype="float32", max_model_len=args.max_model_len,
-                 enforce_eager=True, enable_prefix_caching=False)
-    engines = make_engines(specs, args.model, args.k, args.max_model_len)
+    engines = make_engines(specs, args.model, args.k, args.max_model_len, spare_first=True)
     try:
         tuning_rows, tuning, schedule, best = [], {}, None, {}
         if tune:

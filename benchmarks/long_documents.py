@@ -90,7 +90,6 @@ def main() -> None:
     from inflight_bench import make_engines
 
     from rag_accel import ReferenceDecoder
-    from rag_accel.bench import spare_engine
     from rag_accel.data import load_msmarco_sample, rag_messages
     from rag_accel.vllm.requests import speculative_config
 
@@ -105,10 +104,7 @@ def main() -> None:
     specs = {"vllm-greedy": {"speculation": "off"},
              "vllm-suffix": {"speculation": "suffix", "speculative_config": speculative_config("suffix", 10)},
              "vllm-ours-chunks": {"speculation": "ours"}, "vllm-ours-documents": {"speculation": "ours"}}
-    # none of the timed engines is the process's first built (results/engine_order_vllm_cpu_smollm2.md)
-    spare_engine("smollm2-135m-instruct", num_speculative_tokens=10, dtype="float32", max_model_len=4096,
-                 enforce_eager=True, enable_prefix_caching=False)
-    engines = make_engines(specs, "smollm2-135m-instruct", 10, 4096)
+    engines = make_engines(specs, "smollm2-135m-instruct", 10, 4096, spare_first=True)
     rows = []
     try:
         for i, case in enumerate(cases):

@@ -51,6 +51,24 @@ INFLIGHT_PEERS_REPEATS = RESULTS / "inflight_vllm_cpu_smollm2_peers_repeats.json
 SETUP, SETUP_FREE = RESULTS / "setup_cost_cpu_smollm2.json", RESULTS / "setup_cost_cpu_smollm2_1thread.json"
 
 
+def levels_vs_greedy(summary: dict, methods: tuple[str, ...], levels: list[int]) -> str:
+    """An in-flight run's ratios against vllm-greedy per level, with tokens/step, for each method.
+
+    Example:
+        >>> levels_vs_greedy({"m@1": {"vs_greedy": 1.2, "tokens_per_step": 1.5}}, ("m",), [1])
+        'm 1.20x (1.50 tokens/step)'
+    """
+    return "; ".join(f"{m} " + "/".join(f"{summary[f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
+                     + " (" + "/".join(f"{summary[f'{m}@{c}']['tokens_per_step']:.2f}" for c in levels)
+                     + " tokens/step)" for m in methods)
+
+
+def levels_ratio(summary: dict, method: str, other: str, levels: list[int]) -> str:
+    """``method``'s tokens/s over ``other``'s per level, all runs: ``1.00x/1.02x``."""
+    return "/".join(f"{summary[f'{method}@{c}']['tokens_per_s'] / summary[f'{other}@{c}']['tokens_per_s']:.2f}x"
+                    for c in levels)
+
+
 def engine_section(path: Path) -> str:
     r = json.loads(path.read_text())
     env, s = r["environment"], r["summary"]
@@ -366,12 +384,8 @@ def summary_section() -> str:
         sm, rate = run["summary"], run_rates(run["rows"])
         levels = sorted({c for _, c, _ in rate})
         repeats = sorted({k for _, _, k in rate})
-        both = "; ".join(
-            f"{m} " + "/".join(f"{sm[f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
-            + " (" + "/".join(f"{sm[f'{m}@{c}']['tokens_per_step']:.2f}" for c in levels) + " tokens/step)"
-            for m in ("vllm-suffix", "vllm-ours", "vllm-ours-control"))
-        ours_vs = "/".join(f"{sm[f'vllm-ours@{c}']['tokens_per_s'] / sm[f'vllm-suffix@{c}']['tokens_per_s']:.2f}x"
-                           for c in levels)
+        both = levels_vs_greedy(sm, ("vllm-suffix", "vllm-ours", "vllm-ours-control"), levels)
+        ours_vs = levels_ratio(sm, "vllm-ours", "vllm-suffix", levels)
         control = " and ".join("/".join(f"{rate['vllm-ours-control', c, k] / rate['vllm-ours', c, k] - 1:+.0%}"
                                         for c in levels) for k in repeats)
         lines[-1] += (f" Suffix decoding and ours again, {len(repeats)} runs on engines built afresh, a control engine "
@@ -418,13 +432,8 @@ def summary_section() -> str:
         lines[-1] += (" Then with a spare engine built and closed before the timed ones, so that none is the process's "
                       f"first, {len(repeats)} runs, the build order rotated ([run](benchmarks/results/"
                       f"{INFLIGHT_SPARE.with_suffix('.md').name})), tokens/s against vllm-greedy at "
-                      f"{'/'.join(map(str, levels))} in flight, all runs: " + "; ".join(
-                          f"{m} " + "/".join(f"{sm[f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
-                          + " (" + "/".join(f"{sm[f'{m}@{c}']['tokens_per_step']:.2f}" for c in levels)
-                          + " tokens/step)" for m in peers)
-                      + "; ours against suffix " + "/".join(
-                          f"{sm[f'vllm-ours@{c}']['tokens_per_s'] / sm[f'vllm-suffix@{c}']['tokens_per_s']:.2f}x"
-                          for c in levels) + f" ({each}).")
+                      f"{'/'.join(map(str, levels))} in flight, all runs: {levels_vs_greedy(sm, peers, levels)}; "
+                      f"ours against suffix {levels_ratio(sm, 'vllm-ours', 'vllm-suffix', levels)} ({each}).")
     if SETUP.is_file() and SETUP_FREE.is_file():  # the first token of a short prompt with big references
         said = []
         for path, how in ((SETUP, "2 torch threads"), (SETUP_FREE, "1 thread, a core left free as a GPU leaves the host's")):

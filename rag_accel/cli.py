@@ -262,7 +262,7 @@ def bench(
         targets = forced_targets(target_forced, dec.tokenizer, timed, max_new_tokens) if target_forced else None
         if uses_vllm:
             engines = vllm_engines(method_list, model, dtype or "float32", k=num_speculative_tokens,
-                                   max_model_len=max_model_len)
+                                   max_model_len=max_model_len, spare_first=True)
         # items too long for the context window are left out before anything is timed, and listed
         skipped = too_long(dec, timed, max_new_tokens, engines=engines, reworded=reworded > 0)
         for sk in skipped:
@@ -275,7 +275,7 @@ def bench(
         env = environment(dec, model, num_speculative_tokens=num_speculative_tokens if uses_vllm else None)
         env["load_before"] = load_before
         if uses_vllm:
-            env["spare_engine_first"] = True  # (vllm_engines' default)
+            env["spare_engine_first"] = True  # (as vllm_engines was asked above)
         if draft_model is not None:
             env["draft_model"] = draft_model
         report = BenchReport(out, "rag-accel bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]), env,
