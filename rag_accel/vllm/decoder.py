@@ -319,12 +319,29 @@ class VllmDecoder:
         """The baseline on the same engine: this request without drafting."""
         return self.generate(prompt, None, max_new_tokens=max_new_tokens, stop=stop, speculate=False)
 
-    def close(self) -> None:
-        """Shut the vLLM engine down (its processes and memory); the decoder is unusable afterwards."""
+    def engine_processes(self) -> list[Any]:
+        """The engine-core processes this decoder's engine started (``multiprocessing`` processes;
+        empty where the engine runs in this process): vLLM's ``MPClient.resources.engine_manager``."""
+        manager = getattr(getattr(self.llm.llm_engine.engine_core, "resources", None), "engine_manager", None)
+        return list(getattr(manager, "processes", ()))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Shut the vLLM engine down (its processes and memory); the decoder is unusable afterwards.
+
+        Returns once the engine's processes have exited (up to ``timeout`` seconds): vLLM's own
+        shutdown gives them 5 s, then sends SIGKILL and returns without waiting, so under load an
+        engine process (and its memory) could outlive ``close``. The next engine built on a small
+        machine must not share it with the last one's."""
+        procs = self.engine_processes()
         try:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception as e:  # noqa: BLE001 - already down, or an engine without that handle
             log.debug("rag_accel: engine shutdown: %r", e)
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        if alive := [p.pid for p in procs if p.is_alive()]:
+            log.warning("rag_accel: vLLM engine processes %s still running %.0f s after shutdown", alive, timeout)
 
 
 def _eos_token_ids(tokenizer: Any, model_config: Any) -> frozenset[int]:

@@ -100,6 +100,8 @@ INTERNALS = (
              "VllmDecoder aborts requests at a stop string or a dropped stream"),
     Internal("vllm.sampling_params:RequestOutputKind.DELTA", None, "VllmDecoder streams new tokens only"),
     Internal("vllm.entrypoints.cli.main:main", (), "rag-accel serve runs vLLM's own CLI"),
+    Internal("vllm.v1.engine.utils:CoreEngineProcManager.shutdown", ("self", "timeout"),
+             "VllmDecoder.close: the engine processes (its .processes) it stops, then waits for"),
 )
 
 
