@@ -35,6 +35,7 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -285,16 +286,19 @@ def always_send(prepared: Sequence[tuple], choice: str, weights: np.ndarray | No
 
 
 def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
-           curve: Sequence[float] | None = None, weights: np.ndarray | None = None) -> dict[str, float]:
+           curve: Sequence[float] | None = None, weights: np.ndarray | None = None,
+           memory: Any = None) -> dict[str, float]:
     """Part 2: the real drafting, one engine learning across the items, a verify of ``L`` draft tokens costing
     ``curve[L]`` plain steps (default ``1 + SLOPE L``); ``weights``: part 3's learned choice in the reference
-    drafter's place."""
+    drafter's place. ``memory``: earlier answers as a source (``benchmarks/suffix_replay.py``), an object with
+    ``drafter(item id)`` (a drafter for that item, or ``None``), which joins the chain just after the
+    reference drafter as in the vLLM proposer, and ``add(item id, answer)``, called after each item."""
     cfg = DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"), max_draft_tokens=k)
     curve = [1.0 + SLOPE * n for n in range(k + 1)] if curve is None else list(curve[:k + 1])
     acceptance, costs = AcceptanceStats(), StepCosts()
-    tokens = steps = 0
+    tokens = steps = sent_tokens = 0
     speedups = []
-    for _, prompt, refs, target in prepared:
+    for item_id, prompt, refs, target in prepared:
         context = list(prompt)
         chain = build_drafters(cfg, context, refs).drafters
         if close_after_span:
@@ -304,6 +308,9 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
             learned = LearnedChoice(refs, len(prompt))
             learned.weights = weights
             chain = [learned if d.name == "reference" else d for d in chain]
+        if memory is not None and (remembered := memory.drafter(item_id)) is not None:
+            at = [d.name for d in chain].index("reference") + 1
+            chain = chain[:at] + [remembered] + chain[at:]
         drafting = RequestDrafting.from_config(cfg, context, refs, curve, acceptance, costs, drafters=chain)
         drafting.prefill_steps = 0.03 * len(prompt)
         cost, n_steps, new = 0.0, 1, [target[0]]
@@ -318,11 +325,14 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
             drafting.account(n_send, accepted, curve[n_send], len(context))
             cost += curve[n_send]
             n_steps += 1
+            sent_tokens += n_send
             context.extend(new)
+        if memory is not None:
+            memory.add(item_id, target)
         tokens += len(target)
         steps += n_steps
         speedups.append((len(target) - 1) / cost if cost else 1.0)
-    return {"tokens_per_step": tokens / steps,
+    return {"tokens_per_step": tokens / steps, "sent_per_step": sent_tokens / steps,
             "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
 
 

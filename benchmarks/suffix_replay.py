@@ -1,0 +1,225 @@
+"""vLLM's suffix decoding against our drafting, replayed on the model's greedy answers (no timing).
+
+    python benchmarks/suffix_replay.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
+        --out benchmarks/results/suffix_replay_smollm2_last100
+    python benchmarks/suffix_replay.py --plot benchmarks/results/suffix_replay_smollm2_last100.json
+
+(the first in the vLLM virtualenv with arctic-inference installed, the second in one with matplotlib). The
+model's greedy answers are known (``--save-outputs`` of ``rag-accel bench --methods greedy``), so what each
+draft gets accepted is too: every step sends a draft, keeps its tokens up to the first wrong one plus the
+model's own next token, and costs ``curve[L]`` plain steps for ``L`` draft tokens. Items in the file's order,
+one engine learning across them, as in the vLLM benchmarks' per-request loop:
+
+* ours: :class:`rag_accel.speculation.RequestDrafting` (the drafter chain and the cost-aware policy,
+  ``benchmarks/match_choice.py``'s replay), with the memory of earlier answers (``vllm-ours-memory``: one
+  scope) or without, or with arctic-inference's frequency tree of earlier answers in the memory's place;
+* suffix decoding: arctic-inference's ``SuffixDecodingCache`` called as vLLM's suffix proposer calls it (a
+  tree of the prompt and the answer so far, a global tree of earlier answers, the pattern the context's last
+  ``max_tree_depth`` tokens), vLLM's defaults but 10 tokens as in the benchmarks; also without the global tree,
+  and at ``max_spec_factor`` 2.
+
+Two cost curves: this CPU's (a draft token costs 0.025 of a step, vLLM at one request in flight) and nearly
+free draft tokens (0.002), where sending more pays: the question there is who gets the most tokens per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+K = 10
+SLOPES = {"cpu": 0.025, "nearly free": 0.002}
+MAX_TREE_DEPTH = 24  # vLLM's default suffix_decoding_max_tree_depth
+MIN_TOKEN_PROB = 0.1  # and suffix_decoding_min_token_prob
+
+
+class OneScopeMemory:
+    """Our :class:`~rag_accel.memory.AnswerMemory`, every answer in one scope (``vllm-ours-memory``)."""
+
+    def __init__(self) -> None:
+        from rag_accel.memory import AnswerMemory
+
+        self.memory = AnswerMemory()
+
+    def drafter(self, item_id: str) -> Any:
+        return self.memory.drafter("all")
+
+    def add(self, item_id: str, answer: Sequence[int]) -> None:
+        self.memory.add("all", list(answer))
+
+
+class FrequencyTreeDrafter:
+    """A drafter over arctic-inference's tree of earlier answers: the continuation most of them share."""
+
+    name = "memory"
+
+    def __init__(self, cache: Any, request: str) -> None:
+        self.cache, self.request = cache, request
+
+    def propose(self, context: Sequence[int], max_len: int) -> Any:
+        import numpy as np
+
+        from rag_accel.drafters import NO_DRAFT, Draft
+
+        found = self.cache.speculate(self.request, np.asarray(context[-MAX_TREE_DEPTH:], dtype=np.int32),
+                                     max_spec_tokens=max_len, max_spec_factor=float(K),
+                                     min_token_prob=MIN_TOKEN_PROB)
+        return Draft(list(found.token_ids), int(found.match_len), self.name) if found.token_ids else NO_DRAFT
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        pass
+
+
+class FrequencyTreeMemory:
+    """arctic-inference's global tree of earlier answers in our memory's place (its per-request tree empty:
+    our other drafters cover the prompt and the answer so far)."""
+
+    def __init__(self) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=MAX_TREE_DEPTH, max_cached_requests=10_000)
+
+    def drafter(self, item_id: str) -> FrequencyTreeDrafter:
+        import numpy as np
+
+        self.cache.start_request(item_id, np.zeros(0, dtype=np.int32))
+        return FrequencyTreeDrafter(self.cache, item_id)
+
+    def add(self, item_id: str, answer: Sequence[int]) -> None:
+        self.cache.add_active_response(item_id, list(answer))
+        self.cache.stop_request(item_id)
+
+
+def suffix_replay(prepared: Sequence[tuple], curve: Sequence[float], *, factor: float = 1.0,
+                  global_tree: bool = True) -> dict[str, float]:
+    """Suffix decoding as vLLM's ``SuffixDecodingProposer`` drives it, on the known answers."""
+    import numpy as np
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    from rag_accel.policy import leading_matches
+
+    cache = SuffixDecodingCache(max_tree_depth=MAX_TREE_DEPTH, max_cached_requests=10_000 if global_tree else 0)
+    tokens = steps = sent_tokens = 0
+    speedups = []
+    for item_id, prompt, _, target in prepared:
+        cache.start_request(item_id, np.asarray(prompt, dtype=np.int32))
+        context = list(prompt) + [target[0]]
+        cache.add_active_response(item_id, [target[0]])
+        cost, n_steps = 0.0, 1
+        while (n := len(context) - len(prompt)) < len(target):
+            found = cache.speculate(item_id, np.asarray(context[-MAX_TREE_DEPTH:], dtype=np.int32),
+                                    max_spec_tokens=K, max_spec_factor=factor, min_token_prob=MIN_TOKEN_PROB)
+            sent = list(found.token_ids)
+            accepted = leading_matches(sent, target[n:n + len(sent) + 1])
+            new = sent[:accepted] + target[n + accepted:n + accepted + 1]
+            cache.add_active_response(item_id, new)
+            cost += curve[len(sent)]
+            n_steps += 1
+            sent_tokens += len(sent)
+            context.extend(new)
+        cache.stop_request(item_id)
+        tokens += len(target)
+        steps += n_steps
+        speedups.append((len(target) - 1) / cost)
+    return {"tokens_per_step": tokens / steps, "sent_per_step": sent_tokens / steps,
+            "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
+
+
+CONFIGS = ("ours", "ours + memory of earlier answers", "ours + arctic's frequency tree of earlier answers",
+           "suffix decoding (vLLM's defaults, 10 tokens)", "suffix decoding without its tree of earlier answers",
+           "suffix decoding, max_spec_factor 2")
+
+
+def run_config(name: str, prepared: Sequence[tuple], curve: Sequence[float]) -> dict[str, float]:
+    from match_choice import replay
+
+    if name == CONFIGS[0]:
+        return replay(prepared, K, False, curve)
+    if name == CONFIGS[1]:
+        return replay(prepared, K, False, curve, memory=OneScopeMemory())
+    if name == CONFIGS[2]:
+        return replay(prepared, K, False, curve, memory=FrequencyTreeMemory())
+    return suffix_replay(prepared, curve, factor=2.0 if name == CONFIGS[5] else 1.0,
+                         global_tree=name != CONFIGS[4])
+
+
+def plot(path: Path) -> None:
+    """Tokens per step and the modelled speed-up of each configuration, per cost curve, next to the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = json.loads(path.read_text())
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, metric, label in zip(axes, ("tokens_per_step", "modelled_speedup_decoding"),
+                                 ("tokens per verification step", "modelled speed-up of the decoding steps")):
+        names = list(CONFIGS)
+        for i, curve in enumerate(run["results"]):
+            values = [run["results"][curve][n][metric] for n in names]
+            ax.barh([y + 0.4 * i for y in range(len(names))], values, height=0.4,
+                    label=f"{curve} draft tokens ({SLOPES[curve]} of a step each)")
+        ax.set_yticks([y + 0.2 for y in range(len(names))], names, fontsize=8)
+        ax.set_xlabel(label)
+        ax.set_xlim(1.0, None)
+    axes[0].invert_yaxis()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=2)
+    fig.suptitle(f"Suffix decoding and ours replayed on {run['items']} greedy answers (no timing)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--outputs", type=Path, default=Path("benchmarks/results/greedy_outputs_smollm2_last100x64.json"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/suffix_replay"))
+    ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON, and nothing else")
+    args = ap.parse_args()
+    if args.plot is not None:
+        plot(args.plot)
+        return
+    from match_choice import prepare
+
+    from rag_accel import ReferenceDecoder
+    from rag_accel.data import load_msmarco_sample
+
+    model = json.loads(args.outputs.read_text()).get("model", "smollm2-135m-instruct")
+    dec = ReferenceDecoder.from_pretrained(model, calibrate=False)
+    items = {it.id: it for it in load_msmarco_sample(with_answers=True)}
+    prepared = prepare(args.outputs, dec, items)
+    results = {curve: {name: run_config(name, prepared, [1.0 + slope * n for n in range(K + 1)]) for name in CONFIGS}
+               for curve, slope in SLOPES.items()}
+    command = f"python benchmarks/suffix_replay.py --outputs {args.outputs} --out {args.out}"
+    from importlib.metadata import version
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "items": len(prepared), "k": K, "slopes": SLOPES,
+         "arctic_inference": version("arctic-inference"), "results": results}, indent=1))
+    lines = [f"# vLLM's suffix decoding and our drafting replayed on {len(prepared)} greedy answers (no timing)", "",
+             f"- command: `{command}`; the plot: `python benchmarks/suffix_replay.py --plot {args.out}.json`",
+             f"- answers: `{args.outputs}` (SmolLM2-135M-Instruct float32, greedy); at most {K} draft tokens a step; "
+             f"suffix decoding: arctic-inference, max_tree_depth {MAX_TREE_DEPTH}, min_token_prob {MIN_TOKEN_PROB}",
+             ""]
+    for curve, slope in SLOPES.items():
+        lines += [f"A verify of L draft tokens costing 1 + {slope} L plain steps ({curve} draft tokens):", "",
+                  "| configuration | tokens/step | draft tokens sent/step | modelled speed-up of the decoding steps "
+                  "(geo-mean) |", "|---|---|---|---|"]
+        lines += [f"| {name} | {v['tokens_per_step']:.3f} | {v['sent_per_step']:.2f} | "
+                  f"{v['modelled_speedup_decoding']:.3f}x |" for name, v in results[curve].items()]
+        lines.append("")
+    args.out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
