@@ -333,7 +333,8 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
         steps += n_steps
         speedups.append((len(target) - 1) / cost if cost else 1.0)
     return {"tokens_per_step": tokens / steps, "sent_per_step": sent_tokens / steps,
-            "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
+            "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups)),
+            "worst_item": min(speedups)}
 
 
 def prepare(path: Path, dec: ReferenceDecoder, items: dict) -> list[tuple]:

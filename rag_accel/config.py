@@ -111,6 +111,9 @@ class DecoderConfig:
             that failed drafts may cost one request before the policy stops
             drafting (adaptive mode); bounds the worst case on items where
             nothing copies. In [0, 1]: 1 already lets failed drafts double the time.
+        min_gain: the margin a draft must promise over a plain step (adaptive mode): it is sent
+            only if its expected tokens per unit of verify cost exceed a plain step's by this
+            fraction. In [0, 1]; the loss budget (``max_loss``) bounds what a too-low margin can cost.
         draft_confidence: a draft model stops drafting when its probability for
             its next token falls below this (the first token is always drafted); in [0, 1).
         max_reference_tokens: refuse references longer than this (tokens,
@@ -146,6 +149,7 @@ class DecoderConfig:
     ngram_max_n: int = 5
     cost_curve: tuple[float, ...] | None = None
     max_loss: float = 0.03
+    min_gain: float = 0.1
     draft_confidence: float = 0.4
     max_reference_tokens: int = 4_000_000
     pack_gqa: bool = True
@@ -181,6 +185,10 @@ class DecoderConfig:
             raise ValueError(f"max_loss must be a number in [0, 1] (the fraction of plain greedy time failed "
                              f"drafts may cost; 1 already lets them double it), got {self.max_loss!r}")
         object.__setattr__(self, "max_loss", float(self.max_loss))
+        if not (_is_real(self.min_gain) and 0 <= self.min_gain <= 1):
+            raise ValueError(f"min_gain must be a number in [0, 1] (the margin a draft must promise over a plain "
+                             f"step), got {self.min_gain!r}")
+        object.__setattr__(self, "min_gain", float(self.min_gain))
         if not (_is_real(self.draft_confidence) and 0 <= self.draft_confidence < 1):
             raise ValueError(f"draft_confidence must be a number in [0, 1) (the probability a draft model's next "
                              f"token must reach), got {self.draft_confidence!r}")

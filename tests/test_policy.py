@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rag_accel import Draft
+from rag_accel.drafters import NO_DRAFT
 from rag_accel.policy import AcceptanceStats, DraftLengthPolicy, leading_matches
 
 CPU_CURVE = [1.0, 1.21, 1.5, 1.76, 1.9, 2.0, 2.1, 2.15, 2.17] + [2.17 + 0.11 * i for i in range(1, 9)]  # 0..16
@@ -201,3 +202,19 @@ def test_cold_rates_rise_with_the_evidence_and_give_way_to_what_is_learnt():
     assert p.choose(Draft([1] * 16, 1, "reference")) == 16
     flat = DraftLengthPolicy(CPU_CURVE, prior=0.5)  # the old flat prior, still available
     assert flat.rates("reference", 1) == flat.rates("reference", 32) == (0.5, 0.5)
+
+
+def test_min_gain_is_the_margin_a_draft_must_promise():
+    """A cold 1-token match promises 1.2 tokens (``COLD_RATES``) for a verify costing 1.1 plain steps:
+    9% over a plain step, under the default 10% margin and over a 2% one; the config's value
+    reaches the policy."""
+    from rag_accel import DecoderConfig
+    from rag_accel.speculation import RequestDrafting, StepCosts
+
+    curve = [1.0 + 0.1 * n for n in range(9)]
+    weak = Draft([1] * 8, 1, "prompt_lookup")
+    assert DraftLengthPolicy(curve).select([weak]) == (NO_DRAFT, 0)
+    assert DraftLengthPolicy(curve, min_gain=0.02).select([weak]) == (weak, 1)
+    cfg = DecoderConfig(drafters=("prompt_lookup",), max_draft_tokens=8, min_gain=0.02)
+    drafting = RequestDrafting.from_config(cfg, [5, 6, 7], [], curve, AcceptanceStats(), StepCosts())
+    assert drafting.policy.min_gain == 0.02 and drafting.policy.select([weak]) == (weak, 1)

@@ -78,7 +78,7 @@ def test_config_integers_have_an_upper_bound(dec, name, value):
 def test_config_bounds_themselves_are_accepted():
     cfg = DecoderConfig(max_draft_tokens=MAX_DRAFT_TOKENS, reference_max_match=MAX_MATCH,
                         prompt_lookup_max_ngram=MAX_NGRAM, ngram_max_n=MAX_NGRAM,
-                        max_reference_tokens=MAX_REFERENCE_TOKENS, max_loss=1.0,
+                        max_reference_tokens=MAX_REFERENCE_TOKENS, max_loss=1.0, min_gain=1.0,
                         cost_curve=(1.0,) * (MAX_DRAFT_TOKENS + 1))
     assert cfg.max_draft_tokens == MAX_DRAFT_TOKENS and len(cfg.cost_curve) == MAX_DRAFT_TOKENS + 1
 
@@ -90,6 +90,10 @@ def test_config_bounds_themselves_are_accepted():
     ({"max_loss": -0.1}, r"max_loss must be a number in \[0, 1\]"),
     ({"max_loss": True}, r"max_loss must be a number"),
     ({"max_loss": "0.1"}, r"max_loss must be a number"),
+    ({"min_gain": math.nan}, r"min_gain must be a number in \[0, 1\]"),
+    ({"min_gain": -0.01}, r"min_gain must be a number in \[0, 1\]"),
+    ({"min_gain": 2}, r"min_gain must be a number in \[0, 1\]"),
+    ({"min_gain": "0.1"}, r"min_gain must be a number"),
     ({"draft_confidence": math.nan}, r"draft_confidence must be a number in \[0, 1\)"),
     ({"draft_confidence": False}, r"draft_confidence must be a number"),
     ({"cost_curve": (1.0,) * (MAX_DRAFT_TOKENS + 2)}, rf"cost_curve has {MAX_DRAFT_TOKENS + 2} entries.*at most"),

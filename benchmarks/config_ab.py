@@ -1,0 +1,234 @@
+"""Two values of one DecoderConfig option on ONE engine, request by request (A/B without the engine spread).
+
+    python benchmarks/config_ab.py --option min_gain --values 0.1,0.02 --items 48 \\
+        --out benchmarks/results/config_ab_vllm_cpu_smollm2_min_gain
+    python benchmarks/config_ab.py --engine hf --option min_gain --values 0.1,0.02 --items 48 \\
+        --out benchmarks/results/config_ab_hf_cpu_smollm2_min_gain
+    python benchmarks/config_ab.py --plot benchmarks/results/config_ab_vllm_cpu_smollm2_min_gain.json
+
+(the first in the vLLM virtualenv, the others in the main one: ``--plot`` needs matplotlib). Two engines built in one process on
+this 2-core CPU differ by up to 8% (``benchmarks/results/inflight_vllm_cpu_smollm2_memory_control.md``), more
+than a policy change moves: comparing two values of an option on two engines measures the engines. Here one
+``vllm-ours`` engine runs both values, the option passed per request (``config=``, what a client sends as
+``extra_args["rag_accel"]``), the values' order alternating per item (``--in-flight N``: per group of N
+requests, all N in flight with one value, then with the other). A ``vllm-greedy`` engine (a spare engine built
+and closed first, so neither is the process's first) runs each item too: every output is compared with it,
+token for token, and its time gives the ratios against greedy, the same for both values. The learnt acceptance
+rates are the engine's, shared by both values' requests, as a server's are. ``--engine hf``: the same on
+transformers, one :class:`~rag_accel.ReferenceDecoder` against ``model.generate(do_sample=False)``.
+
+Judged on the sample's last items (no default was tuned on them); per item, new tokens over wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def geo(values: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def parse_value(text: str) -> object:
+    return json.loads(text)  # 0.02 -> float, 4 -> int, true -> bool
+
+
+def vllm_engines(args: argparse.Namespace):
+    """``(encode, greedy(prompts), ours(prompts, refs, changes), close)`` on vLLM: two engines, a spare first."""
+    from inflight_bench import make_engines
+
+    engines = make_engines({"vllm-greedy": {"speculation": "off"}, "vllm-ours": {"speculation": "ours"}},
+                           args.model, args.k, 4096, spare_first=True)
+    greedy, ours = engines["vllm-greedy"], engines["vllm-ours"]
+
+    def close() -> None:
+        for e in engines.values():
+            e.close()
+
+    return (greedy.encode_prompt,
+            lambda prompts: [o.token_ids for o in greedy.generate_batch(prompts, max_new_tokens=args.max_new_tokens)],
+            lambda prompts, refs, changes: ours.generate_batch(prompts, refs, max_new_tokens=args.max_new_tokens,
+                                                               config=changes),
+            close)
+
+
+def hf_engines(args: argparse.Namespace):
+    """The same on transformers in this process: ``model.generate(do_sample=False)`` and one
+    :class:`~rag_accel.ReferenceDecoder` (its cost curve measured once), one request at a time."""
+    import torch
+
+    from rag_accel import DecoderConfig, ReferenceDecoder
+
+    dec = ReferenceDecoder.from_pretrained(args.model, config=DecoderConfig(max_draft_tokens=args.k))
+
+    def greedy(prompts):
+        outs = []
+        for ids in prompts:
+            x = torch.tensor([ids], device=dec.device)
+            with torch.inference_mode():
+                out = dec.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                         max_new_tokens=args.max_new_tokens)
+            outs.append(out[0, len(ids):].tolist())
+        return outs
+
+    def ours(prompts, refs, changes):
+        return [dec.generate(p, r, max_new_tokens=args.max_new_tokens, config=changes) for p, r in zip(prompts, refs)]
+
+    return dec.encode_prompt, greedy, ours, lambda: None
+
+
+def run(args: argparse.Namespace) -> dict:
+    from rag_accel.data import load_msmarco_sample, rag_messages
+
+    values = [parse_value(v) for v in args.values.split(",")]
+    if len(values) != 2:
+        raise SystemExit("--values takes two values, comma-separated")
+    if args.engine == "hf" and args.in_flight != 1:
+        raise SystemExit("--engine hf runs one request at a time: --in-flight 1")
+    items = load_msmarco_sample()[-args.items:]
+    encode, greedy, ours, close = (vllm_engines if args.engine == "vllm" else hf_engines)(args)
+    prompts = [encode(rag_messages(it.query, it.passages)) for it in items]
+    refs = [list(it.passages) for it in items]
+    load = os.getloadavg()[0]
+    rows = []
+    try:
+        greedy(prompts[:1])  # untimed: each engine's first request
+        ours(prompts[:1], refs[:1], {})
+        for g, start in enumerate(range(0, len(items), args.in_flight)):
+            sl = slice(start, start + args.in_flight)
+            order = values if g % 2 == 0 else values[::-1]
+            t0 = time.perf_counter()
+            base = greedy(prompts[sl])
+            base_s = time.perf_counter() - t0
+            row = {"group": g, "items": [it.id for it in items[sl]], "greedy_s": base_s,
+                   "new_tokens": sum(len(b) for b in base), "order": order, "values": {}}
+            for v in order:
+                t0 = time.perf_counter()
+                outs = ours(prompts[sl], refs[sl], {args.option: v})
+                row["values"][json.dumps(v)] = {
+                    "seconds": time.perf_counter() - t0, "steps": sum(o.stats.steps for o in outs),
+                    "new_tokens": sum(len(o.token_ids) for o in outs),
+                    "identical": sum(o.token_ids == b for o, b in zip(outs, base))}
+            rows.append(row)
+            print(f"group {g}: greedy {base_s:.2f}s " + " ".join(
+                f"{k}={r['seconds']:.2f}s/{r['steps']} steps" for k, r in row["values"].items()), flush=True)
+    finally:
+        close()
+    return {"command": "python benchmarks/config_ab.py " + " ".join(sys.argv[1:]),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "option": args.option,
+            "values": [json.dumps(v) for v in values], "engine": args.engine, "in_flight": args.in_flight,
+            "k": args.k, "max_new_tokens": args.max_new_tokens, "model": args.model,
+            "environment": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load,
+                            "vllm_cpu_kvcache_space": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+                            "device": "cpu", "dtype": "float32", "spare_engine_first": args.engine == "vllm"},
+            "rows": rows}
+
+
+def summarize(result: dict) -> dict:
+    a, b = result["values"]
+    out = {}
+    for v in (a, b):
+        rs = result["rows"]
+        out[v] = {"vs_greedy": geo([r["greedy_s"] / r["values"][v]["seconds"] for r in rs]),
+                  "tokens_per_step": sum(r["values"][v]["new_tokens"] for r in rs) / sum(
+                      r["values"][v]["steps"] for r in rs),
+                  "identical": sum(r["values"][v]["identical"] for r in rs),
+                  "requests": sum(len(r["items"]) for r in rs)}
+    ratios = [r["values"][a]["seconds"] / r["values"][b]["seconds"] for r in result["rows"]]
+    out["b_over_a"] = {"geo_mean": geo(ratios), "b_faster": sum(x > 1 for x in ratios), "groups": len(ratios),
+                       "worst": min(ratios), "best": max(ratios)}
+    return out
+
+
+def write(result: dict, out: Path) -> None:
+    s = summarize(result)
+    a, b = result["values"]
+    env = result["environment"]
+    engine = {"vllm": "vLLM", "hf": "transformers"}[result.get("engine", "vllm")]
+    lines = [f"# `{result['option']}` = {a} against {b} on one {engine} engine, request by request", "",
+             f"- command: `{result['command']}`; the plot: `python benchmarks/config_ab.py --plot {out}.json`",
+             f"- {result['date']}; {result['model']}, float32, CPU ({env['cpus']} cores), {engine}; at most "
+             f"{result['k']} draft tokens a step; {result['max_new_tokens']} new tokens; {result['in_flight']} "
+             f"request(s) in flight; 1-minute load average when timing began {env['load_before']:.2f} (the engines' "
+             f"start included; nothing else ran)"
+             + ("; a spare engine built first" if env.get("spare_engine_first") else ""),
+             "- one engine of ours runs both values (the option per request), their order alternating per group; "
+             "greedy decoding (" + ("a vllm-greedy engine" if engine == "vLLM" else "`model.generate`")
+             + ") runs each group too: the baseline of the outputs and of the ratios", "",
+             "| value | tokens/s against greedy (geo-mean over groups) | tokens/step | outputs identical to greedy |",
+             "|---|---|---|---|"]
+    lines += [f"| {v} | {s[v]['vs_greedy']:.3f}x | {s[v]['tokens_per_step']:.2f} | "
+              f"{s[v]['identical']}/{s[v]['requests']} |" for v in (a, b)]
+    r = s["b_over_a"]
+    lines += ["", f"{b} against {a}, per group on the same engine: {r['geo_mean']:.3f}x (geo-mean), faster in "
+                  f"{r['b_faster']} of {r['groups']}, from {r['worst']:.3f}x to {r['best']:.3f}x.", ""]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({**result, "summary": s}, indent=1))
+    out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def plot(path: Path) -> None:
+    """Per group: each value's speed-up against greedy, next to the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads(path.read_text())
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for v in result["values"]:
+        ax.plot([r["greedy_s"] / r["values"][v]["seconds"] for r in result["rows"]], marker="o", lw=1,
+                label=f"{result['option']} = {v}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("group (the sample's last items, in order)")
+    ax.set_ylabel("tokens/s against greedy")
+    engine = {"vllm": "vLLM", "hf": "transformers"}[result.get("engine", "vllm")]
+    ax.set_title(f"{result['option']}: two values on one {engine} engine, {result['in_flight']} in flight", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--option", default="min_gain")
+    ap.add_argument("--values", default="0.1,0.02", help="two JSON values, comma-separated")
+    ap.add_argument("--items", type=int, default=24)
+    ap.add_argument("--in-flight", type=int, default=1)
+    ap.add_argument("--engine", choices=("vllm", "hf"), default="vllm",
+                    help="hf: transformers in this process (ReferenceDecoder against model.generate)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("-k", type=int, default=10)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/config_ab"))
+    ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON, and nothing else")
+    ap.add_argument("--render", type=Path, default=None, help="rewrite a run's markdown from its JSON")
+    args = ap.parse_args()
+    if args.plot is not None:
+        plot(args.plot)
+        return
+    if args.render is not None:
+        result = json.loads(args.render.read_text())
+        result.pop("summary", None)
+        write(result, args.render.with_suffix(""))
+        return
+    write(run(args), args.out)
+
+
+if __name__ == "__main__":
+    main()
