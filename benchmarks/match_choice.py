@@ -287,12 +287,13 @@ def always_send(prepared: Sequence[tuple], choice: str, weights: np.ndarray | No
 
 def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
            curve: Sequence[float] | None = None, weights: np.ndarray | None = None,
-           memory: Any = None) -> dict[str, float]:
+           memory: Any = None, make_chain: Any = None) -> dict[str, float]:
     """Part 2: the real drafting, one engine learning across the items, a verify of ``L`` draft tokens costing
     ``curve[L]`` plain steps (default ``1 + SLOPE L``); ``weights``: part 3's learned choice in the reference
     drafter's place. ``memory``: earlier answers as a source (``benchmarks/suffix_replay.py``), an object with
     ``drafter(item id)`` (a drafter for that item, or ``None``), which joins the chain just after the
-    reference drafter as in the vLLM proposer, and ``add(item id, answer)``, called after each item."""
+    reference drafter as in the vLLM proposer (after the first drafter in a chain without one), and ``add(item id, answer)``, called after each item.
+    ``make_chain(prompt, references, chain)``: the drafters to use instead of ``chain`` (the config's)."""
     cfg = DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"), max_draft_tokens=k)
     curve = [1.0 + SLOPE * n for n in range(k + 1)] if curve is None else list(curve[:k + 1])
     acceptance, costs = AcceptanceStats(), StepCosts()
@@ -301,6 +302,8 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
     for item_id, prompt, refs, target in prepared:
         context = list(prompt)
         chain = build_drafters(cfg, context, refs).drafters
+        if make_chain is not None:
+            chain = make_chain(context, refs, chain)
         if close_after_span:
             chain = [CloseAfterSpan(refs, cfg.reference_min_match, cfg.reference_max_match)
                      if d.name == "reference" else d for d in chain]
@@ -309,7 +312,8 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
             learned.weights = weights
             chain = [learned if d.name == "reference" else d for d in chain]
         if memory is not None and (remembered := memory.drafter(item_id)) is not None:
-            at = [d.name for d in chain].index("reference") + 1
+            names = [d.name for d in chain]
+            at = names.index("reference") + 1 if "reference" in names else 1
             chain = chain[:at] + [remembered] + chain[at:]
         drafting = RequestDrafting.from_config(cfg, context, refs, curve, acceptance, costs, drafters=chain)
         drafting.prefill_steps = 0.03 * len(prompt)

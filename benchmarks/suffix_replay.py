@@ -13,10 +13,15 @@ one engine learning across them, as in the vLLM benchmarks' per-request loop:
 * ours: :class:`rag_accel.speculation.RequestDrafting` (the drafter chain and the cost-aware policy,
   ``benchmarks/match_choice.py``'s replay), with the memory of earlier answers (``vllm-ours-memory``: one
   scope) or without, or with arctic-inference's frequency tree of earlier answers in the memory's place;
+  and our policy over arctic-inference's per-request tree alone (:class:`RequestTreeDrafter`), which asks
+  whether our policy or suffix decoding's own rule sends the better share of the same drafts;
 * suffix decoding: arctic-inference's ``SuffixDecodingCache`` called as vLLM's suffix proposer calls it (a
   tree of the prompt and the answer so far, a global tree of earlier answers, the pattern the context's last
   ``max_tree_depth`` tokens), vLLM's defaults but 10 tokens as in the benchmarks; also without the global tree,
-  and at ``max_spec_factor`` 2.
+  and at ``max_spec_factor`` 2 and 3 (a draft at most that many times its match long).
+
+Run it on the sample's first 50 answers too (``greedy_outputs_smollm2_first50x64.json``): a setting chosen
+from these rows is chosen there and judged on the last 100.
 
 Two cost curves: this CPU's (a draft token costs 0.025 of a step, vLLM at one request in flight) and nearly
 free draft tokens (0.002), where sending more pays: the question there is who gets the most tokens per step.
@@ -98,6 +103,41 @@ class FrequencyTreeMemory:
         self.cache.stop_request(item_id)
 
 
+class RequestTreeDrafter:
+    """arctic-inference's per-request suffix tree (the prompt and the answer so far) as a drafter in our chain:
+    the continuation of the longest match most occurrences share, at most ``factor`` times the match long,
+    stopping where a branch falls under ``min_token_prob``; our policy then picks whether and how much to send."""
+
+    name = "suffix_tree"
+    _ids = 0
+
+    def __init__(self, prompt: Sequence[int], factor: float) -> None:
+        import numpy as np
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        RequestTreeDrafter._ids += 1
+        self.request, self.factor = f"r{RequestTreeDrafter._ids}", factor
+        self.cache = SuffixDecodingCache(max_tree_depth=MAX_TREE_DEPTH, max_cached_requests=0)
+        self.cache.start_request(self.request, np.asarray(prompt, dtype=np.int32))
+        self.seen = len(prompt)
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        if len(context) > self.seen:
+            self.cache.add_active_response(self.request, list(context[self.seen:]))
+            self.seen = len(context)
+
+    def propose(self, context: Sequence[int], max_len: int) -> Any:
+        import numpy as np
+
+        from rag_accel.drafters import NO_DRAFT, Draft
+
+        self.update(context, 0)
+        found = self.cache.speculate(self.request, np.asarray(context[-MAX_TREE_DEPTH:], dtype=np.int32),
+                                     max_spec_tokens=max_len, max_spec_factor=self.factor,
+                                     min_token_prob=MIN_TOKEN_PROB)
+        return Draft(list(found.token_ids), int(found.match_len), self.name) if found.token_ids else NO_DRAFT
+
+
 def suffix_replay(prepared: Sequence[tuple], curve: Sequence[float], *, factor: float = 1.0,
                   global_tree: bool = True) -> dict[str, float]:
     """Suffix decoding as vLLM's ``SuffixDecodingProposer`` drives it, on the known answers."""
@@ -133,22 +173,33 @@ def suffix_replay(prepared: Sequence[tuple], curve: Sequence[float], *, factor: 
             "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
 
 
-CONFIGS = ("ours", "ours + memory of earlier answers", "ours + arctic's frequency tree of earlier answers",
-           "suffix decoding (vLLM's defaults, 10 tokens)", "suffix decoding without its tree of earlier answers",
-           "suffix decoding, max_spec_factor 2")
-
-
-def run_config(name: str, prepared: Sequence[tuple], curve: Sequence[float]) -> dict[str, float]:
+def _ours(memory: Any = None, tree_factor: float | None = None):
     from match_choice import replay
 
-    if name == CONFIGS[0]:
-        return replay(prepared, K, False, curve)
-    if name == CONFIGS[1]:
-        return replay(prepared, K, False, curve, memory=OneScopeMemory())
-    if name == CONFIGS[2]:
-        return replay(prepared, K, False, curve, memory=FrequencyTreeMemory())
-    return suffix_replay(prepared, curve, factor=2.0 if name == CONFIGS[5] else 1.0,
-                         global_tree=name != CONFIGS[4])
+    def run(prepared: Sequence[tuple], curve: Sequence[float]) -> dict[str, float]:
+        make_chain = None if tree_factor is None else (
+            lambda prompt, refs, chain: [RequestTreeDrafter(prompt, tree_factor)])
+        return replay(prepared, K, False, curve, memory=memory() if memory else None, make_chain=make_chain)
+    return run
+
+
+def _suffix(factor: float, global_tree: bool = True):
+    return lambda prepared, curve: suffix_replay(prepared, curve, factor=factor, global_tree=global_tree)
+
+
+# name -> run(prepared answers, cost curve)
+CONFIGS = {
+    "ours": _ours(),
+    "ours + memory of earlier answers": _ours(OneScopeMemory),
+    "ours + arctic's frequency tree of earlier answers": _ours(FrequencyTreeMemory),
+    "our policy over arctic's per-request tree (factor 3), no other drafter": _ours(tree_factor=3.0),
+    "the same + memory of earlier answers": _ours(OneScopeMemory, tree_factor=3.0),
+    "suffix decoding (vLLM's defaults, 10 tokens)": _suffix(1.0),
+    "suffix decoding without its tree of earlier answers": _suffix(1.0, global_tree=False),
+    "suffix decoding without its tree of earlier answers, max_spec_factor 3": _suffix(3.0, global_tree=False),
+    "suffix decoding, max_spec_factor 2": _suffix(2.0),
+    "suffix decoding, max_spec_factor 3": _suffix(3.0),
+}
 
 
 def plot(path: Path) -> None:
@@ -159,10 +210,10 @@ def plot(path: Path) -> None:
     import matplotlib.pyplot as plt
 
     run = json.loads(path.read_text())
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6.5), sharey=True)
     for ax, metric, label in zip(axes, ("tokens_per_step", "modelled_speedup_decoding"),
                                  ("tokens per verification step", "modelled speed-up of the decoding steps")):
-        names = list(CONFIGS)
+        names = list(run["results"][next(iter(run["results"]))])
         for i, curve in enumerate(run["results"]):
             values = [run["results"][curve][n][metric] for n in names]
             ax.barh([y + 0.4 * i for y in range(len(names))], values, height=0.4,
@@ -196,7 +247,7 @@ def main() -> None:
     dec = ReferenceDecoder.from_pretrained(model, calibrate=False)
     items = {it.id: it for it in load_msmarco_sample(with_answers=True)}
     prepared = prepare(args.outputs, dec, items)
-    results = {curve: {name: run_config(name, prepared, [1.0 + slope * n for n in range(K + 1)]) for name in CONFIGS}
+    results = {curve: {name: run(prepared, [1.0 + slope * n for n in range(K + 1)]) for name, run in CONFIGS.items()}
                for curve, slope in SLOPES.items()}
     command = f"python benchmarks/suffix_replay.py --outputs {args.outputs} --out {args.out}"
     from importlib.metadata import version
