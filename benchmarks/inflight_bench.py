@@ -16,6 +16,9 @@ The peers, one engine each, float32, eager, prefix caching off, at most ``k`` = 
 * ``vllm-ngram-dynamic``: the same with vLLM's dynamic speculative decoding
   (``num_speculative_tokens_per_batch_size``), its schedule tuned on this machine first (below);
 * ``vllm-suffix``: vLLM's suffix decoding (arctic-inference), vLLM's defaults but ``k`` tokens;
+* ``vllm-suffix-f3`` (only with ``--methods``): the same with ``suffix_decoding_max_spec_factor`` 3 (a draft up
+  to 3 times its match long), the best of 1-3 on the sample's first 50 answers replayed
+  (``benchmarks/suffix_replay.py``): a stronger peer than vLLM's defaults;
 * ``vllm-ours``: our proposer, each request with its own passages as references;
 * ``vllm-ours-memory`` (only with ``--methods``): the same with every request in one memory scope, so that
   it also drafts from the engine's earlier answers, as suffix decoding's tree does by default;
@@ -59,9 +62,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 LEVELS = (1, 4, 16, 32)
 TUNE_KS = (1, 2, 4, 10)
-METHODS = ("vllm-greedy", "vllm-ngram", "vllm-ngram-dynamic", "vllm-suffix", "vllm-ours", "vllm-ours-memory",
-           "vllm-ours-control")
+METHODS = ("vllm-greedy", "vllm-ngram", "vllm-ngram-dynamic", "vllm-suffix", "vllm-suffix-f3", "vllm-ours",
+           "vllm-ours-memory", "vllm-ours-control")
 OURS = ("vllm-ours", "vllm-ours-memory", "vllm-ours-control")
+DEFAULT_METHODS = ("vllm-ngram", "vllm-ngram-dynamic", "vllm-suffix", "vllm-ours")
 
 
 def ngram_config(k: int, schedule: list[tuple[int, int, int]] | None = None) -> dict:
@@ -197,7 +201,8 @@ def main() -> None:
     ap.add_argument("--tune-items", default="4,8,16,32", help="tuning items per level, from the sample's first")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/inflight_vllm_cpu_smollm2"))
-    ap.add_argument("--methods", default=",".join(METHODS[:5]), help=f"from {','.join(METHODS)} (vllm-greedy always)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"from {','.join(METHODS)} (vllm-greedy always)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of the judged levels, each on engines built afresh (the same items)")
     ap.add_argument("--render", type=Path, default=None, help="rewrite a run's markdown and plot from its JSON")
@@ -252,6 +257,8 @@ def main() -> None:
                                                "speculative_config": ngram_config(args.k, schedule)},
                 "vllm-suffix": lambda: {"speculation": "suffix",
                                         "speculative_config": speculative_config("suffix", args.k)},
+                "vllm-suffix-f3": lambda: {"speculation": "suffix", "speculative_config": {
+                    "method": "suffix", "num_speculative_tokens": args.k, "suffix_decoding_max_spec_factor": 3.0}},
                 "vllm-ours": lambda: {"speculation": "ours"},
                 "vllm-ours-memory": lambda: {"speculation": "ours", "memory_scope": "bench"},
                 "vllm-ours-control": lambda: {"speculation": "ours"}}  # (built only if asked: suffix needs arctic)
@@ -285,7 +292,7 @@ def main() -> None:
                f"--new {args.new} --out {args.out}")
     if args.repeats != 1:
         command += f" --repeats {args.repeats}"
-    if methods != ["vllm-greedy", *METHODS[1:5]]:
+    if methods != ["vllm-greedy", *DEFAULT_METHODS]:
         command += f" --methods {','.join(m for m in methods if m != 'vllm-greedy')}"
     for r in rows + tuning_rows:
         r.pop("token_ids")
