@@ -6,8 +6,8 @@
         --out benchmarks/results/config_ab_hf_cpu_smollm2_min_gain
     python benchmarks/config_ab.py --plot benchmarks/results/config_ab_vllm_cpu_smollm2_min_gain.json
 
-(the first in the vLLM virtualenv, the others in the main one: ``--plot`` needs matplotlib). Two engines built in one process on
-this 2-core CPU differ by up to 8% (``benchmarks/results/inflight_vllm_cpu_smollm2_memory_control.md``), more
+(the first in the vLLM virtualenv, the others in the main one: ``--plot`` needs matplotlib). Two engines
+built in one process on this 2-core CPU differ by up to 8% (``benchmarks/results/inflight_vllm_cpu_smollm2_memory_control.md``), more
 than a policy change moves: comparing two values of an option on two engines measures the engines. Here one
 ``vllm-ours`` engine runs both values, the option passed per request (``config=``, what a client sends as
 ``extra_args["rag_accel"]``), the values' order alternating per item (``--in-flight N``: per group of N
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -39,15 +38,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def geo(values: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(v) for v in values))
-
-
 def parse_value(text: str) -> object:
     return json.loads(text)  # 0.02 -> float, 4 -> int, true -> bool
 
 
-def vllm_engines(args: argparse.Namespace):
+def vllm_pair(args: argparse.Namespace):
     """``(encode, greedy(prompts), ours(prompts, refs, changes), close)`` on vLLM: two engines, a spare first."""
     from inflight_bench import make_engines
 
@@ -66,7 +61,7 @@ def vllm_engines(args: argparse.Namespace):
             close)
 
 
-def hf_engines(args: argparse.Namespace):
+def hf_pair(args: argparse.Namespace):
     """The same on transformers in this process: ``model.generate(do_sample=False)`` and one
     :class:`~rag_accel.ReferenceDecoder` (its cost curve measured once), one request at a time."""
     import torch
@@ -100,7 +95,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.engine == "hf" and args.in_flight != 1:
         raise SystemExit("--engine hf runs one request at a time: --in-flight 1")
     items = load_msmarco_sample()[-args.items:]
-    encode, greedy, ours, close = (vllm_engines if args.engine == "vllm" else hf_engines)(args)
+    encode, greedy, ours, close = (vllm_pair if args.engine == "vllm" else hf_pair)(args)
     prompts = [encode(rag_messages(it.query, it.passages)) for it in items]
     refs = [list(it.passages) for it in items]
     load = os.getloadavg()[0]
@@ -143,14 +138,14 @@ def summarize(result: dict) -> dict:
     out = {}
     for v in (a, b):
         rs = result["rows"]
-        out[v] = {"vs_greedy": geo([r["greedy_s"] / r["values"][v]["seconds"] for r in rs]),
+        out[v] = {"vs_greedy": statistics.geometric_mean([r["greedy_s"] / r["values"][v]["seconds"] for r in rs]),
                   "tokens_per_step": sum(r["values"][v]["new_tokens"] for r in rs) / sum(
                       r["values"][v]["steps"] for r in rs),
                   "identical": sum(r["values"][v]["identical"] for r in rs),
                   "requests": sum(len(r["items"]) for r in rs)}
     ratios = [r["values"][a]["seconds"] / r["values"][b]["seconds"] for r in result["rows"]]
-    out["b_over_a"] = {"geo_mean": geo(ratios), "b_faster": sum(x > 1 for x in ratios), "groups": len(ratios),
-                       "worst": min(ratios), "best": max(ratios)}
+    out["b_over_a"] = {"geo_mean": statistics.geometric_mean(ratios), "b_faster": sum(x > 1 for x in ratios),
+                       "groups": len(ratios), "worst": min(ratios), "best": max(ratios)}
     return out
 
 

@@ -34,6 +34,18 @@ def test_every_internal_we_rely_on_is_in_the_installed_vllm():
     assert patches.check_internals() == []
 
 
+def test_check_internals_notices_engine_processes_no_longer_kept(monkeypatch):
+    """``VllmDecoder.close`` waits for ``CoreEngineProcManager.processes``, an instance attribute that
+    no signature shows: its ``__init__`` is read instead, and one that no longer sets it is named."""
+    from vllm.v1.engine.utils import CoreEngineProcManager
+
+    def init(self, *args, **kwargs):
+        self.procs = []
+
+    monkeypatch.setattr(CoreEngineProcManager, "__init__", init)
+    assert any("no longer keeps its engine processes" in p for p in patches.check_internals())
+
+
 def test_check_internals_names_what_went_missing_or_changed(monkeypatch):
     gone = patches.Internal("vllm.v1.sample.logits_processor:no_such_function", None, "a test")
     changed = patches.Internal("vllm.v1.sample.logits_processor.builtin:process_dict_updates",

@@ -100,6 +100,8 @@ INTERNALS = (
              "VllmDecoder aborts requests at a stop string or a dropped stream"),
     Internal("vllm.sampling_params:RequestOutputKind.DELTA", None, "VllmDecoder streams new tokens only"),
     Internal("vllm.entrypoints.cli.main:main", (), "rag-accel serve runs vLLM's own CLI"),
+    Internal("vllm.v1.engine.core_client:BackgroundResources.engine_manager", None,
+             "VllmDecoder.engine_processes: MPClient.resources.engine_manager"),
     Internal("vllm.v1.engine.utils:CoreEngineProcManager.shutdown", ("self", "timeout"),
              "VllmDecoder.close: the engine processes (its .processes) it stops, then waits for"),
 )
@@ -142,9 +144,7 @@ def check_internals() -> list[str]:
             continue
         if names[:len(it.params)] != it.params:
             problems.append(f"{it.target} takes {names}, rag_accel expects {it.params} first; it uses it: {it.why}")
-    spec_ok = _runner_calls_propose_as_expected()
-    if spec_ok is not None:
-        problems.append(spec_ok)
+    problems += [p for p in (_runner_calls_propose_as_expected(), _engine_manager_keeps_processes()) if p]
     return problems
 
 
@@ -161,6 +161,21 @@ def _runner_calls_propose_as_expected() -> str | None:
     if ".propose(" not in branch or not all(a in branch for a in expected):
         return ("GPUModelRunner.propose_draft_token_ids no longer calls a custom_class proposer as "
                 "propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=...)")
+    return None
+
+
+def _engine_manager_keeps_processes() -> str | None:
+    """``CoreEngineProcManager`` still keeps its engine processes as ``self.processes`` (an instance
+    attribute, read from its source): without it ``VllmDecoder.close`` would wait for nothing."""
+    try:
+        from vllm.v1.engine.utils import CoreEngineProcManager
+
+        src = inspect.getsource(CoreEngineProcManager.__init__)
+    except Exception as e:  # noqa: BLE001 - reported by check_internals' own lookup
+        return f"could not read CoreEngineProcManager.__init__: {e}"
+    if "self.processes" not in src:
+        return ("CoreEngineProcManager no longer keeps its engine processes as .processes; "
+                "VllmDecoder.close waits for them")
     return None
 
 
