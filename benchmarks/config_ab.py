@@ -5,6 +5,9 @@
     python benchmarks/config_ab.py --engine hf --option min_gain --values 0.1,0.02 --items 48 \\
         --out benchmarks/results/config_ab_hf_cpu_smollm2_min_gain
     python benchmarks/config_ab.py --plot benchmarks/results/config_ab_vllm_cpu_smollm2_min_gain.json
+    python benchmarks/config_ab.py --option drafters \
+        --values '["reference","prompt_lookup","ngram"];["reference","frequency"]' --items 48 \
+        --out benchmarks/results/config_ab_vllm_cpu_smollm2_frequency
 
 (the first in the vLLM virtualenv, the others in the main one: ``--plot`` needs matplotlib). Two engines
 built in one process on this 2-core CPU differ by up to 8% (``benchmarks/results/inflight_vllm_cpu_smollm2_memory_control.md``), more
@@ -39,7 +42,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def parse_value(text: str) -> object:
-    return json.loads(text)  # 0.02 -> float, 4 -> int, true -> bool
+    return json.loads(text)  # 0.02 -> float, 4 -> int, true -> bool, ["reference", "frequency"] -> a list
+
+
+def split_values(text: str) -> list[object]:
+    """``--values``: two JSON values, split at ``;`` if there is one (lists hold commas), else at ``,``.
+
+    Example:
+        >>> split_values("0.1,0.02")
+        [0.1, 0.02]
+        >>> split_values('["reference", "ngram"];["frequency"]')
+        [['reference', 'ngram'], ['frequency']]
+    """
+    values = [parse_value(v) for v in text.split(";" if ";" in text else ",")]
+    if len(values) != 2:
+        raise SystemExit("--values takes two JSON values, separated by ',' (or ';' when they hold commas)")
+    return values
 
 
 def vllm_pair(args: argparse.Namespace):
@@ -89,9 +107,7 @@ def hf_pair(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> dict:
     from rag_accel.data import load_msmarco_sample, rag_messages
 
-    values = [parse_value(v) for v in args.values.split(",")]
-    if len(values) != 2:
-        raise SystemExit("--values takes two values, comma-separated")
+    values = split_values(args.values)
     if args.engine == "hf" and args.in_flight != 1:
         raise SystemExit("--engine hf runs one request at a time: --in-flight 1")
     items = load_msmarco_sample()[-args.items:]
@@ -202,7 +218,8 @@ def plot(path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--option", default="min_gain")
-    ap.add_argument("--values", default="0.1,0.02", help="two JSON values, comma-separated")
+    ap.add_argument("--values", default="0.1,0.02",
+                    help="two JSON values, comma-separated (semicolon-separated when they hold commas: lists)")
     ap.add_argument("--items", type=int, default=24)
     ap.add_argument("--in-flight", type=int, default=1)
     ap.add_argument("--engine", choices=("vllm", "hf"), default="vllm",

@@ -287,14 +287,17 @@ def always_send(prepared: Sequence[tuple], choice: str, weights: np.ndarray | No
 
 def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
            curve: Sequence[float] | None = None, weights: np.ndarray | None = None,
-           memory: Any = None, make_chain: Any = None) -> dict[str, float]:
+           memory: Any = None, make_chain: Any = None,
+           drafters: Sequence[str] = ("reference", "prompt_lookup", "ngram")) -> dict[str, float]:
     """Part 2: the real drafting, one engine learning across the items, a verify of ``L`` draft tokens costing
     ``curve[L]`` plain steps (default ``1 + SLOPE L``); ``weights``: part 3's learned choice in the reference
     drafter's place. ``memory``: earlier answers as a source (``benchmarks/suffix_replay.py``), an object with
     ``drafter(item id)`` (a drafter for that item, or ``None``), which joins the chain just after the
     reference drafter as in the vLLM proposer (after the first drafter in a chain without one), and ``add(item id, answer)``, called after each item.
-    ``make_chain(prompt, references, chain)``: the drafters to use instead of ``chain`` (the config's)."""
-    cfg = DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"), max_draft_tokens=k)
+    ``make_chain(prompt, references, chain)``: the drafters to use instead of ``chain`` (the config's).
+    ``drafters``: the config's chain (default: the copy drafters before the frequency drafter, as this
+    benchmark's committed results ran)."""
+    cfg = DecoderConfig(drafters=tuple(drafters), max_draft_tokens=k)
     curve = [1.0 + SLOPE * n for n in range(k + 1)] if curve is None else list(curve[:k + 1])
     acceptance, costs = AcceptanceStats(), StepCosts()
     tokens = steps = sent_tokens = 0

@@ -11,7 +11,8 @@ model's own next token, and costs ``curve[L]`` plain steps for ``L`` draft token
 one engine learning across them, as in the vLLM benchmarks' per-request loop:
 
 * ours: :class:`rag_accel.speculation.RequestDrafting` (the drafter chain and the cost-aware policy,
-  ``benchmarks/match_choice.py``'s replay), with the memory of earlier answers (``vllm-ours-memory``: one
+  ``benchmarks/match_choice.py``'s replay): the chain before the frequency drafter (reference, prompt lookup,
+  n-grams) and the default chain (references, the frequency drafter), each with the memory of earlier answers (``vllm-ours-memory``: one
   scope) or without, or with arctic-inference's frequency tree of earlier answers in the memory's place;
   and our policy over arctic-inference's per-request tree alone (:class:`RequestTreeDrafter`), which asks
   whether our policy or suffix decoding's own rule sends the better share of the same drafts;
@@ -23,8 +24,9 @@ one engine learning across them, as in the vLLM benchmarks' per-request loop:
 Run it on the sample's first 50 answers too (``greedy_outputs_smollm2_first50x64.json``): a setting chosen
 from these rows is chosen there and judged on the last 100.
 
-Two cost curves: this CPU's (a draft token costs 0.025 of a step, vLLM at one request in flight) and nearly
-free draft tokens (0.002), where sending more pays: the question there is who gets the most tokens per step.
+Three cost curves: this CPU's (a draft token costs 0.025 of a step, vLLM at one request in flight), four
+times dearer (0.1: a busy batch) and nearly free draft tokens (0.002), where sending more pays: the question
+there is who gets the most tokens per step.
 """
 
 from __future__ import annotations
@@ -38,10 +40,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rag_accel.config import DEFAULT_COPY_DRAFTERS
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 K = 10
-SLOPES = {"cpu": 0.025, "nearly free": 0.002}
+# What a draft token costs in plain steps: this CPU at one request in flight; four times that (a busy batch,
+# where a row's draft tokens compete with other rows' for compute); nearly free (a GPU at one request).
+SLOPES = {"cpu": 0.025, "4x dearer": 0.1, "nearly free": 0.002}
 MAX_TREE_DEPTH = 24  # vLLM's default suffix_decoding_max_tree_depth
 MIN_TOKEN_PROB = 0.1  # and suffix_decoding_min_token_prob
 
@@ -173,13 +179,15 @@ def suffix_replay(prepared: Sequence[tuple], curve: Sequence[float], *, factor: 
             "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
 
 
-def _ours(memory: Any = None, tree_factor: float | None = None):
+def _ours(memory: Any = None, tree_factor: float | None = None,
+          drafters: Sequence[str] = ("reference", "prompt_lookup", "ngram")):
     from match_choice import replay
 
     def run(prepared: Sequence[tuple], curve: Sequence[float]) -> dict[str, float]:
         make_chain = None if tree_factor is None else (
             lambda prompt, refs, chain: [RequestTreeDrafter(prompt, tree_factor)])
-        return replay(prepared, K, False, curve, memory=memory() if memory else None, make_chain=make_chain)
+        return replay(prepared, K, False, curve, memory=memory() if memory else None, make_chain=make_chain,
+                      drafters=drafters)
     return run
 
 
@@ -187,10 +195,13 @@ def _suffix(factor: float, global_tree: bool = True):
     return lambda prepared, curve: suffix_replay(prepared, curve, factor=factor, global_tree=global_tree)
 
 
-# name -> run(prepared answers, cost curve)
+# name -> run(prepared answers, cost curve). "ours": the chain before the frequency drafter (reference, prompt
+# lookup, n-grams), as the first runs of this benchmark had it; "ours, the default chain": references, frequency.
 CONFIGS = {
     "ours": _ours(),
     "ours + memory of earlier answers": _ours(OneScopeMemory),
+    "ours, the default chain (references, frequency drafter)": _ours(drafters=DEFAULT_COPY_DRAFTERS),
+    "the default chain + memory of earlier answers": _ours(OneScopeMemory, drafters=DEFAULT_COPY_DRAFTERS),
     "ours + arctic's frequency tree of earlier answers": _ours(FrequencyTreeMemory),
     "our policy over arctic's per-request tree (factor 3), no other drafter": _ours(tree_factor=3.0),
     "the same + memory of earlier answers": _ours(OneScopeMemory, tree_factor=3.0),
@@ -214,16 +225,17 @@ def plot(path: Path) -> None:
     for ax, metric, label in zip(axes, ("tokens_per_step", "modelled_speedup_decoding"),
                                  ("tokens per verification step", "modelled speed-up of the decoding steps")):
         names = list(run["results"][next(iter(run["results"]))])
+        height = 0.8 / len(run["results"])
         for i, curve in enumerate(run["results"]):
             values = [run["results"][curve][n][metric] for n in names]
-            ax.barh([y + 0.4 * i for y in range(len(names))], values, height=0.4,
-                    label=f"{curve} draft tokens ({SLOPES[curve]} of a step each)")
-        ax.set_yticks([y + 0.2 for y in range(len(names))], names, fontsize=8)
+            ax.barh([y + height * i for y in range(len(names))], values, height=height,
+                    label=f"{curve} draft tokens ({run['slopes'][curve]} of a step each)")
+        ax.set_yticks([y + 0.4 - height / 2 for y in range(len(names))], names, fontsize=8)
         ax.set_xlabel(label)
         ax.set_xlim(1.0, None)
     axes[0].invert_yaxis()
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=2)
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels))
     fig.suptitle(f"Suffix decoding and ours replayed on {run['items']} greedy answers (no timing)", fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path.with_suffix(".png"), dpi=110)

@@ -9,7 +9,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-DRAFTER_NAMES = ("reference", "prompt_lookup", "ngram", "draft_model")
+# The copy drafters: the continuation most earlier occurrences of the context's tail share (prompt + output:
+# suffix decoding's choice), the references, prompt lookup, ANPD's n-gram tables.
+COPY_DRAFTERS = ("frequency", "reference", "prompt_lookup", "ngram")
+DRAFTER_NAMES = (*COPY_DRAFTERS, "draft_model")
+# The default chain's copy drafters. Prompt lookup and the n-gram tables copy from the same text as the frequency
+# drafter, and their drafts, valued by match-length rates, won the policy's choice over better frequency drafts:
+# replayed on SmolLM2's answers to the sample's FIRST 50 items (benchmarks/suffix_replay.py), leaving them out
+# gained 0.5% at a draft token costing 0.025 of a step and 1.5% at 0.1. The references stay: their text is
+# not always in the prompt (whole documents behind its chunks, cached answers). They come first: the order
+# decides only ties when the policy weighs the drafts (the same replay either way), and with adaptive=False
+# the first draft is sent whole, LLMA's copy from the references as before.
+DEFAULT_COPY_DRAFTERS = ("reference", "frequency")
 
 # Upper bounds of the integer options. Each protects time or memory that grows with the option;
 # the defaults sit far below them.
@@ -17,6 +28,7 @@ MAX_DRAFT_TOKENS = 256
 MAX_MATCH = 256
 MAX_NGRAM = 16
 MAX_REFERENCE_TOKENS = 16_000_000
+MAX_FREQUENCY_FACTOR = 32.0
 
 _WHY = {
     "draft": "a verification forward runs over 1 + max_draft_tokens tokens and the first call times forwards "
@@ -77,13 +89,18 @@ class DecoderConfig:
 
     Args:
         drafters: drafter names tried in order each step; the first non-empty
-            draft is verified. Any of ``"reference"`` (LLMA copy from the
+            draft is verified. Any of ``"frequency"`` (the continuation most
+            earlier occurrences of the context's tail in prompt + output share,
+            as vLLM's suffix decoding chooses; each draft token carries its
+            probability from those counts), ``"reference"`` (LLMA copy from the
             references), ``"prompt_lookup"`` (copy from prompt + output so far)
             ``"ngram"`` (ANPD multi-level n-gram tables) and ``"draft_model"`` (the
             decoder's draft model, if it has one; skipped otherwise). With
             ``adaptive``, the draft model is asked only when no copy draft is
             worth sending (references first), and its window is chosen from the
-            measured cost of a draft token and the learnt acceptance.
+            measured cost of a draft token and the learnt acceptance. Default:
+            ``("reference", "frequency", "draft_model")`` (see
+            ``DEFAULT_COPY_DRAFTERS``; prompt lookup and n-grams are opt-in).
         max_draft_tokens: upper bound on the tokens verified in one step;
             1..256 (``MAX_DRAFT_TOKENS``: a verification forward runs over
             ``1 + max_draft_tokens`` tokens and the first call times forwards
@@ -100,6 +117,12 @@ class DecoderConfig:
             (``MAX_MATCH``: a lookup compares up to that many tokens).
         prompt_lookup_min_ngram / prompt_lookup_max_ngram: the same for
             prompt lookup; 1..16.
+        frequency_factor / frequency_min_prob: a frequency draft is at most
+            ``frequency_factor`` times its match long (in (0, 32]) and stops
+            where its probability falls under ``frequency_min_prob`` (in
+            [0, 1]). 3 and 0.1: replaying SmolLM2's answers to the sample's
+            FIRST 50 items (``benchmarks/suffix_replay.py``), factors 2.5-3
+            did best and 0.07-0.15 alike; 0.1 is suffix decoding's default.
         ngram_min_n / ngram_max_n: ANPD table levels (N-grams), 2..16. N-gram sizes are
             bounded by ``MAX_NGRAM`` = 16: the context is indexed under every size up
             to the largest, so memory and time per context token grow with it.
@@ -138,7 +161,7 @@ class DecoderConfig:
     naming the option, its bound and why.
     """
 
-    drafters: tuple[str, ...] = DRAFTER_NAMES
+    drafters: tuple[str, ...] = (*DEFAULT_COPY_DRAFTERS, "draft_model")
     max_draft_tokens: int = 32
     adaptive: bool = True
     reference_min_match: int = 2
@@ -147,6 +170,8 @@ class DecoderConfig:
     prompt_lookup_max_ngram: int = 4
     ngram_min_n: int = 2
     ngram_max_n: int = 5
+    frequency_factor: float = 3.0
+    frequency_min_prob: float = 0.1
     cost_curve: tuple[float, ...] | None = None
     max_loss: float = 0.03
     min_gain: float = 0.1
@@ -189,6 +214,15 @@ class DecoderConfig:
             raise ValueError(f"min_gain must be a number in [0, 1] (the margin a draft must promise over a plain "
                              f"step), got {self.min_gain!r}")
         object.__setattr__(self, "min_gain", float(self.min_gain))
+        if not (_is_real(self.frequency_factor) and 0 < self.frequency_factor <= MAX_FREQUENCY_FACTOR):
+            raise ValueError(f"frequency_factor must be a number > 0 and <= {MAX_FREQUENCY_FACTOR} (a frequency "
+                             f"draft's length over its match's; longer drafts than 32 times the evidence are "
+                             f"never accepted), got {self.frequency_factor!r}")
+        object.__setattr__(self, "frequency_factor", float(self.frequency_factor))
+        if not (_is_real(self.frequency_min_prob) and 0 <= self.frequency_min_prob <= 1):
+            raise ValueError(f"frequency_min_prob must be a number in [0, 1] (where a frequency draft stops), "
+                             f"got {self.frequency_min_prob!r}")
+        object.__setattr__(self, "frequency_min_prob", float(self.frequency_min_prob))
         if not (_is_real(self.draft_confidence) and 0 <= self.draft_confidence < 1):
             raise ValueError(f"draft_confidence must be a number in [0, 1) (the probability a draft model's next "
                              f"token must reach), got {self.draft_confidence!r}")

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from .config import DecoderConfig
-from .kernels import NgramIndex, NgramTables, SuffixArrayIndex, concat_with_separators, copy_continuation
+from .kernels import (CountedSuffixes, NgramIndex, NgramTables, SuffixArrayIndex, concat_with_separators,
+                      copy_continuation)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     match_len: int = 0
     source: str = ""
+    probs: tuple[float, ...] = field(default=(), repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -213,6 +215,34 @@ class NgramDrafter:
         self.tables.extend(context)
 
 
+class FrequencyDrafter:
+    """Suffix decoding's choice over prompt + output: the continuation most earlier occurrences of the
+    context's tail share (:class:`~rag_accel.kernels.CountedSuffixes`), at most ``factor`` times its match
+    long, cut where its probability falls under ``min_prob``.
+
+    Example:
+        >>> d = FrequencyDrafter([1, 2, 3, 9, 1, 2, 3, 9, 5, 2, 3, 7, 1, 2], factor=2.0)
+        >>> d.propose([1, 2, 3, 9, 1, 2, 3, 9, 5, 2, 3, 7, 1, 2], max_len=3)
+        Draft(tokens=[3, 9, 1], match_len=2, source='frequency')
+    """
+
+    name = "frequency"
+
+    def __init__(self, context: Sequence[int], factor: float = 3.0, min_prob: float = 0.1,
+                 max_depth: int = 24) -> None:
+        self.index = CountedSuffixes(max_depth)
+        self.factor, self.min_prob = factor, min_prob
+        self.index.extend(context)
+
+    def propose(self, context: Sequence[int], max_len: int) -> Draft:
+        self.index.extend(context)
+        tokens, probs, match_len = self.index.draft(context, max_len, self.factor, self.min_prob)
+        return Draft(tokens, match_len, self.name, tuple(probs)) if tokens else NO_DRAFT
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        self.index.extend(context)
+
+
 class DrafterChain:
     """Drafters in priority order; all of them see every update.
 
@@ -275,7 +305,9 @@ def build_drafters(
     fresh draft-model drafter; without one, ``"draft_model"`` in the config is skipped)."""
     chain: list[Drafter] = []
     for name in config.drafters:
-        if name == "reference":
+        if name == "frequency":
+            chain.append(FrequencyDrafter(context, config.frequency_factor, config.frequency_min_prob))
+        elif name == "reference":
             if references and any(len(r) for r in references):
                 chain.append(
                     ReferenceDrafter(references, config.reference_min_match, config.reference_max_match)
@@ -294,3 +326,4 @@ def build_drafters(
         elif name == "draft_model" and draft_model is not None:
             chain.append(draft_model())
     return DrafterChain(chain)
+

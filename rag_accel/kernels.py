@@ -308,3 +308,94 @@ class NgramTables:
             if len(tail) > self.max_n - 1:
                 del tail[0]
         return out, first_level
+
+
+class CountedSuffixes:
+    """Suffix decoding's per-request tree, counted on demand: where each token of a growing source
+    occurred, and from that the continuation most earlier occurrences of the context's tail share.
+
+    ``extend`` records new tokens' positions (``O(1)`` each). :meth:`draft` walks the match lengths
+    ``1..max_depth`` of the tail; at each it narrows the occurrences of the last ``m`` tokens (the
+    ``scan`` latest of the last token, at most: the cost does not grow with the source), follows the
+    token most of them continue with, and scores the draft by its tokens' probabilities (counts over
+    the node's count, the tail itself counted as an occurrence that has no continuation yet, as a
+    suffix tree counts it). The best score wins, the longer match on ties; a draft is at most
+    ``factor`` times its match long and stops where the probability falls under ``min_prob``.
+
+    Example:
+        >>> idx = CountedSuffixes()
+        >>> src = [1, 2, 3, 9, 1, 2, 3, 9, 5, 2, 3, 7, 1, 2]
+        >>> idx.extend(src)
+        >>> idx.draft(src, max_len=3, factor=2.0, min_prob=0.1)  # "1 2" twice before, then "3 9" both times
+        ([3, 9, 1], [0.6666666666666666, 0.6666666666666666, 0.3333333333333333], 2)
+    """
+
+    def __init__(self, max_depth: int = 24, scan: int = 256) -> None:
+        self.max_depth, self.scan = max_depth, scan
+        self._pos: dict[int, list[int]] = {}
+        self._indexed = 0
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        pos = self._pos
+        for i in range(self._indexed, len(tokens)):
+            t = tokens[i]
+            if t != SEPARATOR:
+                if t in pos:
+                    pos[t].append(i)
+                else:
+                    pos[t] = [i]
+        self._indexed = len(tokens)
+
+    def draft(self, tokens: Sequence[int], max_len: int, factor: float = 1.0,
+              min_prob: float = 0.1) -> tuple[list[int], list[float], int]:
+        """``(draft, probability of each draft token, match length)`` after ``tokens`` (the source this
+        index was extended with); ``([], [], 0)``: none."""
+        n = len(tokens)
+        if n < 2 or max_len <= 0:
+            return [], [], 0
+        last = n - 1
+        occ = [p for p in self._pos.get(tokens[last], ())[-self.scan - 1:] if p < last]
+        best: tuple[list[int], list[float], int] = ([], [], 0)
+        best_score = 0.0
+        m = 1
+        while occ:
+            deeper: list[int] = []
+            if m < self.max_depth and m <= last:
+                want = tokens[last - m]
+                deeper = [p for p in occ if p >= m and tokens[p - m] == want]
+            if len(deeper) < len(occ):  # the last level with this set of occurrences: its draft
+                cap = min(max_len, int(m * factor + 1e-6))
+                out, probs, score = self._walk(tokens, occ, len(occ) + 1, cap, min_prob)
+                if out and score >= best_score:
+                    best, best_score = (out, probs, m), score
+            occ, m = deeper, m + 1
+        return best
+
+    @staticmethod
+    def _walk(source: Sequence[int], occ: list[int], node: int, cap: int,
+              min_prob: float) -> tuple[list[int], list[float], float]:
+        """The most frequent path from occurrences ``occ`` (``node``: their count, the tail's own one
+        included), at most ``cap`` tokens, while its probability stays at least ``min_prob``."""
+        n = len(source)
+        out: list[int] = []
+        probs: list[float] = []
+        prob, score = 1.0, 0.0
+        while len(out) < cap and occ:
+            counts: dict[int, int] = {}
+            for p in occ:
+                if p + 1 < n:
+                    t = source[p + 1]
+                    if t != SEPARATOR:
+                        counts[t] = counts.get(t, 0) + 1
+            if not counts:
+                break
+            token, c = max(counts.items(), key=lambda kv: kv[1])  # (first seen on ties: the earliest)
+            prob *= c / node
+            if prob < min_prob:
+                break
+            out.append(token)
+            probs.append(prob)
+            score += prob
+            occ = [p + 1 for p in occ if p + 1 < n and source[p + 1] == token]
+            node = len(occ)
+        return out, probs, score

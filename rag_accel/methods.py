@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .config import DEFAULT_COPY_DRAFTERS as COPY_DRAFTERS
+
 # name -> DecoderConfig changes
-COPY_DRAFTERS = ("reference", "prompt_lookup", "ngram")
 OUR_METHODS: dict[str, dict[str, Any]] = {
     "ours": {"drafters": COPY_DRAFTERS},
     "ours-fixed": {"adaptive": False, "max_draft_tokens": 10},
@@ -16,6 +17,8 @@ OUR_METHODS: dict[str, dict[str, Any]] = {
     "ours-ref": {"drafters": ("reference",)},
     "ours-pld": {"drafters": ("prompt_lookup",)},
     "ours-ngram": {"drafters": ("ngram",)},
+    "ours-freq": {"drafters": ("frequency",)},
+    "ours-nofreq": {"drafters": ("reference", "prompt_lookup", "ngram")},  # the default before "frequency" (A/B)
     # With a draft model (--draft-model): the draft model alone, and references first, then the draft model.
     "ours-draft": {"drafters": ("draft_model",)},
     "ours-hybrid": {"drafters": (*COPY_DRAFTERS, "draft_model")},

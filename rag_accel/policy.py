@@ -21,6 +21,18 @@ first-token hits of all drafts (sent or shadow) against the hits the learnt
 rates predicted for them, and scales every first-token rate down by that
 observed/expected ratio (never up: a request that copies well raises its own
 bucket rates already).
+
+A draft that carries a probability for each of its tokens (the frequency
+drafter's, from how many earlier occurrences continue that way) is valued by
+those instead: ``E(L) = 1 + sum_i min(1, g_i p_i)`` over its first ``L`` tokens,
+where ``g_i`` calibrates the claims: per drafter, match-length bucket and
+bucket of draft positions, how often the drafts' leading tokens reached that
+position over the probability they claimed for it (learnt across requests
+like the rates; ``1`` before any evidence). Per-token counts tell where a
+draft's branch thins out, which a per-match-length rate cannot; the
+calibration corrects what counts over few occurrences overstate (one earlier
+occurrence claims 0.5 for every token it copies, where a 1-token match is
+right a fifth of the time and a long copy's 9th token less often than its 1st).
 """
 
 from __future__ import annotations
@@ -56,9 +68,21 @@ COLD_RATES: dict[int, tuple[float, float]] = {
 # warm, items below 0.97x 10 -> 5 cold, 16 -> 8 warm, worst item unchanged (0.962x / 0.964x).
 REQUEST_DECAY = 0.8
 
+# Pseudo-observations behind each cell of the probability calibration (``g = 1`` before evidence), and the
+# weight an observation keeps at every later one (~100 drafts' memory). Chosen on the sample's FIRST 50
+# items (benchmarks/suffix_replay.py, a draft token costing 0.025 and 0.1 of a step): calibrated per
+# match-length and position bucket, frequency drafts valued by their probabilities beat the same drafts
+# valued by the match-length rates (2.007x against 1.980x at 0.025), where one factor per drafter lost at
+# 0.1 (1.529x against 1.590x per cell) and the rates' first token times the counts' later ones lost at both.
+CALIBRATION_PRIOR = 4.0
+CALIBRATION_DECAY = 0.99
+
 
 def _bucket(match_len: int) -> int:
     return bisect_right(_BUCKET_EDGES, match_len) - 1
+
+
+_POSITION_BUCKET = [_bucket(i) for i in range(33)]  # a draft position's bucket (positions past 32: 32's)
 
 
 def leading_matches(draft: Sequence[int], actual: Sequence[int]) -> int:
@@ -106,6 +130,27 @@ class AcceptanceStats:
         self.horizon = horizon
         self.overall: dict[str, _Rates] = {}
         self.buckets: dict[tuple[str, int], _Rates] = {}
+        # per (drafter, match-length bucket's lower edge) whose drafts carry probabilities, per bucket of draft
+        # positions (index into _BUCKET_EDGES): [times the leading tokens right reached it, sum of the
+        # probabilities claimed for it]
+        self.calibration: dict[tuple[str, int], list[list[float]]] = {}
+
+    def calibration_factors(self, key: tuple[str, int]) -> list[float]:
+        """How far the probabilities claimed by drafts of ``key`` (drafter, match-length bucket's lower edge) are to be
+        trusted, per bucket of draft positions (:data:`_BUCKET_EDGES`): ``g`` of :mod:`rag_accel.policy`.
+
+        Example:
+            >>> stats = AcceptanceStats()
+            >>> stats.calibration_factors(("frequency", 1))[:3]
+            [1.0, 1.0, 1.0]
+            >>> stats.calibration[("frequency", 1)] = [[0, 0], [2.0, 8.0]] + [[0.0, 0.0]] * 7  # 1st: claimed 8, got 2
+            >>> stats.calibration_factors(("frequency", 1))[:3]
+            [1.0, 0.5, 1.0]
+        """
+        found = self.calibration.get(key)
+        if found is None:
+            return [1.0] * len(_BUCKET_EDGES)
+        return [(hits + CALIBRATION_PRIOR) / (claimed + CALIBRATION_PRIOR) for hits, claimed in found]
 
 
 class DraftLengthPolicy:
@@ -205,7 +250,11 @@ class DraftLengthPolicy:
     def value(self, draft: Draft) -> tuple[float, int]:
         """Best expected tokens per unit of cost for this draft, and the length that achieves it."""
         n = min(len(draft.tokens), len(self.cost) - 1)
-        best_value, best_len = self._best_length(*self.rates(draft.source, draft.match_len), n)
+        if draft.probs:
+            g = self.stats.calibration_factors((draft.source, _BUCKET_EDGES[_bucket(draft.match_len)]))
+            best_value, best_len = self._best_length_probs(draft.probs, g, n)
+        else:
+            best_value, best_len = self._best_length(*self.rates(draft.source, draft.match_len), n)
         plain = 1.0 / self.cost[0]
         return (best_value, best_len) if best_value > plain else (plain, 0)
 
@@ -218,6 +267,17 @@ class DraftLengthPolicy:
             expected += p
             p *= a1
             value = expected / (self.cost[length] + length * per_token + fixed * expected)
+            if value > best_value:
+                best_value, best_len = value, length
+        return best_value, best_len
+
+    def _best_length_probs(self, probs: Sequence[float], g: Sequence[float], n: int) -> tuple[float, int]:
+        """max over L = 1..n of (1 + sum of the first L of min(1, g p)) / cost[L], and the first L reaching it
+        (``g`` per bucket of positions)."""
+        best_value, best_len, expected = 0.0, 0, 1.0
+        for length in range(1, min(n, len(probs)) + 1):
+            expected += min(1.0, g[_POSITION_BUCKET[min(length, 32)]] * probs[length - 1])
+            value = expected / self.cost[length]
             if value > best_value:
                 best_value, best_len = value, length
         return best_value, best_len
@@ -286,6 +346,23 @@ class DraftLengthPolicy:
         """Account time spent drafting (in plain steps) against the loss budget."""
         self.debt += units
 
+    def _calibrate(self, draft: Draft, m: int, known: int) -> None:
+        """The probabilities claim leading tokens right: position ``i`` (1-based) is reached when the first
+        ``i`` are. After a miss every later position is known to be unreached, so the whole draft counts;
+        without one, the positions known."""
+        key = (draft.source, _BUCKET_EDGES[_bucket(draft.match_len)])
+        cal = self.stats.calibration.get(key)
+        if cal is None:
+            cal = self.stats.calibration[key] = [[0.0, 0.0] for _ in _BUCKET_EDGES]
+        d = CALIBRATION_DECAY
+        for b in cal:
+            b[0] *= d
+            b[1] *= d
+        for i, p in enumerate(draft.probs if m < known else draft.probs[:known], start=1):
+            b = cal[_POSITION_BUCKET[min(i, 32)]]
+            b[0] += i <= m
+            b[1] += p
+
     def record(self, sent: int, accepted: int, timed_cost: float | None = None) -> None:
         """Account a verified draft: its cost against the tokens it bought beyond a plain step.
 
@@ -307,6 +384,8 @@ class DraftLengthPolicy:
         if known == 0:
             return
         m = leading_matches(draft.tokens[:known], new_tokens[:known])
+        if draft.probs:
+            self._calibrate(draft, m, known)
         decay = self.request_decay
         self._expected = decay * self._expected + self._learnt_rates(draft.source, draft.match_len)[0]  # (before
         self._hits = decay * self._hits + (m > 0)  # learning from it)

@@ -8,6 +8,7 @@ from rag_accel import (
     Draft,
     Drafter,
     DrafterChain,
+    FrequencyDrafter,
     NgramDrafter,
     PromptLookupDrafter,
     ReferenceDrafter,
@@ -91,8 +92,29 @@ def test_chain_order_and_candidates():
 def test_factory_follows_config():
     ctx = [1, 2, 3]
     chain = build_drafters(DecoderConfig(), ctx, [[1, 2]])
-    assert [d.name for d in chain.drafters] == ["reference", "prompt_lookup", "ngram"]
+    assert [d.name for d in chain.drafters] == ["reference", "frequency"]  # (no draft model given)
     chain = build_drafters(DecoderConfig(drafters=("ngram", "prompt_lookup")), ctx, [[1, 2]])
     assert [d.name for d in chain.drafters] == ["ngram", "prompt_lookup"]
     # no (or only empty) references: the reference drafter is simply absent
-    assert [d.name for d in build_drafters(DecoderConfig(), ctx, [[]]).drafters] == ["prompt_lookup", "ngram"]
+    assert [d.name for d in build_drafters(DecoderConfig(), ctx, [[]]).drafters] == ["frequency"]
+    cfg = DecoderConfig(frequency_factor=1.5, frequency_min_prob=0.3)
+    freq = build_drafters(cfg, ctx, []).drafters[0]
+    assert (freq.factor, freq.min_prob) == (1.5, 0.3)
+
+
+def test_frequency_drafter_follows_the_context_as_it_grows():
+    ctx = [4, 5, 6, 9, 4, 5]
+    d = FrequencyDrafter(ctx, factor=2.0)
+    draft = d.propose(ctx, max_len=4)
+    assert (draft.tokens, draft.match_len, draft.source) == ([6, 9, 4, 5], 2, "frequency")
+    assert draft.probs == (0.5, 0.5, 0.5, 0.5)  # one earlier "4 5", and the tail's own
+    ctx += [6, 7]  # the model went 6, then 7 (not 9): "6 7" now joins the counts
+    d.update(ctx, 2)
+    ctx += [4, 5, 6]
+    d.update(ctx, 3)
+    # "4 5 6" twice before, then 9 once and 7 once: a tie, the earliest first; 1 of 3 (the tail counts)
+    draft = d.propose(ctx, max_len=2)
+    assert (draft.tokens, draft.match_len, draft.probs) == ([9, 4], 3, (1 / 3, 1 / 3))
+    ctx.append(8)  # a token never seen before: no draft, a normal answer
+    d.update(ctx, 1)
+    assert d.propose(ctx, max_len=4) is NO_DRAFT

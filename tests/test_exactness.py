@@ -363,3 +363,21 @@ def test_huge_reference_indexes_and_stays_exact(tokenizer):
     out = stream.output
     assert out.token_ids == want
     assert out.stats.by_drafter["reference"]["accepted"] >= 20
+
+
+def test_frequency_drafts_are_exact(tiny):
+    """The frequency drafter alone, its drafts sent whole (a draft needs the tail, the model's own tokens, to
+    have occurred before): some drafts right, some wrong, the output ids those of ``generate`` either way."""
+    cfg = DecoderConfig(adaptive=False, max_draft_tokens=8, drafters=("frequency",))
+    drafted = accepted = 0
+    for prompt in _prompts(N_PROMPTS, tiny.vocab_size, seed=17):
+        # the prompt, then the model's answer to it, then the prompt again: its answer this time may follow
+        # the first one (a draft right) or not (wrong)
+        prompt = prompt + hf_greedy(tiny.model, prompt, MAX_NEW) + prompt
+        want = hf_greedy(tiny.model, prompt, MAX_NEW)
+        out = tiny.generate(prompt, max_new_tokens=MAX_NEW, config=cfg)
+        assert out.token_ids == want
+        assert set(out.stats.by_drafter) <= {"frequency"}
+        drafted += out.stats.drafted
+        accepted += out.stats.accepted
+    assert 0 < accepted < drafted

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from rag_accel.kernels import (
     SEPARATOR,
+    CountedSuffixes,
     NgramIndex,
     NgramTables,
     SuffixArrayIndex,
@@ -134,3 +135,72 @@ def test_ngram_tables_draft_and_online_update():
     t.extend(seq)  # (5, 6) now followed by 8: the latest wins
     assert t.draft([1, 5, 6], 1) == ([8], 3)
     assert t.draft([9], 3) == ([], 0)
+
+
+# ------------------------------------------------------------------ CountedSuffixes (suffix decoding's counts)
+def counted(seq, **kw):
+    idx = CountedSuffixes(**kw)
+    idx.extend(seq)
+    return idx
+
+
+def test_counted_suffixes_follow_the_majority_and_count_the_tail():
+    # "5" occurred three times before the tail: twice continued by 6, once by 7 (and never after the 3 that
+    # precedes the tail). The tail's own "5" counts in the node (no continuation yet): 6 has 2 of 4.
+    seq = [5, 6, 1, 5, 7, 2, 5, 6, 3, 5]
+    assert counted(seq).draft(seq, max_len=1) == ([6], [0.5], 1)
+    # a longer match that scores as well wins: "5 6 5" occurred once, then 7 (1 of 2)
+    seq = [5, 6, 5, 7, 5, 6, 5]
+    assert counted(seq).draft(seq, max_len=1) == ([7], [0.5], 3)
+
+
+def test_counted_suffixes_prefer_the_longer_match_when_it_scores_as_well():
+    # "1 2" once before (then 3 4), "2" alone twice more (then 9): the 2-token match scores 0.5 + 0.5.
+    seq = [1, 2, 3, 4, 2, 9, 2, 9, 1, 2]
+    tokens, probs, match = counted(seq).draft(seq, max_len=4, factor=1.0)
+    assert (tokens, match) == ([3, 4], 2) and probs == [0.5, 0.5]
+    # factor caps a draft at factor * match tokens: at 0.5 the 2-token match drafts 1, the 1-token one none
+    assert counted(seq).draft(seq, max_len=4, factor=0.5) == ([3], [0.5], 2)
+
+
+def test_counted_suffixes_stop_where_the_probability_falls_under_min_prob():
+    seq = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2]  # "1 2" four times before: 3, 4, 5, 6 once each
+    tokens, probs, match = counted(seq).draft(seq, max_len=4, factor=4.0, min_prob=0.1)
+    assert tokens == [3, 1, 2, 4] and probs == [0.2] * 4 and match == 2   # 1 of 5, then one way on
+    assert counted(seq).draft(seq, max_len=4, factor=4.0, min_prob=0.25) == ([], [], 0)
+
+
+def test_counted_suffixes_no_draft_is_a_normal_answer():
+    assert counted([]).draft([], max_len=4) == ([], [], 0)
+    assert counted([1, 2, 3]).draft([1, 2, 3], max_len=4) == ([], [], 0)   # 3 never occurred before
+    assert counted([1, 2, 1]).draft([1, 2, 1], max_len=0) == ([], [], 0)
+
+
+def test_counted_suffixes_never_cross_a_separator():
+    seq = [1, 2, SEPARATOR, 1, 2, SEPARATOR, 1]
+    assert counted(seq).draft(seq, max_len=4, factor=4.0) == ([2], [2 / 3], 1)
+
+
+def test_counted_suffixes_scan_a_bounded_number_of_occurrences():
+    # the cost of a lookup does not grow with the source: only the `scan` latest occurrences are read
+    seq = [1, 2] * 50 + [1, 3] * 3 + [1]
+    assert counted(seq, scan=4).draft(seq, max_len=1)[0] == [3]   # the 4 latest "1": three 3s, one 2
+    assert counted(seq).draft(seq, max_len=1)[0] == [2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens, st.integers(1, 6), st.floats(0.5, 4.0), st.floats(0.0, 1.0))
+def test_counted_suffixes_against_brute_force_counts(seq, max_len, factor, min_prob):
+    """The draft's first token is the most frequent continuation of some suffix of the context that occurred
+    before, its probability that count over the occurrences (+1, the tail), and the draft obeys the caps."""
+    tokens_, probs, m = counted(seq).draft(seq, max_len, factor, min_prob)
+    if not tokens_:
+        return
+    n = len(seq)
+    pattern = seq[n - m:]
+    occ = [p for p in range(m - 1, n - 1) if seq[p - m + 1:p + 1] == pattern]
+    follow = [seq[p + 1] for p in occ]
+    assert follow.count(tokens_[0]) == max(follow.count(t) for t in set(follow))
+    assert probs[0] == follow.count(tokens_[0]) / (len(occ) + 1)
+    assert len(tokens_) <= min(max_len, int(m * factor + 1e-6)) and all(p >= min_prob for p in probs)
+    assert all(a >= b for a, b in zip(probs, probs[1:]))

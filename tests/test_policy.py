@@ -218,3 +218,41 @@ def test_min_gain_is_the_margin_a_draft_must_promise():
     cfg = DecoderConfig(drafters=("prompt_lookup",), max_draft_tokens=8, min_gain=0.02)
     drafting = RequestDrafting.from_config(cfg, [5, 6, 7], [], curve, AcceptanceStats(), StepCosts())
     assert drafting.policy.min_gain == 0.02 and drafting.policy.select([weak]) == (weak, 1)
+
+
+def test_a_draft_with_probabilities_is_sent_as_far_as_they_pay():
+    """A frequency draft's length comes from its tokens' probabilities: at 0.1 of a step per draft token
+    a token claiming 0.9 pays, one claiming 0.05 does not; a cheap curve sends further."""
+    steep = [1.0 + 0.1 * n for n in range(9)]
+    draft = Draft([1, 2, 3, 4], 3, "frequency", (0.9, 0.8, 0.05, 0.04))
+    assert DraftLengthPolicy(steep).select([draft]) == (draft, 2)
+    cheap = [1.0 + 0.01 * n for n in range(9)]
+    assert DraftLengthPolicy(cheap).select([draft]) == (draft, 4)
+    # the same draft without probabilities goes by the match-length rates (a cold 3-token match: 0.45, 0.7)
+    plain = Draft([1, 2, 3, 4], 3, "frequency")
+    assert DraftLengthPolicy(steep).value(plain) != DraftLengthPolicy(steep).value(draft)
+
+
+def test_probabilities_are_calibrated_by_what_their_drafts_got_right():
+    """Drafts on 1-token matches claiming 0.5 a token whose first token keeps missing: the calibration of
+    that match length falls (the whole draft's claim counted after a miss) and the policy stops sending
+    them, while the same claim on 6-token matches, still right, keeps being sent."""
+    steep = [1.0 + 0.1 * n for n in range(9)]
+    stats = AcceptanceStats()
+    policy = DraftLengthPolicy(steep, stats=stats)
+    weak = Draft([1, 2, 3, 4], 1, "frequency", (0.5, 0.5, 0.5, 0.5))
+    strong = Draft([1, 2, 3, 4], 6, "frequency", (0.5, 0.5, 0.5, 0.5))
+    assert policy.select([weak])[1] == 4 and policy.select([strong])[1] == 4
+    for _ in range(40):
+        policy.observe(weak, [9])              # missed at once: claimed 2 leading tokens, got 0
+        policy.observe(strong, [1, 2, 3, 4])   # all four right
+    g_weak = stats.calibration_factors(("frequency", 1))
+    assert g_weak[1] < 0.2 and g_weak[4] < 0.2  # (positions past the miss counted as claimed, not reached)
+    assert stats.calibration_factors(("frequency", 6))[1] > 1.5
+    assert policy.select([weak]) == (NO_DRAFT, 0)
+    assert policy.select([strong]) == (strong, 4)
+    # a draft that was right as far as the step showed claims only the positions known
+    fresh = AcceptanceStats()
+    DraftLengthPolicy(steep, stats=fresh).observe(strong, [1, 2])
+    cells = fresh.calibration[("frequency", 6)]
+    assert [cells[1], cells[2]] == [[1.0, 0.5], [1.0, 0.5]] and cells[3] == [0.0, 0.0]

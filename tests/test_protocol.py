@@ -52,6 +52,11 @@ def test_batch_arguments_and_config_changes_are_checked_before_any_work():
     assert config_changes({"drafters": ("reference",)}, base) == {"drafters": ["reference"]}
     with pytest.raises(ValueError):
         config_changes({"max_loss": 7}, base)
+    # the frequency drafter's options may change per request too (vLLM's extra_args, the server's rag_accel)
+    assert config_changes({"frequency_factor": 2, "frequency_min_prob": 0.2}, base) == {
+        "frequency_factor": 2, "frequency_min_prob": 0.2}
+    with pytest.raises(ValueError, match="frequency_factor must be a number > 0"):
+        config_changes({"frequency_factor": 1e9}, base)
 
 
 def test_the_in_process_decoder_is_a_decoder_and_its_batch_and_speculate_off_are_greedy(tokenizer):

@@ -79,6 +79,7 @@ def test_config_bounds_themselves_are_accepted():
     cfg = DecoderConfig(max_draft_tokens=MAX_DRAFT_TOKENS, reference_max_match=MAX_MATCH,
                         prompt_lookup_max_ngram=MAX_NGRAM, ngram_max_n=MAX_NGRAM,
                         max_reference_tokens=MAX_REFERENCE_TOKENS, max_loss=1.0, min_gain=1.0,
+                        frequency_factor=32, frequency_min_prob=1.0,
                         cost_curve=(1.0,) * (MAX_DRAFT_TOKENS + 1))
     assert cfg.max_draft_tokens == MAX_DRAFT_TOKENS and len(cfg.cost_curve) == MAX_DRAFT_TOKENS + 1
 
@@ -94,6 +95,14 @@ def test_config_bounds_themselves_are_accepted():
     ({"min_gain": -0.01}, r"min_gain must be a number in \[0, 1\]"),
     ({"min_gain": 2}, r"min_gain must be a number in \[0, 1\]"),
     ({"min_gain": "0.1"}, r"min_gain must be a number"),
+    ({"frequency_factor": 0}, r"frequency_factor must be a number > 0 and <= 32"),
+    ({"frequency_factor": 33}, r"frequency_factor must be a number > 0 and <= 32"),
+    ({"frequency_factor": math.nan}, r"frequency_factor must be a number > 0 and <= 32"),
+    ({"frequency_factor": math.inf}, r"frequency_factor must be a number > 0 and <= 32"),
+    ({"frequency_factor": "3"}, r"frequency_factor must be a number"),
+    ({"frequency_min_prob": -0.1}, r"frequency_min_prob must be a number in \[0, 1\]"),
+    ({"frequency_min_prob": math.nan}, r"frequency_min_prob must be a number in \[0, 1\]"),
+    ({"frequency_min_prob": True}, r"frequency_min_prob must be a number"),
     ({"draft_confidence": math.nan}, r"draft_confidence must be a number in \[0, 1\)"),
     ({"draft_confidence": False}, r"draft_confidence must be a number"),
     ({"cost_curve": (1.0,) * (MAX_DRAFT_TOKENS + 2)}, rf"cost_curve has {MAX_DRAFT_TOKENS + 2} entries.*at most"),

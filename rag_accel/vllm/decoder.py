@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..config import DecoderConfig
+from ..config import COPY_DRAFTERS, DEFAULT_COPY_DRAFTERS, DecoderConfig
 from ..inputs import check_lengths, check_stops, encode_prompt, encode_references
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..protocol import batch_arguments, config_changes, sampling_request
@@ -50,7 +50,7 @@ class VllmDecoder:
     def __init__(self, llm: Any, config: DecoderConfig | None = None, *, memory_scope: str | None = None) -> None:
         self.llm = llm
         self.memory_scope = request_scope({"memory_scope": memory_scope}) if memory_scope is not None else None
-        self.config = config or DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"))
+        self.config = config or DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS)
         if not isinstance(self.config, DecoderConfig):
             raise TypeError(f"config must be a DecoderConfig, got {type(self.config).__name__}")
         self.tokenizer = llm.get_tokenizer()
@@ -87,9 +87,9 @@ class VllmDecoder:
 
         if not isinstance(name_or_path, str):
             raise TypeError(f"name_or_path must be a string, got {type(name_or_path).__name__}")
-        cfg = config or DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"))
+        cfg = config or DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS)
         if "draft_model" in cfg.drafters and len(cfg.drafters) == 1:
-            raise ValueError("the vLLM backend has no draft model: use 'reference', 'prompt_lookup', 'ngram'")
+            raise ValueError(f"the vLLM backend has no draft model: use {', '.join(map(repr, COPY_DRAFTERS))}")
         cfg = cfg.replace(drafters=tuple(d for d in cfg.drafters if d != "draft_model"))
         k = num_speculative_tokens if num_speculative_tokens is not None else min(cfg.max_draft_tokens, 16)
         path = str(default_model_path()) if name_or_path == DEFAULT_MODEL else name_or_path

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..config import DecoderConfig
+from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
 from ..drafters import Drafter, ReferenceDrafter
 from ..inputs import check_ids
 from ..memory import AnswerMemory
@@ -154,7 +154,7 @@ class RagProposer:
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
-        self.base = DecoderConfig(drafters=("reference", "prompt_lookup", "ngram"), max_draft_tokens=self.k)
+        self.base = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS, max_draft_tokens=self.k)
         self.curve = tuple(1.0 + BatchStepCosts.CURVE_SLOPE * n for n in range(self.k + 1))  # scaled per step
         self.costs = BatchStepCosts()
         self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}  # greedy, sampled

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import DecoderConfig
+from ..config import COPY_DRAFTERS, DecoderConfig
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
 
 __all__ = ["PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION", "TRACKER_PATH",
@@ -78,7 +78,8 @@ def check_layout(pipeline_parallel_size: Any, version: str = "0.32-0.33") -> Non
 # DecoderConfig fields a request may change through extra_args["rag_accel"].
 REQUEST_FIELDS = frozenset({"drafters", "adaptive", "reference_min_match", "reference_max_match",
                              "prompt_lookup_min_ngram", "prompt_lookup_max_ngram", "ngram_min_n", "ngram_max_n",
-                             "max_loss", "min_gain", "max_reference_tokens", "pool_misses", "max_draft_tokens"})
+                             "max_loss", "min_gain", "max_reference_tokens", "pool_misses", "max_draft_tokens",
+                             "frequency_factor", "frequency_min_prob"})
 _MAX_REFERENCE_TOKENS = DecoderConfig().max_reference_tokens
 # rag-accel serve's default: RAG documents are thousands of tokens; an untrusted client gets no more than this.
 SERVE_MAX_REFERENCE_TOKENS = 32_768
@@ -245,8 +246,8 @@ def request_config(base: DecoderConfig, changes: Any) -> DecoderConfig:
         raise ValueError(f"extra_args['rag_accel'] has keys {unknown} a request cannot change; "
                          f"choose from {sorted(REQUEST_FIELDS)}")
     if "draft_model" in (changes.get("drafters") or ()):
-        raise ValueError("the vLLM proposer has no draft model: drafters may be "
-                         "'reference', 'prompt_lookup', 'ngram'")
+        raise ValueError(f"the vLLM proposer has no draft model: drafters may be "
+                         f"{', '.join(map(repr, COPY_DRAFTERS))}")
     try:
         return base.replace(**changes)
     except (TypeError, ValueError) as e:
