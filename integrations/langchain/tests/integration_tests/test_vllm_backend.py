@@ -80,14 +80,16 @@ def test_rag_chain_on_vllm_in_process(llms, retriever, items):
     assert msg.content == greedy[qs[0]].content and msg.usage_metadata == greedy[qs[0]].usage_metadata
     assert isinstance(msg.response_metadata["rag_accel"]["drafted"], int)  # in process the stats are there
     # The call's documents are its references: the answer itself as the only document is copied. The
-    # document is in the prompt too, so prompt lookup may copy part of it first: the reference drafter's
-    # accepted tokens show the documents arrived as references, the total shows the answer was copied.
+    # document is in the prompt too, where the frequency drafter copies it from as well: a model drafting
+    # from the references only (decoder_config) shows the documents arrived as references.
     answer = SampleRetriever(docs={qs[0]: [Document(page_content=greedy[qs[0]].content)]})
-    copied = rag_chain(answer, on, parser=None).invoke(qs[0])
-    stats = copied.response_metadata["rag_accel"]
-    assert stats["by_drafter"].get("reference", {}).get("accepted", 0) > 0, stats
-    assert stats["accepted"] >= 0.5 * copied.usage_metadata["output_tokens"], stats
-    assert copied.content == rag_chain(answer, off, parser=None).invoke(qs[0]).content
+    refs_only = ChatRagAccel(backend="vllm", max_tokens=MAX_NEW, decoder_config={"drafters": ["reference"]})
+    for llm in (on, refs_only):
+        copied = rag_chain(answer, llm, parser=None).invoke(qs[0])
+        stats = copied.response_metadata["rag_accel"]
+        assert stats["accepted"] >= 0.5 * copied.usage_metadata["output_tokens"], stats
+        assert copied.content == rag_chain(answer, off, parser=None).invoke(qs[0]).content
+    assert set(stats["by_drafter"]) == {"reference"} and stats["by_drafter"]["reference"]["accepted"] > 0, stats
     chain = rag_chain(retriever, on)
     assert chain.batch(qs, config={"max_concurrency": 3}) == [greedy[q].content for q in qs]
     assert "".join(chain.stream(qs[1])) == greedy[qs[1]].content
