@@ -118,7 +118,8 @@ class DecoderConfig:
         prompt_lookup_min_ngram / prompt_lookup_max_ngram: the same for
             prompt lookup; 1..16.
         frequency_factor / frequency_min_prob: a frequency draft is at most
-            ``frequency_factor`` times its match long (in (0, 32]) and stops
+            ``frequency_factor`` times its match long (in (0, 32]; less when
+            draft tokens are dear: ``drafters.EVIDENCE_COST``) and stops
             where its probability falls under ``frequency_min_prob`` (in
             [0, 1]). 3 and 0.1: replaying SmolLM2's answers to the sample's
             FIRST 50 items (``benchmarks/suffix_replay.py``), factors 2.5-3

@@ -215,6 +215,13 @@ class NgramDrafter:
         self.tables.extend(context)
 
 
+# The draft-token cost at which a frequency draft may be 1 / cost times its match long. Chosen on the sample's FIRST
+# 50 items (benchmarks/suffix_replay.py): the best factor was 3 at 0.025 of a step per draft token (2.007x, 1.939x
+# at 1), none at 0.05 (1.816x-1.829x for 1-3), 1 at 0.1 (1.618x, 1.590x at 3): the policy cuts a draft by its
+# value, but cannot pick another match length's draft, which a tighter cap makes the drafter prefer.
+EVIDENCE_COST = 0.075
+
+
 class FrequencyDrafter:
     """Suffix decoding's choice over prompt + output: the continuation most earlier occurrences of the
     context's tail share (:class:`~rag_accel.kernels.CountedSuffixes`), at most ``factor`` times its match
@@ -231,8 +238,22 @@ class FrequencyDrafter:
     def __init__(self, context: Sequence[int], factor: float = 3.0, min_prob: float = 0.1,
                  max_depth: int = 24) -> None:
         self.index = CountedSuffixes(max_depth)
-        self.factor, self.min_prob = factor, min_prob
+        self.max_factor = self.factor = factor
+        self.min_prob = min_prob
         self.index.extend(context)
+
+    def price(self, token_cost: float) -> None:
+        """A draft token costs ``token_cost`` plain steps now: the dearer it is, the more match each drafted
+        token needs (``factor`` = :data:`EVIDENCE_COST` / ``token_cost``, between 1 and the configured one).
+
+        Example:
+            >>> d = FrequencyDrafter([1, 2, 3], factor=3.0)
+            >>> d.price(0.02); d.factor     # one request on a 2-core CPU: the configured 3
+            3.0
+            >>> d.price(0.1); d.factor      # a busy batch: a draft at most as long as its match
+            1.0
+        """
+        self.factor = min(self.max_factor, max(1.0, EVIDENCE_COST / token_cost if token_cost > 0 else self.max_factor))
 
     def propose(self, context: Sequence[int], max_len: int) -> Draft:
         self.index.extend(context)

@@ -282,6 +282,21 @@ class DraftLengthPolicy:
                 best_value, best_len = value, length
         return best_value, best_len
 
+    def token_cost(self) -> float:
+        """What a draft token costs now beyond the first, in plain steps (the curve's average slope from 1
+        draft token to its longest, as scaled by :meth:`scale_cost`; its first token if it has one only).
+
+        Example:
+            >>> DraftLengthPolicy([1.0, 1.4, 1.4, 1.4]).token_cost()   # a CPU forward: flat after one token
+            0.0
+            >>> round(DraftLengthPolicy([1.0 + 0.1 * n for n in range(11)]).token_cost(), 6)
+            0.1
+        """
+        n = len(self.cost) - 1
+        if n < 2:
+            return self.cost[-1] - self.cost[0]
+        return max(0.0, (self.cost[n] - self.cost[1]) / (n - 1))
+
     def choose(self, draft: Draft) -> int:
         """Number of leading draft tokens to verify (0 = plain step)."""
         if not self.adaptive:

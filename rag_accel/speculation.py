@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .config import DecoderConfig
-from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
+from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, FrequencyDrafter, build_drafters
 from .policy import AcceptanceStats, DraftLengthPolicy
 
 
@@ -228,11 +228,14 @@ class RequestDrafting:
         ``remaining``: tokens the request may still produce (a step always adds one of its own)."""
         max_len = min(self.max_draft_tokens, remaining - 1)
         policy = self.policy
+        policy.scale_cost(self.costs.scale_at(len(context)))
         if policy.adaptive:
+            for d in self.chain.drafters:  # a frequency draft's length cap follows what a draft token costs now
+                if isinstance(d, FrequencyDrafter):
+                    d.price(policy.token_cost())
             self.candidates = self.chain.candidates(context, max_len)
         else:
             self.candidates = [d for d in [self.chain.propose(context, max_len)] if d.tokens]
-        policy.scale_cost(self.costs.scale_at(len(context)))
         budget = self.loss_budget(n_generated)
         draft, n_send = policy.select(self.candidates, budget)
         if n_send == 0 and self.chain.costly and policy.adaptive:  # references first, then the draft model

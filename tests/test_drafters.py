@@ -118,3 +118,18 @@ def test_frequency_drafter_follows_the_context_as_it_grows():
     ctx.append(8)  # a token never seen before: no draft, a normal answer
     d.update(ctx, 1)
     assert d.propose(ctx, max_len=4) is NO_DRAFT
+
+
+def test_frequency_drafts_need_more_match_when_draft_tokens_are_dear():
+    """The request's drafting prices the frequency drafter from its policy's curve before each proposal: at 0.1
+    of a step per draft token a draft is at most as long as its match, at 0.01 up to the configured factor."""
+    from rag_accel.policy import AcceptanceStats
+    from rag_accel.speculation import RequestDrafting, StepCosts
+
+    ctx = [4, 5, 6, 7, 8, 9, 1, 4, 5]  # "4 5" once before: up to 2 x factor tokens after it
+    for slope, want in ((0.1, [6, 7]), (0.01, [6, 7, 8, 9, 1, 4])):
+        cfg = DecoderConfig(drafters=("frequency",), max_draft_tokens=8, frequency_factor=3.0)
+        drafting = RequestDrafting.from_config(cfg, list(ctx), [], [1.0 + slope * n for n in range(9)],
+                                               AcceptanceStats(), StepCosts())
+        drafting.choose(list(ctx), n_generated=1, remaining=100)
+        assert drafting.candidates[0].tokens == want
