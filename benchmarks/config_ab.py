@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -139,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
                 f"{k}={r['seconds']:.2f}s/{r['steps']} steps" for k, r in row["values"].items()), flush=True)
     finally:
         close()
-    return {"command": "python benchmarks/config_ab.py " + " ".join(sys.argv[1:]),
+    return {"command": "python benchmarks/config_ab.py " + shlex.join(sys.argv[1:]),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "option": args.option,
             "values": [json.dumps(v) for v in values], "engine": args.engine, "in_flight": args.in_flight,
             "k": args.k, "max_new_tokens": args.max_new_tokens, "model": args.model,

@@ -46,6 +46,11 @@ INFLIGHT_SPARE = RESULTS / "inflight_vllm_cpu_smollm2_spare.json"
 ENGINE_ORDER = RESULTS / "engine_order_vllm_cpu_smollm2.json"
 # suffix decoding and ours again in flight, twice on engines built afresh, a control engine beside them
 INFLIGHT_PEERS_REPEATS = RESULTS / "inflight_vllm_cpu_smollm2_peers_repeats.json"
+# the frequency drafter (the default chain since 2026-11-26): against the chain before it on one engine, per request
+# (vLLM, transformers), and the in-flight levels against suffix decoding
+FREQUENCY_AB = (RESULTS / "config_ab_vllm_cpu_smollm2_frequency.json", RESULTS / "config_ab_vllm_cpu_smollm2_frequency_16.json",
+                RESULTS / "config_ab_hf_cpu_smollm2_frequency.json")
+FREQUENCY_INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2_frequency.json"
 # a request's references set up beside its prefill: 2 torch threads (the CPU's cores), and 1 (a core left free,
 # as a GPU leaves the host's)
 SETUP, SETUP_FREE = RESULTS / "setup_cost_cpu_smollm2.json", RESULTS / "setup_cost_cpu_smollm2_1thread.json"
@@ -232,6 +237,38 @@ def _replace(path: Path, start: str, end: str, body: str) -> None:
     path.write_text(text[:a] + "\n" + body + "\n" + text[b:])
 
 
+def frequency_paragraph() -> str:
+    """What the frequency drafter changed: the A/B runs of the default chain against the one before it, on one
+    engine request by request, and the in-flight levels against suffix decoding."""
+    said = []
+    for path in FREQUENCY_AB:
+        if path.is_file():
+            ab = json.loads(path.read_text())
+            s, (a, b) = ab["summary"], ab["values"]
+            engine = {"vllm": "vLLM", "hf": "transformers"}[ab["engine"]]
+            unit = "items" if ab["in_flight"] == 1 else f"groups of {ab['in_flight']} in flight"
+            engine += f" ({ab['max_new_tokens']} tokens" + ("" if ab["in_flight"] == 1 else f", {ab['in_flight']} in flight") + ")"
+            said.append(f"{engine} {s['b_over_a']['geo_mean']:.3f}x (faster on {s['b_over_a']['b_faster']} of "
+                        f"{s['b_over_a']['groups']} {unit}; {s[b]['tokens_per_step']:.2f} against "
+                        f"{s[a]['tokens_per_step']:.2f} tokens/step; {s[b]['vs_greedy']:.2f}x greedy; "
+                        f"[run](benchmarks/results/{path.with_suffix('.md').name}))")
+    text = ("The `frequency` drafter (suffix decoding's choice over prompt and output, its drafts valued by their "
+            "per-token probabilities) joined the default chain after the runs above (their `ours` rows ran the chain "
+            "before it: references, prompt lookup, n-grams)")
+    if said:
+        text += ("; against that chain on one engine, request by request on the sample's last items: "
+                 + "; ".join(said))
+    if FREQUENCY_INFLIGHT.is_file():
+        run = json.loads(FREQUENCY_INFLIGHT.read_text())
+        sm = run["summary"]
+        levels = sorted({int(k.split("@")[1]) for k in sm})
+        methods = list(dict.fromkeys(k.split("@")[0] for k in sm if not k.startswith("vllm-greedy@")))
+        text += (f". In flight, one run, each level on its own items ([run](benchmarks/results/"
+                 f"{FREQUENCY_INFLIGHT.with_suffix('.md').name})), tokens/s against vllm-greedy at "
+                 f"{'/'.join(map(str, levels))}: {levels_vs_greedy(sm, tuple(methods), levels)}")
+    return text + "."
+
+
 def summary_section() -> str:
     """The README's results: the peers of one run side by side, the serving run, cold against warm."""
     from rag_accel.bench import concurrency_table, markdown_table
@@ -275,9 +312,11 @@ def summary_section() -> str:
                      for c in sv["args"]["concurrency"] if f"c{c}" in got and f"c{c}" in off]
             if parts:
                 said.append(f"{m} " + ", ".join(parts))
-        lines += ["", f"Through HTTP (`rag-accel serve`, the sample's last {sv['items']} items, {sv['date'][:10]}; "
+        lines[-1] += (f" Through HTTP (`rag-accel serve`, the sample's last {sv['items']} items, {sv['date'][:10]}; "
                       f"[table](benchmarks/results/{SERVE.with_suffix('.md').name})), tokens/s over the server "
-                      "without speculation, c requests in flight: " + "; ".join(said) + "."]
+                      "without speculation, c requests in flight: " + "; ".join(said) + ".")
+    if any(p.is_file() for p in FREQUENCY_AB) or FREQUENCY_INFLIGHT.is_file():
+        lines += ["", frequency_paragraph()]
     if COLD.is_file() and WARM.is_file():
         cold, warm = json.loads(COLD.read_text()), json.loads(WARM.read_text())
         lines += ["", f"Cold against warm (transformers, the sample's last {cold['items']} items, which no default "
