@@ -253,7 +253,8 @@ class FrequencyDrafter:
             >>> d.price(0.1); d.factor      # a busy batch: a draft at most as long as its match
             1.0
         """
-        self.factor = min(self.max_factor, max(1.0, EVIDENCE_COST / token_cost if token_cost > 0 else self.max_factor))
+        affordable = EVIDENCE_COST / token_cost if token_cost > 0 else self.max_factor
+        self.factor = min(self.max_factor, max(1.0, affordable))
 
     def propose(self, context: Sequence[int], max_len: int) -> Draft:
         self.index.extend(context)
@@ -347,4 +348,3 @@ def build_drafters(
         elif name == "draft_model" and draft_model is not None:
             chain.append(draft_model())
     return DrafterChain(chain)
-

@@ -282,9 +282,10 @@ class DraftLengthPolicy:
                 best_value, best_len = value, length
         return best_value, best_len
 
-    def token_cost(self) -> float:
-        """What a draft token costs now beyond the first, in plain steps (the curve's average slope from 1
-        draft token to its longest, as scaled by :meth:`scale_cost`; its first token if it has one only).
+    def token_cost(self, up_to: int | None = None) -> float:
+        """What a draft token costs now beyond the first, in plain steps: the curve's average slope from 1
+        draft token to ``up_to`` (``None``, or past its end: its longest), as scaled by :meth:`scale_cost`; its first token's cost
+        if it has no second.
 
         Example:
             >>> DraftLengthPolicy([1.0, 1.4, 1.4, 1.4]).token_cost()   # a CPU forward: flat after one token
@@ -292,7 +293,7 @@ class DraftLengthPolicy:
             >>> round(DraftLengthPolicy([1.0 + 0.1 * n for n in range(11)]).token_cost(), 6)
             0.1
         """
-        n = len(self.cost) - 1
+        n = len(self.cost) - 1 if up_to is None else min(len(self.cost) - 1, up_to)
         if n < 2:
             return self.cost[-1] - self.cost[0]
         return max(0.0, (self.cost[n] - self.cost[1]) / (n - 1))

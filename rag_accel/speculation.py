@@ -26,6 +26,11 @@ from .config import DecoderConfig
 from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, FrequencyDrafter, build_drafters
 from .policy import AcceptanceStats, DraftLengthPolicy
 
+# A frequency drafter is priced by the cost of draft tokens up to this many (vLLM's default for this project's
+# proposer, and the drafts its pricing was chosen on): a verify curve flat up to 8 tokens and steep past 16
+# (transformers on a CPU) must not read as dear for the short drafts most matches allow.
+FREQUENCY_PRICED_UP_TO = 10
+
 
 class StepCosts:
     """What steps really cost, learnt across requests from timing them (one per decoder or engine).
@@ -232,7 +237,7 @@ class RequestDrafting:
         if policy.adaptive:
             for d in self.chain.drafters:  # a frequency draft's length cap follows what a draft token costs now
                 if isinstance(d, FrequencyDrafter):
-                    d.price(policy.token_cost())
+                    d.price(policy.token_cost(FREQUENCY_PRICED_UP_TO))
             self.candidates = self.chain.candidates(context, max_len)
         else:
             self.candidates = [d for d in [self.chain.propose(context, max_len)] if d.tokens]

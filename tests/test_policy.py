@@ -256,3 +256,14 @@ def test_probabilities_are_calibrated_by_what_their_drafts_got_right():
     DraftLengthPolicy(steep, stats=fresh).observe(strong, [1, 2])
     cells = fresh.calibration[("frequency", 6)]
     assert [cells[1], cells[2]] == [[1.0, 0.5], [1.0, 0.5]] and cells[3] == [0.0, 0.0]
+
+
+def test_token_cost_is_the_curve_slope_up_to_a_length():
+    """A transformers CPU curve, flat to 8 draft tokens and steep past 16, reads as cheap over the first 10
+    (what the frequency drafter is priced over), dear over all 32."""
+    hf_cpu = [1.0] + [1.4] * 8 + [1.4 + 0.1 * i for i in range(1, 25)]  # 0..32
+    policy = DraftLengthPolicy(hf_cpu)
+    assert policy.token_cost(10) == pytest.approx(0.2 / 9)
+    assert policy.token_cost() == pytest.approx(2.4 / 31)
+    policy.scale_cost(2.0)  # verification got dearer: so does each draft token
+    assert policy.token_cost(10) == pytest.approx(0.4 / 9)
