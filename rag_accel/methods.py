@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import DEFAULT_COPY_DRAFTERS as COPY_DRAFTERS
+from .config import DEFAULT_COPY_DRAFTERS
 
 # name -> DecoderConfig changes
 OUR_METHODS: dict[str, dict[str, Any]] = {
-    "ours": {"drafters": COPY_DRAFTERS},
+    "ours": {"drafters": DEFAULT_COPY_DRAFTERS},
     "ours-fixed": {"adaptive": False, "max_draft_tokens": 10},
-    "ours-nopack": {"drafters": COPY_DRAFTERS, "pack_gqa": False},  # the model's own attention path (A/B)
-    "ours-nopool": {"drafters": COPY_DRAFTERS, "pool_misses": False},  # each drafter learns misses alone (A/B)
-    "ours-nohead": {"drafters": COPY_DRAFTERS, "fast_head": False},  # the model's own output projection (A/B)
+    "ours-nopack": {"drafters": DEFAULT_COPY_DRAFTERS, "pack_gqa": False},  # the model's own attention path (A/B)
+    "ours-nopool": {"drafters": DEFAULT_COPY_DRAFTERS, "pool_misses": False},  # each drafter learns misses alone (A/B)
+    "ours-nohead": {"drafters": DEFAULT_COPY_DRAFTERS, "fast_head": False},  # the model's own output projection (A/B)
     "ours-ref": {"drafters": ("reference",)},
     "ours-pld": {"drafters": ("prompt_lookup",)},
     "ours-ngram": {"drafters": ("ngram",)},
@@ -21,7 +21,7 @@ OUR_METHODS: dict[str, dict[str, Any]] = {
     "ours-nofreq": {"drafters": ("reference", "prompt_lookup", "ngram")},  # the default before "frequency" (A/B)
     # With a draft model (--draft-model): the draft model alone, and references first, then the draft model.
     "ours-draft": {"drafters": ("draft_model",)},
-    "ours-hybrid": {"drafters": (*COPY_DRAFTERS, "draft_model")},
+    "ours-hybrid": {"drafters": (*DEFAULT_COPY_DRAFTERS, "draft_model")},
 }
 BASELINES = ("greedy", "hf-pld", "hf-assisted")
 NEEDS_DRAFT_MODEL = ("ours-draft", "ours-hybrid", "hf-assisted")

@@ -85,6 +85,11 @@ def _bucket(match_len: int) -> int:
 _POSITION_BUCKET = [_bucket(i) for i in range(33)]  # a draft position's bucket (positions past 32: 32's)
 
 
+def _calibration_key(draft: Draft) -> tuple[str, int]:
+    """Where a draft's probabilities are calibrated: its drafter and the lower edge of its match-length bucket."""
+    return draft.source, _BUCKET_EDGES[_bucket(draft.match_len)]
+
+
 def leading_matches(draft: Sequence[int], actual: Sequence[int]) -> int:
     """Number of leading positions where ``draft`` and ``actual`` agree.
 
@@ -136,14 +141,14 @@ class AcceptanceStats:
         self.calibration: dict[tuple[str, int], list[list[float]]] = {}
 
     def calibration_factors(self, key: tuple[str, int]) -> list[float]:
-        """How far the probabilities claimed by drafts of ``key`` (drafter, match-length bucket's lower edge) are to be
-        trusted, per bucket of draft positions (:data:`_BUCKET_EDGES`): ``g`` of :mod:`rag_accel.policy`.
+        """How far the probabilities claimed by drafts of ``key`` (:func:`_calibration_key`) are to be trusted,
+        per bucket of draft positions (:data:`_BUCKET_EDGES`): ``g`` of :mod:`rag_accel.policy`.
 
         Example:
             >>> stats = AcceptanceStats()
             >>> stats.calibration_factors(("frequency", 1))[:3]
             [1.0, 1.0, 1.0]
-            >>> stats.calibration[("frequency", 1)] = [[0, 0], [2.0, 8.0]] + [[0.0, 0.0]] * 7  # 1st: claimed 8, got 2
+            >>> stats.calibration[("frequency", 1)] = [[0, 0], [2, 8]] + [[0, 0]] * 7  # 1st: claimed 8, got 2
             >>> stats.calibration_factors(("frequency", 1))[:3]
             [1.0, 0.5, 1.0]
         """
@@ -251,7 +256,7 @@ class DraftLengthPolicy:
         """Best expected tokens per unit of cost for this draft, and the length that achieves it."""
         n = min(len(draft.tokens), len(self.cost) - 1)
         if draft.probs:
-            g = self.stats.calibration_factors((draft.source, _BUCKET_EDGES[_bucket(draft.match_len)]))
+            g = self.stats.calibration_factors(_calibration_key(draft))
             best_value, best_len = self._best_length_probs(draft.probs, g, n)
         else:
             best_value, best_len = self._best_length(*self.rates(draft.source, draft.match_len), n)
@@ -284,8 +289,8 @@ class DraftLengthPolicy:
 
     def token_cost(self, up_to: int | None = None) -> float:
         """What a draft token costs now beyond the first, in plain steps: the curve's average slope from 1
-        draft token to ``up_to`` (``None``, or past its end: its longest), as scaled by :meth:`scale_cost`; its first token's cost
-        if it has no second.
+        draft token to ``up_to`` (``None``, or past its end: its longest), as scaled by :meth:`scale_cost`;
+        below 2 draft tokens, the cost of the first.
 
         Example:
             >>> DraftLengthPolicy([1.0, 1.4, 1.4, 1.4]).token_cost()   # a CPU forward: flat after one token
@@ -295,7 +300,7 @@ class DraftLengthPolicy:
         """
         n = len(self.cost) - 1 if up_to is None else min(len(self.cost) - 1, up_to)
         if n < 2:
-            return self.cost[-1] - self.cost[0]
+            return self.cost[n] - self.cost[0]
         return max(0.0, (self.cost[n] - self.cost[1]) / (n - 1))
 
     def choose(self, draft: Draft) -> int:
@@ -366,7 +371,7 @@ class DraftLengthPolicy:
         """The probabilities claim leading tokens right: position ``i`` (1-based) is reached when the first
         ``i`` are. After a miss every later position is known to be unreached, so the whole draft counts;
         without one, the positions known."""
-        key = (draft.source, _BUCKET_EDGES[_bucket(draft.match_len)])
+        key = _calibration_key(draft)
         cal = self.stats.calibration.get(key)
         if cal is None:
             cal = self.stats.calibration[key] = [[0.0, 0.0] for _ in _BUCKET_EDGES]

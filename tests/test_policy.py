@@ -265,5 +265,6 @@ def test_token_cost_is_the_curve_slope_up_to_a_length():
     policy = DraftLengthPolicy(hf_cpu)
     assert policy.token_cost(10) == pytest.approx(0.2 / 9)
     assert policy.token_cost() == pytest.approx(2.4 / 31)
+    assert policy.token_cost(1) == pytest.approx(0.4)  # one draft token: what it costs over a plain step
     policy.scale_cost(2.0)  # verification got dearer: so does each draft token
     assert policy.token_cost(10) == pytest.approx(0.4 / 9)

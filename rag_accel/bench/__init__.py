@@ -17,7 +17,7 @@ The command line (:mod:`rag_accel.cli`) only parses arguments and calls these.
 from ..methods import (
     ALL_METHODS,
     BASELINES,
-    COPY_DRAFTERS,
+    DEFAULT_COPY_DRAFTERS,
     NEEDS_DRAFT_MODEL,
     OUR_METHODS,
     REMEMBERS_OUTPUTS,
@@ -55,7 +55,7 @@ from .results import (
 from .timing import ForwardTimes, median_run, where_the_time_went
 
 __all__ = [
-    "ALL_METHODS", "BASELINES", "COPY_DRAFTERS", "ENGINES_LEGEND", "NEEDS_DRAFT_MODEL", "OUR_METHODS", "PLOT_HINT",
+    "ALL_METHODS", "BASELINES", "DEFAULT_COPY_DRAFTERS", "ENGINES_LEGEND", "NEEDS_DRAFT_MODEL", "OUR_METHODS", "PLOT_HINT",
     "REMEMBERS_OUTPUTS", "REWORDED", "SPLIT_LEGEND", "TABLE_LEGEND", "VLLM_HINT", "VLLM_METHODS", "BatchRun",
     "BenchReport", "ForwardTimes", "Run", "TargetForcing", "baseline_of", "concurrency_table", "environment",
     "forced_targets", "item_seconds", "loadavg", "markdown_table", "median_run", "plot", "propose_cost",
