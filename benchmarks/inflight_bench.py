@@ -217,6 +217,7 @@ def main() -> None:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
     from rag_accel import ReferenceDecoder
     from rag_accel.data import load_msmarco_sample
+    from rag_accel.methods import SPECULATIVE_SETTINGS
     from rag_accel.vllm.requests import speculative_config
 
     load_before = os.getloadavg()
@@ -258,7 +259,7 @@ def main() -> None:
                 "vllm-suffix": lambda: {"speculation": "suffix",
                                         "speculative_config": speculative_config("suffix", args.k)},
                 "vllm-suffix-f3": lambda: {"speculation": "suffix", "speculative_config": {
-                    "method": "suffix", "num_speculative_tokens": args.k, "suffix_decoding_max_spec_factor": 3.0}},
+                    **speculative_config("suffix", args.k), **SPECULATIVE_SETTINGS["vllm-suffix-f3"]}},
                 "vllm-ours": lambda: {"speculation": "ours"},
                 "vllm-ours-memory": lambda: {"speculation": "ours", "memory_scope": "bench"},
                 "vllm-ours-control": lambda: {"speculation": "ours"}}  # (built only if asked: suffix needs arctic)

@@ -199,8 +199,8 @@ def bench(
     out: Path = typer.Option(Path("benchmarks/results/bench"), help="Output prefix: .json, .md, .png"),
 ) -> None:
     """Run greedy, Hugging Face prompt lookup and our configurations side by side on the same items
-    (and vLLM: vllm-greedy, vllm-ngram, vllm-suffix, vllm-ours, with rag-accel[vllm] installed;
-    vllm-suffix needs arctic-inference)."""
+    (and vLLM: vllm-greedy, vllm-ngram, vllm-suffix, vllm-suffix-f3, vllm-ours, with rag-accel[vllm] installed;
+    vllm-suffix and vllm-suffix-f3 need arctic-inference)."""
     from .bench import (
         VLLM_HINT,
         BenchReport,
@@ -244,11 +244,12 @@ def bench(
 
         if importlib.util.find_spec("vllm") is None:
             _fail(VLLM_HINT)
-        if "vllm-suffix" in method_list:
+        suffix = [m for m in method_list if VLLM_METHODS.get(m) == "suffix"]
+        if suffix:
             try:
                 speculative_config("suffix", num_speculative_tokens)  # ImportError without arctic-inference
             except ImportError as e:
-                _fail(f"vllm-suffix: {e}; or leave vllm-suffix out of --methods")
+                _fail(f"{suffix[0]}: {e}; or leave {', '.join(suffix)} out of --methods")
     engines: dict = {}
     try:
         sample = load_msmarco_sample(corpus, with_answers=not unanswered, limit=None if last else items + 1)

@@ -26,8 +26,13 @@ OUR_METHODS: dict[str, dict[str, Any]] = {
 BASELINES = ("greedy", "hf-pld", "hf-assisted")
 NEEDS_DRAFT_MODEL = ("ours-draft", "ours-hybrid", "hf-assisted")
 # name -> the engine's speculation (rag_accel.vllm.SPECULATION); each runs on its own vLLM engine.
-VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-suffix": "suffix", "vllm-ours": "ours",
-                "vllm-ours-memory": "ours"}
+VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-suffix": "suffix", "vllm-suffix-f3": "suffix",
+                "vllm-ours": "ours", "vllm-ours-memory": "ours"}
+# vLLM methods whose engine's speculative_config differs from that speculation's defaults: name -> the settings
+# (vLLM's names). vllm-suffix-f3 is suffix decoding tuned: a draft up to 3 times its match long, the best
+# max_spec_factor of 1-3 when its drafting was replayed on the sample's first 50 answers
+# (benchmarks/results/suffix_replay_smollm2_first50.md); vLLM's default is 1.
+SPECULATIVE_SETTINGS: dict[str, dict[str, Any]] = {"vllm-suffix-f3": {"suffix_decoding_max_spec_factor": 3.0}}
 # vLLM methods whose engine's requests share a memory scope (rag_accel.memory): this one.
 MEMORY_SCOPE = {"vllm-ours-memory": "bench"}
 # Methods whose engine copies from its own earlier outputs (vLLM's suffix decoding keeps a tree of past
@@ -37,5 +42,5 @@ MEMORY_SCOPE = {"vllm-ours-memory": "bench"}
 # answer in that tree, as a deployed engine would: the peer of our cached-answer reference. vllm-ours-memory is
 # our proposer with the memory of earlier answers (one scope for all its requests): the same rules, and in the
 # reworded case it gets the passages only, the cached answer being in its memory, as suffix's is in its tree.
-REMEMBERS_OUTPUTS = ("vllm-suffix", "vllm-ours-memory")
+REMEMBERS_OUTPUTS = ("vllm-suffix", "vllm-suffix-f3", "vllm-ours-memory")
 ALL_METHODS = (*BASELINES, *OUR_METHODS, *VLLM_METHODS)

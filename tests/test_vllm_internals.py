@@ -34,6 +34,20 @@ def test_every_internal_we_rely_on_is_in_the_installed_vllm():
     assert patches.check_internals() == []
 
 
+def test_benchmark_engine_settings_are_fields_of_vllms_speculative_config():
+    """The benchmark's tuned peers (``vllm-suffix-f3``) change vLLM's own ``speculative_config``
+    settings by name: a renamed field would start vLLM's defaults, or fail minutes into a run."""
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+
+    from rag_accel.methods import SPECULATIVE_SETTINGS, VLLM_METHODS
+
+    fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    assert SPECULATIVE_SETTINGS and all(m in VLLM_METHODS for m in SPECULATIVE_SETTINGS)
+    assert {name for settings in SPECULATIVE_SETTINGS.values() for name in settings} <= fields
+
+
 def test_check_internals_notices_engine_processes_no_longer_kept(monkeypatch):
     """``VllmDecoder.close`` waits for ``CoreEngineProcManager.processes``, an instance attribute that
     no signature shows: its ``__init__`` is read instead, and one that no longer sets it is named."""

@@ -37,6 +37,7 @@ from ..methods import (
     NEEDS_DRAFT_MODEL,
     OUR_METHODS,
     REMEMBERS_OUTPUTS,
+    SPECULATIVE_SETTINGS,
     VLLM_METHODS,
 )
 from .results import BatchRun, Run, item_seconds
@@ -192,7 +193,8 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
     """One :class:`rag_accel.vllm.VllmDecoder` per vLLM method in ``methods`` (``vllm-greedy``
     always, the baseline): float32 unless ``dtype``, eager mode, prefix caching off (a repeated
     prompt must not skip its prefill for one method and not another), up to ``k`` draft tokens a
-    step for both proposers.
+    step for every proposer, with the settings of :data:`~rag_accel.methods.SPECULATIVE_SETTINGS`
+    (``vllm-suffix-f3``).
 
     ``spare_first``: :func:`spare_engine` first, so that none of the timed engines is the
     process's first."""
@@ -202,6 +204,8 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
         from ..vllm import VllmDecoder
     except ImportError as e:
         raise ValueError(VLLM_HINT) from e
+    from ..vllm.requests import speculative_config
+
     wanted = [m for m in VLLM_METHODS if m in methods or m == "vllm-greedy"]
     common = dict(num_speculative_tokens=k, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
@@ -211,8 +215,10 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
     try:
         for m in wanted:
             try:
+                tuned = ({"speculative_config": {**speculative_config(VLLM_METHODS[m], k), **SPECULATIVE_SETTINGS[m]}}
+                         if m in SPECULATIVE_SETTINGS else {})
                 engines[m] = VllmDecoder.from_pretrained(model, speculation=VLLM_METHODS[m],
-                                                         memory_scope=MEMORY_SCOPE.get(m), **common)
+                                                         memory_scope=MEMORY_SCOPE.get(m), **common, **tuned)
             except ImportError as e:  # e.g. vllm-suffix without arctic-inference: the message says what to install
                 raise ValueError(f"method {m!r}: {e}; or leave {m} out of --methods") from e
     except BaseException:

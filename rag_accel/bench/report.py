@@ -170,6 +170,9 @@ class BenchReport:
                "on an untimed item, runs each item once and sits out the in-flight table (its levels repeat the "
                "items); in the reworded case it holds the original question's answer, as a deployed engine would"]
               if "vllm-suffix" in self.methods else []),
+            *(["- vllm-suffix-f3: the same with suffix_decoding_max_spec_factor 3 (vLLM's default 1): a draft up to 3 "
+               "times its match long, the best of 1-3 when its drafting was replayed on the sample's first 50 answers"]
+              if "vllm-suffix-f3" in self.methods else []),
             *(["- vllm-ours-memory: our proposer with the memory of earlier answers (all its requests in one scope): "
                "the same rules as vllm-suffix, and in the reworded case the client passes the passages only, "
                "the cached answer being in its memory"] if "vllm-ours-memory" in self.methods else []),
