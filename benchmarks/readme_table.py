@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
 RESULTS = ROOT / "benchmarks" / "results"
-# every peer in one run, per request and in flight, on items no default was tuned on, a spare engine built first
-PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_spare.json"
+# every peer in one run, per request and in flight, on items no default was tuned on, a spare engine built first;
+# ours with the default chain of the frequency drafter, suffix decoding at vLLM's defaults and tuned (vllm-suffix-f3)
+PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_frequency.json"
 SERVE = RESULTS / "serve_cpu_smollm2.json"
 # cold: median of 5 runs per item (the run of 3 before it stays on the results page)
 COLD, WARM = RESULTS / "bench_cpu_smollm2_last30x64_cold_r5.json", RESULTS / "bench_cpu_smollm2_last30x64_warm.json"
@@ -30,7 +31,9 @@ VLLM_WARM = RESULTS / "bench_vllm_cpu_smollm2_last30x64_warm_r5.json"  # the sam
 TRECDL_COLD = RESULTS / "bench_cpu_smollm2_trecdl30x64_cold.json"  # other queries and passages, cold
 MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejected
 MEMORY = RESULTS / "bench_vllm_cpu_smollm2_memory_last16x64.json"  # the server's memory against suffix's tree
-INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2.json"  # every peer in flight, each level on unseen items
+# every peer in flight, each level on unseen items, twice on engines built afresh (the default chain of the frequency
+# drafter; inflight_vllm_cpu_smollm2.json, the chain before it, stays on the results page)
+INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2_frequency_peers.json"
 # the memory of earlier answers in flight, beside suffix decoding (and a repeat of ours with and without it)
 INFLIGHT_MEMORY = (RESULTS / "inflight_vllm_cpu_smollm2_memory.json",
                    RESULTS / "inflight_vllm_cpu_smollm2_memory_r2.json")
@@ -253,8 +256,8 @@ def frequency_paragraph() -> str:
                         f"{s[a]['tokens_per_step']:.2f} tokens/step; {s[b]['vs_greedy']:.2f}x greedy; "
                         f"[run](benchmarks/results/{path.with_suffix('.md').name}))")
     text = ("The `frequency` drafter (suffix decoding's choice over prompt and output, its drafts valued by their "
-            "per-token probabilities) joined the default chain after the runs above (their `ours` rows ran the chain "
-            "before it: references, prompt lookup, n-grams)")
+            "per-token probabilities) is in the default chain the table's `ours` rows ran (references, then it); "
+            "the chain before it was references, prompt lookup, n-grams")
     if said:
         text += ("; against that chain on one engine, request by request on the sample's last items: "
                  + "; ".join(said))
@@ -377,7 +380,9 @@ def summary_section() -> str:
         methods = list(dict.fromkeys(v["method"] for v in sm.values()))
         lines += ["", f"In flight against every peer, each level on its own items of the sample's last "
                       f"{len(sum(fl['items'].values(), []))} (so suffix decoding never meets an item twice), "
-                      f"{fl['environment']['new_tokens']} tokens a request, {fl['environment']['date']} "
+                      f"{fl['environment']['new_tokens']} tokens a request, {fl['environment']['date']}"
+                      + (f", {len(fl['build_orders'])} runs on engines built afresh (all runs' tokens over their time)"
+                         if len(fl.get("build_orders", [])) > 1 else "") + " "
                       f"([run](benchmarks/results/{INFLIGHT.with_suffix('.md').name}); vllm-ngram-dynamic: vLLM's "
                       f"dynamic speculative decoding with the schedule `{fl['schedule']}` tuned first on the sample's "
                       "first items): tokens/s against vllm-greedy:", "",
