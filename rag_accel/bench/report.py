@@ -52,16 +52,19 @@ def plot(runs: Sequence[Run], path: str | Path, title: str) -> None:
     plt = _pyplot()
     seconds = item_seconds(runs)
     methods = [m for m in dict.fromkeys(r.method for r in runs) if m != "greedy"]
+    # one colour per method in both panels, never greedy's grey (matplotlib's C7): with eight methods or more the
+    # default cycle gave the eighth greedy's colour
+    colour = {m: f"C{k}" for m, k in zip(methods, (k % 10 for k in range(100) if k % 10 != 7))}
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for i, m in enumerate(methods):
         sp = [seconds["greedy", it] / t for (mm, it), t in seconds.items() if mm == m]
-        a.scatter([i + (j % 7 - 3) * 0.03 for j in range(len(sp))], sp, s=10, alpha=0.6)
+        a.scatter([i + (j % 7 - 3) * 0.03 for j in range(len(sp))], sp, s=10, alpha=0.6, color=colour[m])
         a.hlines(math.exp(sum(map(math.log, sp)) / len(sp)), i - 0.3, i + 0.3, colors="k")
     a.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
     with_greedy = ["greedy", *methods]  # greedy's bar (1.00) is the baseline the others are read against
     for i, m in enumerate(with_greedy):
         b.bar(i, sum(r.new_tokens for r in runs if r.method == m) / sum(r.steps for r in runs if r.method == m),
-              color="grey" if m == "greedy" else f"C{i - 1}")
+              color="grey" if m == "greedy" else colour[m])
     b.set_xticks(range(len(with_greedy)), with_greedy, rotation=30, ha="right")
     a.axhline(1.0, color="grey", lw=0.8, ls="--")
     a.set_ylabel("speed-up vs greedy (per item; bar = geo-mean)")
