@@ -79,13 +79,15 @@ def ngram_config(k: int, schedule: list[tuple[int, int, int]] | None = None) -> 
 
 
 def make_engines(specs: dict[str, dict], model: str, k: int, max_model_len: int, spare_first: bool = False) -> dict:
-    """One engine per spec, named by its key. ``spare_first``: a spare plain engine with the same settings
-    built and closed before them (:func:`rag_accel.bench.spare_engine`), so none is the process's first."""
-    from rag_accel.bench import spare_engine
+    """One engine per spec, named by its key, in the peers' environment (:func:`rag_accel.bench.peer_environment`).
+    ``spare_first``: a spare plain engine with the same settings built and closed before them
+    (:func:`rag_accel.bench.spare_engine`), so none is the process's first."""
+    from rag_accel.bench import peer_environment, spare_engine
     from rag_accel.vllm import VllmDecoder
 
     common = dict(num_speculative_tokens=k, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
+    peer_environment()
     if spare_first:
         spare_engine(model, **common)
     engines = {}
@@ -216,6 +218,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
     from rag_accel import ReferenceDecoder
+    from rag_accel.bench import VLLM_ENV_RECORDED
     from rag_accel.data import load_msmarco_sample
     from rag_accel.methods import SPECULATIVE_SETTINGS
     from rag_accel.vllm.requests import speculative_config
@@ -287,7 +290,7 @@ def main() -> None:
     env = {"model": args.model, "device": platform.processor() or platform.machine(), "vllm": vllm.__version__,
            "torch": torch.__version__, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
            "load_before": load_before, "load_after": os.getloadavg(), "minutes": (time.time() - t_start) / 60,
-           "vllm_env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")
+           "vllm_env": {k: os.environ[k] for k in VLLM_ENV_RECORDED
                         if k in os.environ}, "k": args.k, "new_tokens": args.new, "spare_engine_first": True}
     command = (f"python benchmarks/inflight_bench.py --items {args.items} --tune-items {args.tune_items} "
                f"--new {args.new} --out {args.out}")

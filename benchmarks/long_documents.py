@@ -90,6 +90,7 @@ def main() -> None:
     from inflight_bench import make_engines
 
     from rag_accel import ReferenceDecoder
+    from rag_accel.bench import VLLM_ENV_RECORDED
     from rag_accel.data import load_msmarco_sample, rag_messages
     from rag_accel.vllm.requests import speculative_config
 
@@ -142,7 +143,7 @@ def main() -> None:
            "vllm": vllm.__version__, "torch": torch.__version__,
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "load_before": load_before,
            "load_after": os.getloadavg(),
-           "vllm_env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")
+           "vllm_env": {k: os.environ[k] for k in VLLM_ENV_RECORDED
                         if k in os.environ}, "spare_engine_first": True}
     command = (f"python benchmarks/long_documents.py --items {args.items} --chunk {args.chunk} --new {args.new} "
                f"--out {args.out}")

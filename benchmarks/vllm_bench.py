@@ -63,9 +63,11 @@ def spec_counters(llm) -> tuple[int, int]:
 def make_decoder(method: str, max_model_len: int):
     from vllm import LLM
 
+    from rag_accel.bench import peer_environment
     from rag_accel.models import default_model_path
     from rag_accel.vllm import VllmDecoder
 
+    peer_environment()
     engine = dict(max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
                   disable_log_stats=False)
     if method == "vllm-ours":
@@ -231,7 +233,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.methods[0] != "vllm-greedy":
         ap.error("vllm-greedy must run first (it is the baseline of the identical-output rates)")
+    from rag_accel.bench import VLLM_ENV_RECORDED, peer_environment
     from rag_accel.data import load_msmarco_sample
+
+    peer_environment()  # (before the record below, and before any engine starts)
 
     n = max(args.items_c1, args.items_c4, args.items_c16, args.reworded)
     items = load_msmarco_sample(limit=n)
@@ -239,7 +244,7 @@ def main() -> None:
            "device": f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
            "model": "SmolLM2-135M-Instruct float32",
            "command": "python " + " ".join(sys.argv),
-           "env": {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD")},
+           "env": {k: os.environ.get(k) for k in VLLM_ENV_RECORDED},
            "args": vars(args), "methods": {}, "status": "partial (running)"}
     baselines: dict = {}
     cached: list[str] = []

@@ -33,6 +33,12 @@ VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-suffix": "suf
 # max_spec_factor of 1-3 when its drafting was replayed on the sample's first 50 answers
 # (benchmarks/results/suffix_replay_smollm2_first50.md); vLLM's default is 1.
 SPECULATIVE_SETTINGS: dict[str, dict[str, Any]] = {"vllm-suffix-f3": {"suffix_decoding_max_spec_factor": 3.0}}
+# Environment for the benchmarks' vLLM engines (set unless the caller set it; each run records it): what a user
+# of vLLM's n-gram speculation on a CPU would set. Its proposer runs a numba parallel loop every step, and numba's
+# default threading layer here is OpenMP, whose idle workers spin beside torch's threads on the same cores: on
+# this 2-core CPU vllm-ngram ran 0.79x vLLM greedy with it and 1.28x with numba's workqueue layer (7 items, 1 in
+# flight, 2026-11-27, benchmarks/results/README.md). No other method here runs numba.
+PEER_ENVIRONMENT = {"NUMBA_THREADING_LAYER": "workqueue"}
 # vLLM methods whose engine's requests share a memory scope (rag_accel.memory): this one.
 MEMORY_SCOPE = {"vllm-ours-memory": "bench"}
 # Methods whose engine copies from its own earlier outputs (vLLM's suffix decoding keeps a tree of past

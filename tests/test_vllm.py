@@ -606,16 +606,24 @@ def test_bench_engines_are_built_after_a_spare_that_is_closed(monkeypatch, items
     """``rag-accel bench``'s engines (:func:`vllm_engines`): the first engine built in a process
     tends to be slower than identical ones built after it, so a spare plain engine is built first,
     given a request and shut down before the timed ones are built: vllm-greedy is the second engine
-    built, and only its engine process stays. The real engines, watched by a spy."""
+    built, and only its engine process stays. Every engine starts in the peers' environment
+    (PEER_ENVIRONMENT: numba's workqueue layer, which vLLM's n-gram proposer needs on a CPU not to
+    run at ~0.8x greedy). The real engines, watched by a spy."""
     import multiprocessing
+    import os
 
     from rag_accel.bench import vllm_engines
+    from rag_accel.methods import PEER_ENVIRONMENT
 
-    built, closed = [], []
+    built, closed, seen = [], [], []
     real_make, real_close = VllmDecoder.from_pretrained.__func__, VllmDecoder.close
+    for name in PEER_ENVIRONMENT:  # unset (and restored afterwards: setenv records the old state)
+        monkeypatch.setenv(name, "x")
+        monkeypatch.delenv(name)
 
     def make(cls, *a, **kw):
         built.append(kw["speculation"])
+        seen.append({name: os.environ.get(name) for name in PEER_ENVIRONMENT})
         return real_make(cls, *a, **kw)
 
     def close(self):
@@ -628,6 +636,7 @@ def test_bench_engines_are_built_after_a_spare_that_is_closed(monkeypatch, items
     engines = vllm_engines(["vllm-greedy"], MODEL, k=4, max_model_len=2048)
     try:
         assert list(engines) == ["vllm-greedy"] and built == ["off", "off"]
+        assert seen == [PEER_ENVIRONMENT, PEER_ENVIRONMENT]  # the spare's start included
         assert closed == [1]  # the spare, before vllm-greedy was built
         assert len(multiprocessing.active_children()) == before + 1
         procs = engines["vllm-greedy"].engine_processes()

@@ -26,11 +26,13 @@ from ..methods import (
 from .drafting import propose_cost, propose_table, write_drafting_report
 from .harness import (
     REWORDED,
+    VLLM_ENV_RECORDED,
     VLLM_HINT,
     TargetForcing,
     baseline_of,
     environment,
     forced_targets,
+    peer_environment,
     reworded_items,
     run_benchmark,
     run_concurrency,
@@ -56,9 +58,9 @@ from .timing import ForwardTimes, median_run, where_the_time_went
 
 __all__ = [
     "ALL_METHODS", "BASELINES", "DEFAULT_COPY_DRAFTERS", "ENGINES_LEGEND", "NEEDS_DRAFT_MODEL", "OUR_METHODS", "PLOT_HINT",
-    "REMEMBERS_OUTPUTS", "REWORDED", "SPLIT_LEGEND", "TABLE_LEGEND", "VLLM_HINT", "VLLM_METHODS", "BatchRun",
+    "REMEMBERS_OUTPUTS", "REWORDED", "SPLIT_LEGEND", "TABLE_LEGEND", "VLLM_ENV_RECORDED", "VLLM_HINT", "VLLM_METHODS", "BatchRun",
     "BenchReport", "ForwardTimes", "Run", "TargetForcing", "baseline_of", "concurrency_table", "environment",
-    "forced_targets", "item_seconds", "loadavg", "markdown_table", "median_run", "plot", "propose_cost",
-    "propose_table", "reworded_items", "run_benchmark", "run_concurrency", "spare_engine", "split_table",
+    "forced_targets", "item_seconds", "loadavg", "markdown_table", "median_run", "peer_environment", "plot",
+    "propose_cost", "propose_table", "reworded_items", "run_benchmark", "run_concurrency", "spare_engine", "split_table",
     "summarize", "summarize_concurrency", "too_long", "vllm_engines", "where_the_time_went", "write_drafting_report",
 ]

@@ -36,6 +36,7 @@ from ..methods import (
     MEMORY_SCOPE,
     NEEDS_DRAFT_MODEL,
     OUR_METHODS,
+    PEER_ENVIRONMENT,
     REMEMBERS_OUTPUTS,
     SPECULATIVE_SETTINGS,
     VLLM_METHODS,
@@ -172,6 +173,23 @@ def _vllm_runner(vdec: Any, method: str, max_new_tokens: int) -> Runner:
     return run_vllm
 
 
+def peer_environment() -> dict[str, str]:
+    """Set :data:`~rag_accel.methods.PEER_ENVIRONMENT` in this process's environment where it is not set
+    (a setting of the caller's own stays), before vLLM engines start: their processes inherit it. Returns
+    what the engines will see, for the run's record.
+
+    Example:
+        >>> import os
+        >>> old = os.environ.pop("NUMBA_THREADING_LAYER", None)
+        >>> peer_environment()
+        {'NUMBA_THREADING_LAYER': 'workqueue'}
+        >>> os.environ["NUMBA_THREADING_LAYER"] = "tbb"; peer_environment()   # the caller's choice stays
+        {'NUMBA_THREADING_LAYER': 'tbb'}
+        >>> _ = os.environ.pop("NUMBA_THREADING_LAYER") if old is None else os.environ.update(NUMBA_THREADING_LAYER=old)
+    """
+    return {k: os.environ.setdefault(k, v) for k, v in PEER_ENVIRONMENT.items()}
+
+
 def spare_engine(model: str, **kwargs: Any) -> None:
     """Build a plain vLLM engine on ``model`` (``kwargs`` to ``VllmDecoder.from_pretrained``),
     give it a request and close it: the first engine built in a process tends to be slower than
@@ -207,6 +225,7 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
     from ..vllm.requests import speculative_config
 
     wanted = [m for m in VLLM_METHODS if m in methods or m == "vllm-greedy"]
+    peer_environment()
     common = dict(num_speculative_tokens=k, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
     if spare_first:
@@ -421,6 +440,10 @@ def run_concurrency(engines: dict[str, Any], dec: ReferenceDecoder, items: Seque
     return runs
 
 
+# The environment variables a run with vLLM engines records: vLLM's CPU settings and the peers' (PEER_ENVIRONMENT).
+VLLM_ENV_RECORDED = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD", *PEER_ENVIRONMENT)
+
+
 def environment(dec: ReferenceDecoder, model_name: str | None = None, *,
                 num_speculative_tokens: int | None = None) -> dict[str, Any]:
     """Where a run ran: device, threads, model, dtype, date, versions. With ``num_speculative_tokens``
@@ -443,8 +466,7 @@ def environment(dec: ReferenceDecoder, model_name: str | None = None, *,
         import vllm
 
         env["vllm"] = vllm.__version__
-        env["vllm_env"] = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
-                                                          "LD_PRELOAD")}
+        env["vllm_env"] = {k: os.environ.get(k) for k in VLLM_ENV_RECORDED}
         env["num_speculative_tokens"] = num_speculative_tokens
     return env
 
