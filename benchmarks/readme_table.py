@@ -21,7 +21,7 @@ SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
 RESULTS = ROOT / "benchmarks" / "results"
 # every peer in one run, per request and in flight, on items no default was tuned on, a spare engine built first;
 # ours with the default chain of the frequency drafter, suffix decoding at vLLM's defaults and tuned (vllm-suffix-f3)
-PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_frequency.json"
+PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_workqueue.json"
 SERVE = RESULTS / "serve_cpu_smollm2.json"
 # cold: median of 5 runs per item (the run of 3 before it stays on the results page)
 COLD, WARM = RESULTS / "bench_cpu_smollm2_last30x64_cold_r5.json", RESULTS / "bench_cpu_smollm2_last30x64_warm.json"
@@ -33,7 +33,9 @@ MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejecte
 MEMORY = RESULTS / "bench_vllm_cpu_smollm2_memory_last16x64.json"  # the server's memory against suffix's tree
 # every peer in flight, each level on unseen items, twice on engines built afresh (the default chain of the frequency
 # drafter; inflight_vllm_cpu_smollm2.json, the chain before it, stays on the results page)
-INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2_frequency_peers.json"
+INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2_workqueue.json"
+# vLLM's n-gram under numba's default threading layer and under workqueue, in one run (PEER_ENVIRONMENT's reason)
+NUMBA_LAYER = RESULTS / "numba_layer_vllm_cpu_smollm2.json"
 # the memory of earlier answers in flight, beside suffix decoding (and a repeat of ours with and without it)
 INFLIGHT_MEMORY = (RESULTS / "inflight_vllm_cpu_smollm2_memory.json",
                    RESULTS / "inflight_vllm_cpu_smollm2_memory_r2.json")
@@ -303,6 +305,12 @@ def summary_section() -> str:
             lines[-1] += (" The vLLM engines of a run share one process, vllm-greedy built first; " + probes + ": "
                           "ratios against vllm-greedy may be flattered by that much, those between the other vllm-* "
                           "methods are not.")
+    layer = env.get("vllm_env", {}).get("NUMBA_THREADING_LAYER")
+    if layer is not None:  # (PEER_ENVIRONMENT: what the runs before it lacked)
+        lines[-1] += (f" Its vLLM engines ran under numba's `{layer}` threading layer "
+                      "(`rag_accel.methods.PEER_ENVIRONMENT`); the runs before it ran under numba's default OpenMP layer, which spins beside torch's threads "
+                      "on this CPU: it slowed vllm-ngram and, from that idle engine, the transformers methods of the "
+                      "same run (the run's note in [benchmarks/results](benchmarks/results/README.md)).")
     if r.get("concurrency_summary") and not INFLIGHT.is_file():  # (the in-flight run below has every peer, more levels)
         lines += ["", "In flight (vLLM, the same run):", "", concurrency_table(r["concurrency_summary"])]
     if SERVE.is_file():
@@ -314,7 +322,9 @@ def summary_section() -> str:
             parts = [f"c={c} {got[f'c{c}']['tokens_per_s'] / off[f'c{c}']['tokens_per_s']:.2f}x"
                      for c in sv["args"]["concurrency"] if f"c{c}" in got and f"c{c}" in off]
             if parts:
-                said.append(f"{m} " + ", ".join(parts))
+                default_layer = m == "ngram" and "NUMBA_THREADING_LAYER" not in sv.get("server_env", {})
+                label = f"{m} (under numba's default layer)" if default_layer else m
+                said.append(f"{label} " + ", ".join(parts))
         lines[-1] += (f" Through HTTP (`rag-accel serve`, the sample's last {sv['items']} items, {sv['date'][:10]}; "
                       f"[table](benchmarks/results/{SERVE.with_suffix('.md').name})), tokens/s over the server "
                       "without speculation, c requests in flight: " + "; ".join(said) + ".")
@@ -385,7 +395,7 @@ def summary_section() -> str:
                          if len(fl.get("build_orders", [])) > 1 else "") + " "
                       f"([run](benchmarks/results/{INFLIGHT.with_suffix('.md').name}); vllm-ngram-dynamic: vLLM's "
                       f"dynamic speculative decoding with the schedule `{fl['schedule']}` tuned first on the sample's "
-                      "first items): tokens/s against vllm-greedy:", "",
+                      "first items" + numba_clause(fl) + "): tokens/s against vllm-greedy:", "",
                   "| method | " + " | ".join(f"{c} in flight" for c in levels) + " | identical |",
                   "|---|" + "---|" * (len(levels) + 1)]
         for m in methods:
@@ -513,6 +523,24 @@ def summary_section() -> str:
         lines += ["", f"![per-item speed-up and tokens per step](benchmarks/results/{png.name})"]
     lines += ["", f"Reproduce: `{r['command']}` (in the vLLM virtualenv)"]
     return "\n".join(lines)
+
+
+def numba_clause(run: dict) -> str:
+    """``; ...``: a run's vLLM n-gram engines under numba's workqueue layer, and what the default layer cost
+    them (NUMBA_LAYER's run); ``""`` for a run that did not record the layer."""
+    layer = run["environment"].get("vllm_env", {}).get("NUMBA_THREADING_LAYER")
+    if layer is None or not NUMBA_LAYER.is_file():
+        return ""
+    sm = json.loads(NUMBA_LAYER.read_text())["summary"]
+    levels = sorted({v["in_flight"] for v in sm.values()})
+
+    def at(name: str) -> str:
+        return "/".join(f"{sm[f'{name}@{c}']['vs_greedy']:.2f}x" for c in levels)
+
+    return (f"; vLLM's n-gram under numba's `{layer}` threading layer: under its default one, which spins beside "
+            f"torch's threads here, it ran {at('vllm-ngram (numba default)')} vllm-greedy at "
+            f"{'/'.join(str(c) for c in levels)} in flight against {at('vllm-ngram (workqueue)')} with `{layer}`, "
+            f"the same items, both engines alive together ([run](benchmarks/results/{NUMBA_LAYER.with_suffix('.md').name}))")
 
 
 def main() -> None:

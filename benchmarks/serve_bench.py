@@ -21,7 +21,8 @@ numbers taken at similar load.
 Environment for the servers: ``--server-env VLLM_CPU_OMP_THREADS_BIND=0-1`` (repeatable), or
 ``--cpu-preset`` = the settings of the README's quiet-machine vLLM results
 (``VLLM_CPU_OMP_THREADS_BIND=0-1``, ``LD_PRELOAD=<venv>/lib/libiomp5.so`` when present);
-``VLLM_CPU_KVCACHE_SPACE`` defaults to 2. ``--python`` picks the interpreter with vLLM
+``VLLM_CPU_KVCACHE_SPACE`` defaults to 2, and ``rag_accel.methods.PEER_ENVIRONMENT`` applies unless set (numba's
+workqueue layer, which vLLM's n-gram speculation needs on a CPU). ``--python`` picks the interpreter with vLLM
 (default: this one); the client side needs only ``openai``.
 """
 
@@ -202,9 +203,10 @@ def main() -> None:
     if args.methods[0] != "off" and len(args.methods) > 1:
         ap.error("'off' must run first: it is the baseline of the identical-output rates")
     from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.methods import PEER_ENVIRONMENT
 
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "HF_HUB_OFFLINE": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **{k: os.environ.get(k, v) for k, v in PEER_ENVIRONMENT.items()}}
     if args.cpu_preset:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0-1" if (os.cpu_count() or 1) >= 2 else "0"
         iomp = Path(args.python).parent.parent / "lib" / "libiomp5.so"
