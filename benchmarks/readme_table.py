@@ -20,7 +20,8 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
 RESULTS = ROOT / "benchmarks" / "results"
 # every peer in one run, per request and in flight, on items no default was tuned on, a spare engine built first;
-# ours with the default chain of the frequency drafter, suffix decoding at vLLM's defaults and tuned (vllm-suffix-f3)
+# ours with the default chain of the frequency drafter, suffix decoding at vLLM's defaults and tuned (vllm-suffix-f3),
+# vLLM's engines under PEER_ENVIRONMENT (numba's workqueue layer; the runs before it understate vllm-ngram)
 PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_workqueue.json"
 SERVE = RESULTS / "serve_cpu_smollm2.json"
 # cold: median of 5 runs per item (the run of 3 before it stays on the results page)
@@ -31,8 +32,8 @@ VLLM_WARM = RESULTS / "bench_vllm_cpu_smollm2_last30x64_warm_r5.json"  # the sam
 TRECDL_COLD = RESULTS / "bench_cpu_smollm2_trecdl30x64_cold.json"  # other queries and passages, cold
 MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejected
 MEMORY = RESULTS / "bench_vllm_cpu_smollm2_memory_last16x64.json"  # the server's memory against suffix's tree
-# every peer in flight, each level on unseen items, twice on engines built afresh (the default chain of the frequency
-# drafter; inflight_vllm_cpu_smollm2.json, the chain before it, stays on the results page)
+# every peer in flight, each level on unseen items, twice on engines built afresh, the default chain of the frequency
+# drafter, vLLM's engines under PEER_ENVIRONMENT (the earlier in-flight runs stay on the results page)
 INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2_workqueue.json"
 # vLLM's n-gram under numba's default threading layer and under workqueue, in one run (PEER_ENVIRONMENT's reason)
 NUMBA_LAYER = RESULTS / "numba_layer_vllm_cpu_smollm2.json"
@@ -308,8 +309,8 @@ def summary_section() -> str:
     layer = env.get("vllm_env", {}).get("NUMBA_THREADING_LAYER")
     if layer is not None:  # (PEER_ENVIRONMENT: what the runs before it lacked)
         lines[-1] += (f" Its vLLM engines ran under numba's `{layer}` threading layer "
-                      "(`rag_accel.methods.PEER_ENVIRONMENT`); the runs before it ran under numba's default OpenMP layer, which spins beside torch's threads "
-                      "on this CPU: it slowed vllm-ngram and, from that idle engine, the transformers methods of the "
+                      "(`rag_accel.methods.PEER_ENVIRONMENT`); the runs before it ran under numba's default OpenMP "
+                      "layer, which spins beside torch's threads on this CPU: it slowed vllm-ngram and, from that idle engine, the transformers methods of the "
                       "same run (the run's note in [benchmarks/results](benchmarks/results/README.md)).")
     if r.get("concurrency_summary") and not INFLIGHT.is_file():  # (the in-flight run below has every peer, more levels)
         lines += ["", "In flight (vLLM, the same run):", "", concurrency_table(r["concurrency_summary"])]
@@ -540,7 +541,8 @@ def numba_clause(run: dict) -> str:
     return (f"; vLLM's n-gram under numba's `{layer}` threading layer: under its default one, which spins beside "
             f"torch's threads here, it ran {at('vllm-ngram (numba default)')} vllm-greedy at "
             f"{'/'.join(str(c) for c in levels)} in flight against {at('vllm-ngram (workqueue)')} with `{layer}`, "
-            f"the same items, both engines alive together ([run](benchmarks/results/{NUMBA_LAYER.with_suffix('.md').name}))")
+            "the same items, both engines alive together "
+            f"([run](benchmarks/results/{NUMBA_LAYER.with_suffix('.md').name}))")
 
 
 def main() -> None:

@@ -63,11 +63,9 @@ def spec_counters(llm) -> tuple[int, int]:
 def make_decoder(method: str, max_model_len: int):
     from vllm import LLM
 
-    from rag_accel.bench import peer_environment
     from rag_accel.models import default_model_path
     from rag_accel.vllm import VllmDecoder
 
-    peer_environment()
     engine = dict(max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
                   disable_log_stats=False)
     if method == "vllm-ours":
@@ -236,7 +234,7 @@ def main() -> None:
     from rag_accel.bench import VLLM_ENV_RECORDED, peer_environment
     from rag_accel.data import load_msmarco_sample
 
-    peer_environment()  # (before the record below, and before any engine starts)
+    peer_environment()  # (before the record below, and before make_decoder starts any engine)
 
     n = max(args.items_c1, args.items_c4, args.items_c16, args.reworded)
     items = load_msmarco_sample(limit=n)

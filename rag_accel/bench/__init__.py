@@ -57,10 +57,11 @@ from .results import (
 from .timing import ForwardTimes, median_run, where_the_time_went
 
 __all__ = [
-    "ALL_METHODS", "BASELINES", "DEFAULT_COPY_DRAFTERS", "ENGINES_LEGEND", "NEEDS_DRAFT_MODEL", "OUR_METHODS", "PLOT_HINT",
-    "REMEMBERS_OUTPUTS", "REWORDED", "SPLIT_LEGEND", "TABLE_LEGEND", "VLLM_ENV_RECORDED", "VLLM_HINT", "VLLM_METHODS", "BatchRun",
-    "BenchReport", "ForwardTimes", "Run", "TargetForcing", "baseline_of", "concurrency_table", "environment",
-    "forced_targets", "item_seconds", "loadavg", "markdown_table", "median_run", "peer_environment", "plot",
-    "propose_cost", "propose_table", "reworded_items", "run_benchmark", "run_concurrency", "spare_engine", "split_table",
-    "summarize", "summarize_concurrency", "too_long", "vllm_engines", "where_the_time_went", "write_drafting_report",
+    "ALL_METHODS", "BASELINES", "DEFAULT_COPY_DRAFTERS", "ENGINES_LEGEND", "NEEDS_DRAFT_MODEL", "OUR_METHODS",
+    "PLOT_HINT", "REMEMBERS_OUTPUTS", "REWORDED", "SPLIT_LEGEND", "TABLE_LEGEND", "VLLM_ENV_RECORDED", "VLLM_HINT",
+    "VLLM_METHODS", "BatchRun", "BenchReport", "ForwardTimes", "Run", "TargetForcing", "baseline_of",
+    "concurrency_table", "environment", "forced_targets", "item_seconds", "loadavg", "markdown_table", "median_run",
+    "peer_environment", "plot", "propose_cost", "propose_table", "reworded_items", "run_benchmark",
+    "run_concurrency", "spare_engine", "split_table", "summarize", "summarize_concurrency", "too_long",
+    "vllm_engines", "where_the_time_went", "write_drafting_report",
 ]
