@@ -343,7 +343,7 @@ def serve(
                                            "over it). RAG documents are thousands of tokens."),
     answer_memory_tokens: int = typer.Option(
         100_000, min=0, max=10_000_000, help="Tokens of earlier answers each worker remembers as a copy source for "
-                                             "later requests of the same memory scope (~0.4 KB each; 0: none)."),
+                                             "later requests of the same memory scope (~60 bytes each; 0: none)."),
     memory_scope: Optional[str] = typer.Option(
         None, help="The memory scope of requests that name none (vllm_xargs memory_scope). Default: none, so "
                    "such requests neither read nor write the memory; give one only where every client may "

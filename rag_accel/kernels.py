@@ -320,7 +320,8 @@ class CountedSuffixes:
     token most of them continue with, and scores the draft by its tokens' probabilities (counts over
     the node's count, the tail itself counted as an occurrence that has no continuation yet, as a
     suffix tree counts it). The best score wins, the longer match on ties; a draft is at most
-    ``factor`` times its match long and stops where the probability falls under ``min_prob``.
+    ``factor`` times its match long and stops where the probability falls under ``min_prob``
+    (:func:`counted_draft`, which also drafts from other sources' indexes: the memory of answers).
 
     Example:
         >>> idx = CountedSuffixes()
@@ -346,56 +347,91 @@ class CountedSuffixes:
                     pos[t] = [i]
         self._indexed = len(tokens)
 
+    def latest(self, token: int, limit: int) -> list[int]:
+        """The positions of ``token`` in the source, at most the ``limit`` latest, oldest first."""
+        return self._pos.get(token, [])[-limit:] if limit > 0 else []
+
     def draft(self, tokens: Sequence[int], max_len: int, factor: float = 1.0,
               min_prob: float = 0.1) -> tuple[list[int], list[float], int]:
         """``(draft, probability of each draft token, match length)`` after ``tokens`` (the source this
         index was extended with); ``([], [], 0)``: none."""
-        n = len(tokens)
-        if n < 2 or max_len <= 0:
+        last = len(tokens) - 1
+        if last < 1 or max_len <= 0:
             return [], [], 0
-        last = n - 1
-        occ = [p for p in self._pos.get(tokens[last], ())[-self.scan - 1:] if p < last]
-        best: tuple[list[int], list[float], int] = ([], [], 0)
-        best_score = 0.0
-        m = 1
-        while occ:
-            deeper: list[int] = []
-            if m < self.max_depth and m <= last:
-                want = tokens[last - m]
-                deeper = [p for p in occ if p >= m and tokens[p - m] == want]
-            if len(deeper) < len(occ):  # the last level with this set of occurrences: its draft
-                cap = min(max_len, int(m * factor + 1e-6))
-                out, probs, score = self._walk(tokens, occ, len(occ) + 1, cap, min_prob)
-                if out and score >= best_score:
-                    best, best_score = (out, probs, m), score
-            occ, m = deeper, m + 1
-        return best
+        occ = [p for p in self.latest(tokens[last], self.scan + 1) if p < last]
+        return counted_draft([(tokens, occ)], tokens, max_len, factor, min_prob, self.max_depth, tail=True)
 
-    @staticmethod
-    def _walk(source: Sequence[int], occ: list[int], node: int, cap: int,
-              min_prob: float) -> tuple[list[int], list[float], float]:
-        """The most frequent path from occurrences ``occ`` (``node``: their count, the tail's own one
-        included), at most ``cap`` tokens, while its probability stays at least ``min_prob``."""
-        n = len(source)
-        out: list[int] = []
-        probs: list[float] = []
-        prob, score = 1.0, 0.0
-        while len(out) < cap and occ:
-            counts: dict[int, int] = {}
+
+def counted_draft(groups: Sequence[tuple[Sequence[int], list[int]]], pattern: Sequence[int], max_len: int,
+                  factor: float, min_prob: float, max_depth: int = 24,
+                  tail: bool = False) -> tuple[list[int], list[float], int]:
+    """The continuation most occurrences of ``pattern``'s tail share, over several sources:
+    ``groups`` holds ``(source, positions of pattern[-1] in it)``. ``tail``: the pattern is the end of
+    the (only) source, and counts as an occurrence with no continuation yet (:class:`CountedSuffixes`);
+    otherwise the sources are other text (earlier answers) and only their occurrences count.
+    ``([], [], 0)``: none.
+
+    Example:
+        >>> a, b = [5, 6, 7, -1, 4, 6, 7], [1, 6, 7, 8]    # "6 7" three times: twice at an answer's end
+        >>> counted_draft([(a, [1, 5]), (b, [1])], [0, 6], max_len=4, factor=2.0, min_prob=0.1)
+        ([7, 8], [1.0, 0.3333333333333333], 1)
+    """
+    last = len(pattern) - 1
+    best: tuple[list[int], list[float], int] = ([], [], 0)
+    best_score = 0.0
+    m, extra = 1, int(tail)
+    count = 0
+    for _, occ in groups:
+        count += len(occ)
+    while count:
+        deeper: list[tuple[Sequence[int], list[int]]] = []
+        deeper_count = 0
+        if m < max_depth and m <= last:
+            want = pattern[last - m]
+            for src, occ in groups:
+                kept = [p for p in occ if p >= m and src[p - m] == want]
+                if kept:
+                    deeper.append((src, kept))
+                    deeper_count += len(kept)
+        if deeper_count < count:  # the last level with this set of occurrences: its draft
+            cap = min(max_len, int(m * factor + 1e-6))
+            out, probs, score = _walk(groups, count + extra, cap, min_prob)
+            if out and score >= best_score:
+                best, best_score = (out, probs, m), score
+        groups, count, m = deeper, deeper_count, m + 1
+    return best
+
+
+def _walk(groups: Sequence[tuple[Sequence[int], list[int]]], node: int, cap: int,
+          min_prob: float) -> tuple[list[int], list[float], float]:
+    """The most frequent path from the occurrences in ``groups`` (``node``: their count, the tail's own
+    one included where it counts), at most ``cap`` tokens, while its probability stays at least ``min_prob``."""
+    out: list[int] = []
+    probs: list[float] = []
+    prob, score = 1.0, 0.0
+    while len(out) < cap and node:
+        counts: dict[int, int] = {}
+        for src, occ in groups:
+            n = len(src)
             for p in occ:
                 if p + 1 < n:
-                    t = source[p + 1]
+                    t = src[p + 1]
                     if t != SEPARATOR:
                         counts[t] = counts.get(t, 0) + 1
-            if not counts:
-                break
-            token, c = max(counts.items(), key=lambda kv: kv[1])  # (first seen on ties: the earliest)
-            prob *= c / node
-            if prob < min_prob:
-                break
-            out.append(token)
-            probs.append(prob)
-            score += prob
-            occ = [p + 1 for p in occ if p + 1 < n and source[p + 1] == token]
-            node = len(occ)
-        return out, probs, score
+        if not counts:
+            break
+        token, c = max(counts.items(), key=lambda kv: kv[1])  # (first seen on ties: the first group's, earliest)
+        prob *= c / node
+        if prob < min_prob:
+            break
+        out.append(token)
+        probs.append(prob)
+        score += prob
+        nxt_groups, node = [], c  # the occurrences that went on to `token`: c of them
+        for src, occ in groups:
+            n = len(src)
+            nxt = [p + 1 for p in occ if p + 1 < n and src[p + 1] == token]
+            if nxt:
+                nxt_groups.append((src, nxt))
+        groups = nxt_groups
+    return out, probs, score

@@ -14,9 +14,11 @@ from that. :class:`AnswerMemory` is the same source for our drafters, with two d
 - **Bounded.** ``max_tokens`` over all scopes (each answer also counts ``ANSWER_OVERHEAD``, so
   many tiny scopes cannot grow it either); past it, the oldest segment of answers goes first.
 
-Matching is :class:`~rag_accel.kernels.NgramIndex`: the latest answer continuing the longest
-n-gram (2..4 tokens) of the context's tail, then extended backwards, ``O(1)`` per lookup whatever
-the memory holds. Pure Python, no engine: the vLLM proposer owns one per worker.
+Drafting is suffix decoding's choice (:class:`~rag_accel.drafters.MemoryDrafter`): the
+continuation most earlier occurrences of the context's tail share, with each token's probability
+from those counts, over the positions of each token in the scope's answers
+(:class:`~rag_accel.kernels.CountedSuffixes`); a lookup reads a bounded number of occurrences,
+whatever the memory holds. Pure Python, no engine: the vLLM proposer owns one per worker.
 
 Example:
     >>> memory = AnswerMemory(max_tokens=1000)
@@ -33,12 +35,12 @@ from collections import deque
 from collections.abc import Sequence
 
 from .drafters import MemoryDrafter
-from .kernels import SEPARATOR, NgramIndex
+from .kernels import SEPARATOR, CountedSuffixes
 
 __all__ = ["ANSWER_OVERHEAD", "DEFAULT_MAX_TOKENS", "MAX_SCOPE_CHARS", "AnswerMemory", "check_scope"]
 
-# ~0.4 KB of host memory per remembered token (three n-gram tables of Python tuples): 100,000 tokens,
-# ~1,000 answers of 100 tokens, take ~40 MB in each worker.
+# ~60 bytes of host memory per remembered token (the token and its position in a list per token id): 100,000
+# tokens, ~1,000 answers of 100 tokens, take ~6 MB in each worker (tracemalloc, 1,100 answers of the sample).
 DEFAULT_MAX_TOKENS = 100_000
 ANSWER_OVERHEAD = 32  # tokens' worth each answer is charged on top of its length (its scope's bookkeeping)
 MAX_SCOPE_CHARS = 256
@@ -60,17 +62,16 @@ def check_scope(scope: object, name: str = "memory_scope") -> str:
         raise ValueError(f"{name} must be a string of 1 to {MAX_SCOPE_CHARS} characters, got {what}")
     return scope
 SEGMENTS = 8  # a scope's answers are indexed in segments of max_tokens / SEGMENTS: eviction drops one whole
-_MIN_N, _MAX_N = 2, 4
 
 
 class _Segment:
-    """Answers (:data:`SEPARATOR` between them) and their n-gram index, appended in place."""
+    """Answers (:data:`SEPARATOR` between them) and where each token occurs in them, appended in place."""
 
     __slots__ = ("tokens", "index", "charge")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        self.index = NgramIndex(_MIN_N, _MAX_N)
+        self.index = CountedSuffixes()
         self.charge = 0
 
     def append(self, answer: Sequence[int], charge: int) -> None:
@@ -124,8 +125,9 @@ class AnswerMemory:
             if not kept:
                 del self._scopes[old_scope]
 
-    def drafter(self, scope: str | None, max_match: int = 32) -> MemoryDrafter | None:
-        """A drafter over ``scope``'s answers as they are now and as they grow (``None``: no scope,
-        or nothing remembered in it yet)."""
+    def drafter(self, scope: str | None, factor: float = 3.0, min_prob: float = 0.1) -> MemoryDrafter | None:
+        """A drafter over ``scope``'s answers as they are at each proposal (``None``: no scope, or nothing
+        remembered in it yet); ``factor`` / ``min_prob`` as the frequency drafter's
+        (:class:`~rag_accel.drafters.MemoryDrafter`)."""
         found = self._scopes.get(scope) if scope is not None else None
-        return MemoryDrafter(found, max_match) if found else None
+        return MemoryDrafter(found, factor, min_prob) if found else None

@@ -14,6 +14,7 @@ from rag_accel.kernels import (
     SuffixArrayIndex,
     concat_with_separators,
     copy_continuation,
+    counted_draft,
     suffix_array,
 )
 
@@ -204,3 +205,28 @@ def test_counted_suffixes_against_brute_force_counts(seq, max_len, factor, min_p
     assert probs[0] == follow.count(tokens_[0]) / (len(occ) + 1)
     assert len(tokens_) <= min(max_len, int(m * factor + 1e-6)) and all(p >= min_prob for p in probs)
     assert all(a >= b for a, b in zip(probs, probs[1:]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=4),
+       st.lists(st.integers(0, 3), min_size=1, max_size=6), st.integers(1, 6), st.floats(0.5, 4.0),
+       st.floats(0.0, 1.0))
+def test_counted_draft_over_several_sources_counts_as_over_them_joined(answers, pattern, max_len, factor, min_prob):
+    """Earlier answers as separate sources draft what the same answers joined by separators draft (the same
+    match, probabilities and length; a tie may pick another token), and the first token is the most
+    frequent continuation of the matched tail over all of them, its probability that count over the
+    occurrences (none for the pattern itself: it is not in the sources)."""
+    groups = [(a, [p for p, t in enumerate(a) if t == pattern[-1]]) for a in answers]
+    joined = list(concat_with_separators(answers))
+    one = [(joined, [p for p, t in enumerate(joined) if t == pattern[-1]])]
+    tokens_, probs, m = counted_draft(groups, pattern, max_len, factor, min_prob)
+    tokens1, probs1, m1 = counted_draft(one, pattern, max_len, factor, min_prob)
+    assert (probs, m) == (probs1, m1) and len(tokens_) == len(tokens1)
+    if not tokens_:
+        return
+    tail = pattern[len(pattern) - m:]
+    occ = [(a, p) for a in answers for p in range(m - 1, len(a)) if a[p - m + 1:p + 1] == tail]
+    follow = [a[p + 1] for a, p in occ if p + 1 < len(a)]
+    assert follow.count(tokens_[0]) == max(follow.count(t) for t in set(follow))
+    assert probs[0] == follow.count(tokens_[0]) / len(occ)
+    assert len(tokens_) <= min(max_len, int(m * factor + 1e-6)) and all(p >= min_prob for p in probs)

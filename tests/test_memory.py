@@ -19,27 +19,41 @@ def test_an_answer_drafts_for_later_requests_of_its_scope_only():
     assert memory.drafter("b").propose([5, 6], max_len=8).tokens == [4]
 
 
-def test_the_latest_answer_wins_and_answers_never_run_together():
+def test_the_continuation_most_answers_share_wins_the_latest_on_ties_and_answers_never_run_together():
     memory = AnswerMemory(max_tokens=10_000)
     memory.add("s", [1, 2, 3])
     memory.add("s", [1, 2, 4, 5])
     d = memory.drafter("s")
-    assert d.propose([9, 1, 2], max_len=8).tokens == [4, 5]  # the latest continuation of "1 2"
-    d.forget_span()
+    draft = d.propose([9, 1, 2], max_len=8)
+    assert (draft.tokens, draft.probs) == ([4, 5], (0.5, 0.5))  # a tie: the latest answer's continuation
     assert d.propose([7, 2, 3], max_len=8).tokens == []  # "2 3" ends an answer: nothing copied past it
-    memory.add("s", [6, 1, 2])  # an answer that ends in "1 2" does not hide where "1 2" went before
-    d.forget_span()
-    assert d.propose([9, 1, 2], max_len=8).tokens == [4, 5]
+    memory.add("s", [8, 1, 2, 3])  # now "1 2" went on to 3 twice, to 4 once
+    draft = d.propose([9, 1, 2], max_len=8)  # (the running drafter sees the new answer)
+    assert (draft.tokens, draft.probs, draft.match_len) == ([3], (2 / 3,), 2)
+    memory.add("s", [6, 1, 2])  # an answer that ends in "1 2" counts as an occurrence with no continuation
+    assert memory.drafter("s").propose([9, 1, 2], max_len=8).probs == (0.5,)
 
 
-def test_a_drafter_sees_answers_added_while_it_runs_and_follows_a_span():
+def test_probabilities_come_from_counts_over_the_answers_and_stop_the_draft():
+    memory = AnswerMemory(max_tokens=10_000)
+    for tail in ([3, 4], [3, 4], [3, 7], [5, 6]):
+        memory.add("s", [1, 2, *tail])
+    draft = memory.drafter("s", factor=4.0, min_prob=0.4).propose([0, 1, 2], max_len=8)
+    assert (draft.tokens, draft.probs, draft.match_len) == ([3, 4], (0.75, 0.5), 2)
+    # the cap follows the match: at factor 0.5 a 2-token match drafts one token
+    assert memory.drafter("s", factor=0.5).propose([0, 1, 2], max_len=8).tokens == [3]
+    # under min_prob nothing is drafted: 3 went on to 4 in only half the answers
+    assert memory.drafter("s", factor=4.0, min_prob=0.8).propose([0, 1, 2], max_len=8).tokens == []
+
+
+def test_a_drafter_sees_answers_added_while_it_runs_and_its_evidence_grows_with_the_match():
     memory = AnswerMemory(max_tokens=10_000)
     memory.add("s", [1, 2, 3])
     d = memory.drafter("s")
     memory.add("s", [7, 8, 9, 10])
     first = d.propose([0, 7, 8], max_len=1)
     assert (first.tokens, first.match_len, first.source) == ([9], 2, "memory")
-    d.update([0, 7, 8, 9], 1)  # the model accepted it: the span is followed, its evidence grows
+    d.update([0, 7, 8, 9], 1)  # the model accepted it: the longer tail matches, its evidence grows
     draft = d.propose([0, 7, 8, 9], max_len=4)
     assert (draft.tokens, draft.match_len) == ([10], 3)
 
@@ -61,7 +75,7 @@ def test_bounded_oldest_first_and_many_tiny_scopes_cannot_grow_it():
     assert 0 < len(tiny.scopes()) <= 10  # each answer is charged its scope's bookkeeping too
 
 
-def test_eviction_mid_request_keeps_a_followed_span_and_raises_nothing():
+def test_eviction_mid_request_takes_the_answers_from_running_drafters_too_and_raises_nothing():
     memory = AnswerMemory(max_tokens=8 * (4 + ANSWER_OVERHEAD))  # one answer a segment
     memory.add("s", [1, 2, 3, 4])
     d = memory.drafter("s")
@@ -70,9 +84,19 @@ def test_eviction_mid_request_keeps_a_followed_span_and_raises_nothing():
         memory.add("other", [10 + i, 11 + i, 12 + i, 13 + i])
     assert memory.drafter("s") is None  # evicted: new requests do not see it
     d.update([1, 2, 3], 1)
-    assert d.propose([1, 2, 3], max_len=4).tokens == [4]  # the running request keeps copying its span
-    d.forget_span()
-    assert d.propose([1, 2], max_len=4).tokens == []  # a new search finds nothing, without an error
+    assert d.propose([1, 2, 3], max_len=4).tokens == []  # nor the running one: the bound holds, no error
+    memory.add("s", [2, 3, 5])  # the scope again, anew
+    assert memory.drafter("s").propose([1, 2, 3], max_len=4).tokens == [5]
+
+
+def test_a_lookup_reads_a_bounded_number_of_occurrences_newest_segments_first():
+    memory = AnswerMemory(max_tokens=8 * (40 + ANSWER_OVERHEAD))  # one answer a segment
+    memory.add("s", [1, 2] * 20)  # "1" went on to 2 twenty times, in the oldest segment
+    memory.add("s", [1, 3] * 3)  # and to 3 three times in the newest
+    assert memory.drafter("s").propose([9, 1], max_len=1).tokens == [2]
+    d = memory.drafter("s")
+    d.scan = 4  # the 4 latest occurrences of "1": three in the newest segment, one in the oldest
+    assert d.propose([9, 1], max_len=1).tokens == [3]
 
 
 def test_too_large_or_empty_answers_are_not_kept_and_bad_bounds_are_refused():

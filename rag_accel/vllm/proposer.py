@@ -226,9 +226,11 @@ class RagProposer:
 
     def _insert_memory(self, row: _Row) -> None:
         """Earlier answers of the row's scope, just after its references in its chain (a request that
-        leaves out the reference drafter leaves out the memory too)."""
+        leaves out the reference drafter leaves out the memory too), drafting with the frequency drafter's
+        settings."""
         if row.scope is not None and "reference" in row.config.drafters:
-            self._insert(row, self.memory.drafter(row.scope, row.config.reference_max_match))
+            cfg = row.config
+            self._insert(row, self.memory.drafter(row.scope, cfg.frequency_factor, cfg.frequency_min_prob))
 
     # ---------------------------------------------------------------- per row
     def _start(self, row: _Row, context: list[int]) -> None:
