@@ -229,9 +229,10 @@ class MemoryDrafter:
     """Suffix decoding's choice over earlier answers (:class:`~rag_accel.memory.AnswerMemory`): the
     continuation most of their occurrences of the context's tail share, scored and capped as the
     frequency drafter's (:func:`~rag_accel.kernels.counted_draft`), the latest answers first on ties.
-    Unlike the frequency drafter's, its ``factor`` is not priced down as draft tokens get dearer: a
-    remembered answer's long copies paid even so (``benchmarks/memory_replay.py``: on the sample's first
-    50 items reworded, factor 3 unpriced 1.834x, priced to ~2 on this CPU 1.806x).
+    Unlike the frequency drafter's, its ``factor`` is not priced down as draft tokens get dearer: where a
+    question comes again reworded, a remembered answer's long copies pay even so (``benchmarks/memory_replay.py``
+    on the sample's first 50 items, at vLLM's step costs on a 2-core CPU: reworded 1.849x unpriced against
+    1.814x priced; the questions as first asked 2.050x against 2.076x).
     ``segments``: the answers in segments, oldest first, each with ``tokens`` (answers with
     :data:`~rag_accel.kernels.SEPARATOR` between them) and ``index`` (their
     :class:`~rag_accel.kernels.CountedSuffixes`), read as they are at each proposal (answers added
