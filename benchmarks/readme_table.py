@@ -31,7 +31,10 @@ VLLM_COLD = RESULTS / "bench_vllm_cpu_smollm2_last30x64_cold_r5.json"
 VLLM_WARM = RESULTS / "bench_vllm_cpu_smollm2_last30x64_warm_r5.json"  # the same, one engine learning throughout
 TRECDL_COLD = RESULTS / "bench_cpu_smollm2_trecdl30x64_cold.json"  # other queries and passages, cold
 MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejected
-MEMORY = RESULTS / "bench_vllm_cpu_smollm2_memory_last16x64.json"  # the server's memory against suffix's tree
+# the server's memory against suffix's tree, the memory drafting by suffix decoding's counts (the n-gram memory before
+# it: bench_vllm_cpu_smollm2_memory_last16x64, on the results page)
+MEMORY = RESULTS / "bench_vllm_cpu_smollm2_last24_frequency_memory.json"
+PEERS_NGRAM_MEMORY = True  # PEERS ran before the memory drafted by counts
 # every peer in flight, each level on unseen items, twice on engines built afresh, the default chain of the frequency
 # drafter, vLLM's engines under PEER_ENVIRONMENT (the earlier in-flight runs stay on the results page)
 INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2_workqueue.json"
@@ -384,7 +387,11 @@ def summary_section() -> str:
                       f"{mm['max_new_tokens']} tokens, {mm['environment']['date']}; "
                       f"[run](benchmarks/results/{MEMORY.with_suffix('.md').name})), per request against vllm-greedy; "
                       "vllm-ours-memory gets the passages only, its memory holding the earlier answers as suffix "
-                      "decoding's tree does; in the reworded case vllm-ours gets the cached answer from the client: " + "; ".join(said) + "."]
+                      "decoding's tree does, and drafting from them as suffix decoding does (the continuation most "
+                      "of them share, with its probabilities); in the reworded case vllm-ours gets the cached answer "
+                      "from the client: " + "; ".join(said) + "."
+                      + (" The peer table's vllm-ours-memory row ran the memory before it (the latest answer "
+                         "continuing the longest 2-4-token n-gram)." if PEERS_NGRAM_MEMORY else "")]
     if INFLIGHT.is_file():  # suffix and a tuned dynamic n-gram in flight, on items they never saw
         fl = json.loads(INFLIGHT.read_text())
         sm, levels = fl["summary"], sorted({v["in_flight"] for v in fl["summary"].values()})

@@ -12,6 +12,10 @@ Two indexes cover the two kinds of copy source:
 * :class:`NgramIndex` for the *growing* source (prompt + output so far):
   hash maps from n-gram to its latest continuation, updated incrementally
   with every accepted token (``O(max_n)`` per token), never rescanned.
+
+:class:`CountedSuffixes` and :func:`counted_draft` choose as suffix decoding does: the continuation
+most earlier occurrences of the tail share, counted on demand over a bounded number of them, in the
+growing source (the frequency drafter) or in earlier answers (the memory's drafter).
 """
 
 from __future__ import annotations
