@@ -285,6 +285,29 @@ def always_send(prepared: Sequence[tuple], choice: str, weights: np.ndarray | No
             "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
 
 
+def replay_request(drafting: RequestDrafting, context: list[int], prompt_len: int, target: Sequence[int],
+                   curve: Sequence[float]) -> tuple[float, int, int]:
+    """One request decoded on its known answer ``target`` from ``context`` (the prompt, which grows): each step
+    keeps the draft's tokens up to the first wrong one plus the model's own next token and costs ``curve[L]``
+    for ``L`` draft tokens sent. Returns (cost of the steps after the first token, steps with the first, draft
+    tokens sent)."""
+    cost, n_steps, sent_tokens, new = 0.0, 1, 0, [target[0]]
+    context.append(target[0])
+    while len(context) - prompt_len < len(target):
+        drafting.learn(context, new)
+        n = len(context) - prompt_len
+        draft, n_send = drafting.choose(context, n, 1 << 30)
+        sent = draft.tokens[:n_send]
+        accepted = leading_matches(sent, target[n:n + n_send + 1])
+        new = sent[:accepted] + target[n + accepted:n + accepted + 1]
+        drafting.account(n_send, accepted, curve[n_send], len(context))
+        cost += curve[n_send]
+        n_steps += 1
+        sent_tokens += n_send
+        context.extend(new)
+    return cost, n_steps, sent_tokens
+
+
 def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
            curve: Sequence[float] | None = None, weights: np.ndarray | None = None,
            memory: Any = None, make_chain: Any = None,
@@ -320,20 +343,8 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
             chain = chain[:at] + [remembered] + chain[at:]
         drafting = RequestDrafting.from_config(cfg, context, refs, curve, acceptance, costs, drafters=chain)
         drafting.prefill_steps = 0.03 * len(prompt)
-        cost, n_steps, new = 0.0, 1, [target[0]]
-        context.append(target[0])
-        while len(context) - len(prompt) < len(target):
-            drafting.learn(context, new)
-            n = len(context) - len(prompt)
-            draft, n_send = drafting.choose(context, n, 1 << 30)
-            sent = draft.tokens[:n_send]
-            accepted = leading_matches(sent, target[n:n + n_send + 1])
-            new = sent[:accepted] + target[n + accepted:n + accepted + 1]
-            drafting.account(n_send, accepted, curve[n_send], len(context))
-            cost += curve[n_send]
-            n_steps += 1
-            sent_tokens += n_send
-            context.extend(new)
+        cost, n_steps, n_sent = replay_request(drafting, context, len(prompt), target, curve)
+        sent_tokens += n_sent
         if memory is not None:
             memory.add(item_id, target)
         tokens += len(target)

@@ -140,9 +140,11 @@ class _ProbTreeDrafter(FrequencyTreeDrafter):
 
 def ours(sequence: Sequence[tuple], memory: Any = None) -> list[dict]:
     """Our drafting over ``(id, case, prompt, references, answer)`` in order; one row per item."""
+    from match_choice import replay_request
+
     from rag_accel.config import DEFAULT_COPY_DRAFTERS, DecoderConfig
     from rag_accel.drafters import build_drafters
-    from rag_accel.policy import AcceptanceStats, leading_matches
+    from rag_accel.policy import AcceptanceStats
     from rag_accel.speculation import RequestDrafting, StepCosts
 
     cfg = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS, max_draft_tokens=K)
@@ -154,18 +156,7 @@ def ours(sequence: Sequence[tuple], memory: Any = None) -> list[dict]:
             chain = chain[:1] + [remembered] + chain[1:]  # just after the references, as the vLLM proposer puts it
         drafting = RequestDrafting.from_config(cfg, context, refs, CURVE, acceptance, costs, drafters=chain)
         drafting.prefill_steps = 0.03 * len(prompt)
-        cost, steps, sent_total, new = 0.0, 1, 0, [target[0]]
-        context.append(target[0])
-        while len(context) - len(prompt) < len(target):
-            drafting.learn(context, new)
-            n = len(context) - len(prompt)
-            draft, n_send = drafting.choose(context, n, 1 << 30)
-            sent = draft.tokens[:n_send]
-            accepted = leading_matches(sent, target[n:n + n_send + 1])
-            new = sent[:accepted] + target[n + accepted:n + accepted + 1]
-            drafting.account(n_send, accepted, CURVE[n_send], len(context))
-            cost, steps, sent_total = cost + CURVE[n_send], steps + 1, sent_total + n_send
-            context.extend(new)
+        cost, steps, sent_total = replay_request(drafting, context, len(prompt), target, CURVE)
         if memory is not None:
             memory.add(item_id, target)
         rows.append({"item": item_id, "case": case, "tokens": len(target), "steps": steps, "sent": sent_total,
