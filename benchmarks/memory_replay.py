@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from suffix_replay import MAX_TREE_DEPTH, MIN_TOKEN_PROB, FrequencyTreeDrafter, FrequencyTreeMemory  # noqa: E402
 
-from rag_accel.drafters import _SpanCopier  # noqa: E402
+from rag_accel.drafters import FrequencyDrafter, MemoryDrafter, _SpanCopier  # noqa: E402
 
 K = 10
 # vLLM at one request in flight on the 2-core CPU (benchmarks/results/step_costs_vllm_cpu_smollm2.md): a step
@@ -99,21 +99,20 @@ class Memory:
         self.memory, self.priced = AnswerMemory(), priced
 
     def drafter(self, item_id: str) -> Any:
-        from rag_accel.drafters import FrequencyDrafter, MemoryDrafter
-
         found = self.memory.drafter("all")
-        if found is None or not self.priced:
-            return found
-
-        class PricedMemoryDrafter(MemoryDrafter, FrequencyDrafter):  # propose: the memory's; price: the frequency's
-            pass
-
-        priced = PricedMemoryDrafter(found._segments, found.factor, found.min_prob)
-        priced.max_factor = found.factor
-        return priced
+        return PricedMemoryDrafter(found) if found is not None and self.priced else found
 
     def add(self, item_id: str, answer: Sequence[int]) -> None:
         self.memory.add("all", list(answer))
+
+
+class PricedMemoryDrafter(MemoryDrafter, FrequencyDrafter):
+    """The memory's drafter (its ``propose``) with its factor priced as the frequency drafter's is (its ``price``,
+    which :class:`rag_accel.speculation.RequestDrafting` calls on every FrequencyDrafter in a chain)."""
+
+    def __init__(self, drafter: MemoryDrafter) -> None:
+        MemoryDrafter.__init__(self, drafter._segments, drafter.factor, drafter.min_prob)
+        self.max_factor = drafter.factor
 
 
 class TreeMemory(FrequencyTreeMemory):
