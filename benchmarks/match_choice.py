@@ -331,7 +331,7 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
         if make_chain is not None:
             chain = make_chain(context, refs, chain)
         if close_after_span:
-            chain = [CloseAfterSpan(refs, cfg.reference_min_match, cfg.reference_max_match)
+            chain = [CloseAfterSpan(refs, cfg.min_match, cfg.reference_max_match)
                      if d.name == "reference" else d for d in chain]
         if weights is not None:
             learned = LearnedChoice(refs, len(prompt))

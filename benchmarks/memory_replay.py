@@ -23,7 +23,9 @@ decoding's tree of earlier answers too):
   counts over the answers, factor 3); the same with its factor priced as the frequency drafter's; and with
   arctic-inference's tree of earlier answers, its probabilities included, in the memory's place;
 * ours with the cached answer passed by the client (a reference: ``vllm-ours`` in the reworded case), alone
-  and with the memory.
+  and with the memory;
+* each of ours with the references' drafter choosing as LLMA does (``reference_choice="longest"``: the
+  longest match, its earliest place), as it did before 2026-11-27 (the rows marked "before").
 
 The cost curve is vLLM's on this project's 2-core CPU at one request in flight (SmolLM2-135M float32;
 ``benchmarks/step_costs.py``): a first draft token costs 0.08 of a step, the next ones ~0.03, with a step up
@@ -137,8 +139,9 @@ class _ProbTreeDrafter(FrequencyTreeDrafter):
             if found.token_ids else NO_DRAFT
 
 
-def ours(sequence: Sequence[tuple], memory: Any = None) -> list[dict]:
-    """Our drafting over ``(id, case, prompt, references, answer)`` in order; one row per item."""
+def ours(sequence: Sequence[tuple], memory: Any = None, reference_choice: str = "counts") -> list[dict]:
+    """Our drafting over ``(id, case, prompt, references, answer)`` in order; one row per item
+    (``reference_choice``: the references' drafter's, ``DecoderConfig.reference_choice``)."""
     from match_choice import replay_request
 
     from rag_accel.config import DEFAULT_COPY_DRAFTERS, DecoderConfig
@@ -146,7 +149,7 @@ def ours(sequence: Sequence[tuple], memory: Any = None) -> list[dict]:
     from rag_accel.policy import AcceptanceStats
     from rag_accel.speculation import RequestDrafting, StepCosts
 
-    cfg = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS, max_draft_tokens=K)
+    cfg = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS, max_draft_tokens=K, reference_choice=reference_choice)
     acceptance, costs, rows = AcceptanceStats(), StepCosts(), []
     for item_id, case, prompt, refs, target in sequence:
         context = list(prompt)
@@ -202,6 +205,14 @@ CONFIGS = {
     "ours + arctic's tree of earlier answers as the memory": (lambda seq: ours(seq, TreeMemory()), False),
     "ours, the client passes the cached answer": (ours, True),
     "ours, the client passes it, + the memory": (lambda seq: ours(seq, Memory()), True),
+    # the references' drafter before 2026-11-27: LLMA's choice (the longest match, its earliest place)
+    "ours, no memory, LLMA's choice in the references (before)": (lambda seq: ours(seq, None, "longest"), False),
+    "ours + the memory, LLMA's choice in the references (before)": (lambda seq: ours(seq, Memory(), "longest"),
+                                                                    False),
+    "ours, the client passes it, LLMA's choice in the references (before)": (
+        lambda seq: ours(seq, None, "longest"), True),
+    "ours, the client passes it, + the memory, LLMA's choice (before)": (
+        lambda seq: ours(seq, Memory(), "longest"), True),
 }
 
 

@@ -21,6 +21,15 @@ DRAFTER_NAMES = (*COPY_DRAFTERS, "draft_model")
 # decides only ties when the policy weighs the drafts (the same replay either way), and with adaptive=False
 # the first draft is sent whole, LLMA's copy from the references as before.
 DEFAULT_COPY_DRAFTERS = ("reference", "frequency")
+# How the reference drafter chooses among the places its match occurs: "counts", the continuation most of them
+# share (suffix decoding's choice, over the references), or "longest", LLMA's: the longest match, its earliest
+# place, followed while accepted. Counts by measurement (benchmarks/memory_replay.py, at vLLM's step costs on the
+# 2-core CPU): on the sample's FIRST 50 items, where it was chosen, 2.035x -> 2.059x modelled as first asked and
+# 1.672x -> 1.736x where the client passes a cached answer (the last 100 and timed runs: docs/benchmarks.md).
+REFERENCE_CHOICES = ("counts", "longest")
+# reference_min_match's default per choice, each the best measured: counts 1 (suffix decoding's too; on the first 50,
+# as above, 2.059x / 1.736x against 2.055x / 1.693x at 2), longest 2 (benchmarks/simulate.py: 1 lost 2-4%).
+REFERENCE_MIN_MATCH = {"counts": 1, "longest": 2}
 
 # Upper bounds of the integer options. Each protects time or memory that grows with the option;
 # the defaults sit far below them.
@@ -36,7 +45,7 @@ _WHY = {
     "match": "each lookup compares up to this many tokens; a longer match tells the policy nothing more",
     "ngram": "the context is indexed under every n-gram size up to this, so memory and time per context token "
              "grow with it (~4 KB a token at 16)",
-    "refs": "the references' suffix index takes ~150 MB and ~1 s per million tokens, encoding text ~600 MB; "
+    "refs": "the references' index takes ~120 MB and ~1.5-3 s per million tokens, encoding text ~600 MB; "
             "retrieve fewer, shorter passages",
 }
 # field: (lowest, highest, why the highest)
@@ -110,11 +119,18 @@ class DecoderConfig:
             step). ``False`` always sends the whole draft (plain LLMA/PLD).
         reference_min_match / reference_max_match: shortest context suffix
             that may start a copy from the references, and the longest one
-            the matcher looks at. 2 by measurement: replaying SmolLM2's own
-            answers and the human answers of 40 MS-MARCO items
-            (``benchmarks/simulate.py``), n=2 gave the best modelled speed-up
-            of the adaptive chain on both (n=1 lost 2-4%). Both 1..256
-            (``MAX_MATCH``: a lookup compares up to that many tokens).
+            the matcher looks at. Both 1..256 (``MAX_MATCH``: a lookup compares
+            up to that many tokens). ``None`` (the default): the best measured
+            for ``reference_choice`` (``REFERENCE_MIN_MATCH``): 1 with counts;
+            2 with ``"longest"``, where replaying SmolLM2's own answers and the
+            human answers of 40 MS-MARCO items (``benchmarks/simulate.py``),
+            n=1 lost 2-4%.
+        reference_choice: which continuation the references' drafter copies where
+            its match occurs in several places: ``"counts"`` (default), the one most
+            of them share, each draft token with its probability from the counts
+            (``frequency_factor`` / ``frequency_min_prob`` cap it, as a frequency
+            draft); ``"longest"``, LLMA's: the longest match's earliest place,
+            followed while the model accepts it (``REFERENCE_CHOICES``).
         prompt_lookup_min_ngram / prompt_lookup_max_ngram: the same for
             prompt lookup; 1..16.
         frequency_factor / frequency_min_prob: a frequency draft is at most
@@ -142,8 +158,8 @@ class DecoderConfig:
             its next token falls below this (the first token is always drafted); in [0, 1).
         max_reference_tokens: refuse references longer than this (tokens,
             all references together) instead of running out of memory; 1..16M
-            (``MAX_REFERENCE_TOKENS``: the suffix index takes ~150 MB and ~1 s per
-            million tokens, encoding text ~600 MB). Text that is certainly longer
+            (``MAX_REFERENCE_TOKENS``: the index takes ~120 MB and 1.5-3 s per
+            million tokens, ``rag-accel bench-drafting``; encoding text ~600 MB). Text that is certainly longer
             (from its length in characters) is refused before it is tokenised.
         pack_gqa: in verification forwards, let grouped-query attention read the
             cached keys/values in place instead of copying them per query head
@@ -165,8 +181,9 @@ class DecoderConfig:
     drafters: tuple[str, ...] = (*DEFAULT_COPY_DRAFTERS, "draft_model")
     max_draft_tokens: int = 32
     adaptive: bool = True
-    reference_min_match: int = 2
+    reference_min_match: int | None = None
     reference_max_match: int = 32
+    reference_choice: str = "counts"
     prompt_lookup_min_ngram: int = 1
     prompt_lookup_max_ngram: int = 4
     ngram_min_n: int = 2
@@ -194,11 +211,15 @@ class DecoderConfig:
             raise ValueError(f"unknown drafter(s) {unknown}; choose from {list(DRAFTER_NAMES)}")
         if len(set(drafters)) != len(drafters):
             raise ValueError(f"drafters listed twice: {list(drafters)}")
+        if not isinstance(self.reference_choice, str) or self.reference_choice not in REFERENCE_CHOICES:
+            raise ValueError(f"reference_choice must be one of {list(REFERENCE_CHOICES)}, "
+                             f"got {self.reference_choice!r}")
         for name in _INT_BOUNDS:
-            object.__setattr__(self, name, _bounded_int(name, getattr(self, name)))
-        if self.reference_min_match > self.reference_max_match:
+            if name != "reference_min_match" or self.reference_min_match is not None:
+                object.__setattr__(self, name, _bounded_int(name, getattr(self, name)))
+        if self.min_match > self.reference_max_match:
             raise ValueError(
-                f"reference_min_match ({self.reference_min_match}) > reference_max_match ({self.reference_max_match})"
+                f"reference_min_match ({self.min_match}) > reference_max_match ({self.reference_max_match})"
             )
         if self.prompt_lookup_min_ngram > self.prompt_lookup_max_ngram:
             raise ValueError(
@@ -233,6 +254,18 @@ class DecoderConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cost_curve is not None:
             object.__setattr__(self, "cost_curve", _cost_curve(self.cost_curve, self.max_draft_tokens))
+
+    @property
+    def min_match(self) -> int:
+        """The shortest match that starts a copy from the references: ``reference_min_match``, or where that
+        is ``None`` the default for ``reference_choice`` (:data:`REFERENCE_MIN_MATCH`).
+
+        Example:
+            >>> DecoderConfig().min_match, DecoderConfig(reference_choice="longest").min_match
+            (1, 2)
+        """
+        m = self.reference_min_match
+        return REFERENCE_MIN_MATCH[self.reference_choice] if m is None else m
 
     def replace(self, **changes: Any) -> DecoderConfig:
         """A copy with ``changes`` applied; unknown keys are an error, not ignored."""

@@ -122,6 +122,71 @@ class ReferenceDrafter(_SpanCopier):
         return self.index.longest_match(context, self.min_match, self.max_match)
 
 
+class CountedReferenceDrafter:
+    """Reference decoding by counts: of the places in the references where the context's tail occurs, copy
+    the continuation most of them share (suffix decoding's choice, :func:`~rag_accel.kernels.counted_draft`),
+    each draft token with its probability from those counts, at most ``factor`` times its match long, cut
+    where its probability falls under ``min_prob``. Matches of ``min_match`` to ``max_match`` tokens.
+    ``ReferenceDrafter`` (LLMA's choice: the longest match, its earliest place) copied less of what the
+    model went on to write: ``DecoderConfig.reference_choice``.
+
+    A lookup reads at most ``scan`` places: those of the tail's last token, or where that token is commoner,
+    those of its last two tokens (an index of the common tokens' places by the token before): the cost
+    stays flat in the references' size, and a match of two tokens or more is found anywhere in them.
+
+    Example:
+        >>> d = CountedReferenceDrafter([[1, 2, 3, 4], [7, 2, 3, 9], [2, 3, 9, 5]], min_match=1)
+        >>> d.propose([8, 2, 3], max_len=2)      # "2 3" three times: then 9 twice, 4 once
+        Draft(tokens=[9, 5], match_len=2, source='reference')
+        >>> ReferenceDrafter([[1, 2, 3, 4], [7, 2, 3, 9], [2, 3, 9, 5]], min_match=1).propose([8, 2, 3], max_len=2)
+        Draft(tokens=[4], match_len=2, source='reference')
+    """
+
+    name = "reference"
+
+    def __init__(self, references: Sequence[Sequence[int]], min_match: int = 1, max_match: int = 32,
+                 factor: float = 3.0, min_prob: float = 0.1, scan: int = 256) -> None:
+        self.tokens = concat_with_separators(references).tolist()
+        self.index = CountedSuffixes(max_match, scan)
+        self.index.extend(self.tokens)
+        self._pairs = self.index.common_pairs(self.tokens, scan)  # (the common tokens' places, by pair)
+        self.min_match, self.max_match = min_match, max_match
+        self.factor, self.min_prob, self.scan = factor, min_prob, scan
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def propose(self, context: Sequence[int], max_len: int) -> Draft:
+        if len(context) < max(1, self.min_match) or max_len <= 0:
+            return NO_DRAFT
+        last = context[-1]
+        places = self.index.latest(last, self.scan + 1)
+        if len(places) > self.scan:  # a common token: the places of the last two tokens
+            places = self._pairs.get((context[-2], last), [])[-self.scan:] if len(context) > 1 else []
+        if not places:
+            return NO_DRAFT
+        tokens, probs, match_len = counted_draft([(self.tokens, places)], context, max_len, self.factor,
+                                                 self.min_prob, self.max_match, min_depth=self.min_match)
+        return Draft(tokens, match_len, self.name, tuple(probs)) if tokens else NO_DRAFT
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        pass  # the references do not change; every proposal reads the context's tail afresh
+
+
+def reference_drafter(references: Sequence[Sequence[int]],
+                      config: DecoderConfig) -> CountedReferenceDrafter | ReferenceDrafter:
+    """The references' drafter ``config`` asks for (``reference_choice``): by counts, or LLMA's longest match.
+
+    Example:
+        >>> reference_drafter([[1, 2, 3]], DecoderConfig()).propose([1, 2], max_len=1)
+        Draft(tokens=[3], match_len=2, source='reference')
+    """
+    if config.reference_choice == "longest":
+        return ReferenceDrafter(references, config.min_match, config.reference_max_match)
+    return CountedReferenceDrafter(references, config.min_match, config.reference_max_match,
+                                   config.frequency_factor, config.frequency_min_prob)
+
+
 class PromptLookupDrafter(_SpanCopier):
     """Prompt lookup: copy from earlier in the prompt + output, most recent occurrence.
 
@@ -231,8 +296,8 @@ class MemoryDrafter:
     frequency drafter's (:func:`~rag_accel.kernels.counted_draft`), the latest answers first on ties.
     Unlike the frequency drafter's, its ``factor`` is not priced down as draft tokens get dearer: where a
     question comes again reworded, a remembered answer's long copies pay even so (``benchmarks/memory_replay.py``
-    on the sample's first 50 items, at vLLM's step costs on a 2-core CPU: reworded 1.849x unpriced against
-    1.814x priced; the questions as first asked 2.050x against 2.076x).
+    on the sample's first 50 items, at vLLM's step costs on a 2-core CPU: reworded 1.868x unpriced against
+    1.828x priced; the questions as first asked 2.097x against 2.095x).
     ``segments``: the answers in segments, oldest first, each with ``tokens`` (answers with
     :data:`~rag_accel.kernels.SEPARATOR` between them) and ``index`` (their
     :class:`~rag_accel.kernels.CountedSuffixes`), read as they are at each proposal (answers added
@@ -344,9 +409,7 @@ def build_drafters(
             chain.append(FrequencyDrafter(context, config.frequency_factor, config.frequency_min_prob))
         elif name == "reference":
             if references and any(len(r) for r in references):
-                chain.append(
-                    ReferenceDrafter(references, config.reference_min_match, config.reference_max_match)
-                )
+                chain.append(reference_drafter(references, config))
         elif name == "prompt_lookup":
             chain.append(
                 PromptLookupDrafter(

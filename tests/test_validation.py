@@ -120,8 +120,24 @@ def test_config_floats_are_finite_and_bounded(changes, match):
 @pytest.mark.parametrize("name", sorted(INT_FIELDS))
 @pytest.mark.parametrize("value", [2.5, 3.0, True, "3", None])
 def test_every_int_field_must_be_a_real_int(name, value):
+    if name == "reference_min_match" and value is None:
+        pytest.skip("None is reference_min_match's default: test_reference_min_match_defaults_per_choice")
     with pytest.raises(ValueError, match=rf"{name} must be an integer"):
         DecoderConfig(**{name: value})
+
+
+def test_reference_min_match_defaults_per_choice():
+    assert DecoderConfig().reference_choice == "counts" and DecoderConfig().min_match == 1
+    assert DecoderConfig(reference_choice="longest").min_match == 2
+    assert DecoderConfig().replace(reference_choice="longest").min_match == 2  # (per request: vLLM's extra_args)
+    assert DecoderConfig(reference_choice="longest", reference_min_match=3).min_match == 3
+    assert DecoderConfig(reference_min_match=np.int64(3)).replace(reference_choice="longest").min_match == 3
+    with pytest.raises(ValueError, match=r"reference_choice must be one of \['counts', 'longest'\], got 'best'"):
+        DecoderConfig(reference_choice="best")
+    with pytest.raises(ValueError, match="reference_choice must be one of"):
+        DecoderConfig(reference_choice=None)
+    with pytest.raises(ValueError, match="reference_min_match .* > reference_max_match"):
+        DecoderConfig(reference_max_match=1, reference_choice="longest")
 
 
 def test_numpy_integers_in_the_config_become_ints():

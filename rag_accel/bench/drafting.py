@@ -4,6 +4,7 @@ reference size, ours against Hugging Face's prompt lookup on the same tokens."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 import tracemalloc
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..drafters import ReferenceDrafter
+from ..drafters import CountedReferenceDrafter, ReferenceDrafter
 
 
 def _zipf_tokens(n: int, rng: np.random.Generator, vocab: int = 49152) -> np.ndarray:
@@ -46,6 +47,17 @@ def _propose_cost_row(n: int, queries: int, rng: np.random.Generator) -> dict:
             t0 = time.perf_counter()
             drafter.propose(ctx2, 10)
             follow.append(time.perf_counter() - t0)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    counted = CountedReferenceDrafter([ref.tolist()], min_match=1, max_match=32)
+    counted_build_s = time.perf_counter() - t0
+    _, counted_peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    counts = []
+    for ctx in contexts:
+        t0 = time.perf_counter()
+        counted.propose(ctx, 10)
+        counts.append(time.perf_counter() - t0)
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
     hf = PromptLookupCandidateGenerator(num_output_tokens=10, max_matching_ngram_size=2, max_length=n + 64)
@@ -63,22 +75,33 @@ def _propose_cost_row(n: int, queries: int, rng: np.random.Generator) -> dict:
         "propose_search_us_p99": float(np.percentile(search, 99)) * 1e6,
         "propose_follow_us_median": statistics.median(follow) * 1e6 if follow else None,
         "hf_prompt_lookup_us_median": statistics.median(hf_times) * 1e6,
+        "counts_index_build_s": counted_build_s,
+        "counts_index_peak_mem_mb": counted_peak / 2**20,
+        "counts_propose_us_median": statistics.median(counts) * 1e6,
+        "counts_propose_us_p99": float(np.percentile(counts, 99)) * 1e6,
     }
 
 
 def propose_cost(sizes: Sequence[int], queries: int = 300, seed: int = 0) -> list[dict]:
-    """Cost of one reference-drafter ``propose`` (fresh search, followed span), index build time and
-    peak memory, against transformers' prompt lookup on the same tokens, for each reference size.
+    """Cost of one reference-drafter ``propose``, index build time and peak memory, by counts (the default:
+    every proposal a fresh lookup) and LLMA's longest match (fresh search, followed span), against
+    transformers' prompt lookup on the same tokens, for each reference size.
     Synthetic references: Zipf-distributed token ids; contexts cut from them so matches exist."""
     rng = np.random.default_rng(seed)
     return [_propose_cost_row(int(n), queries, rng) for n in sizes]
 
 
 def propose_table(rows: Sequence[dict]) -> str:
-    lines = ["| reference tokens | index build (s) | index peak memory (MiB) | propose, search (µs, median / p99) "
-             "| propose, followed span (µs) | HF prompt lookup (µs) |", "|---|---|---|---|---|---|"]
+    lines = ["| reference tokens | counts: index build (s) | counts: index peak memory (MiB) | counts: propose (µs, "
+             "median / p99) | longest: index build (s) | longest: index peak memory (MiB) | longest: propose, "
+             "search (µs, median / p99) | longest: propose, followed span (µs) | HF prompt lookup (µs) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['reference_tokens']:,} | {r['index_build_s']:.3f} | {r['index_peak_mem_mb']:.0f} | "
+        counts = (f"{r['counts_index_build_s']:.3f} | {r['counts_index_peak_mem_mb']:.0f} | "
+                  f"{r['counts_propose_us_median']:.0f} / {r['counts_propose_us_p99']:.0f}"
+                  if "counts_index_build_s" in r else "- | - | -")
+        lines.append(f"| {r['reference_tokens']:,} | {counts} | {r['index_build_s']:.3f} | "
+                     f"{r['index_peak_mem_mb']:.0f} | "
                      f"{r['propose_search_us_median']:.0f} / {r['propose_search_us_p99']:.0f} | "
                      f"{r['propose_follow_us_median']:.0f} | {r['hf_prompt_lookup_us_median']:.0f} |")
     return "\n".join(lines)
@@ -92,10 +115,12 @@ def write_drafting_report(rows: Sequence[dict], out: str | Path, command: str) -
     out = Path(out)
     table = propose_table(rows)
     env = {"device": f"cpu: {platform.processor() or platform.machine()}", "threads": torch.get_num_threads(),
-           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "python": platform.python_version()}
+           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "python": platform.python_version(),
+           "machine_load_after": [round(x, 2) for x in os.getloadavg()]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"environment": env, "command": command, "rows": list(rows)},
                                                    indent=1))
     out.with_suffix(".md").write_text(f"# Drafting cost against reference size\n\n- {env['device']}, {env['date']}\n"
-                                      f"- command: `{command}`\n\n{table}\n")
+                                      f"- command: `{command}`\n- machine load (1/5/15-min averages) after the run: "
+                                      f"{' '.join(map(str, env['machine_load_after']))}\n\n{table}\n")
     return table

@@ -19,7 +19,7 @@ import torch
 from .attention import install as install_packed_gqa
 from .attention import packed_gqa
 from ..config import DecoderConfig
-from ..drafters import Draft, Drafter, ReferenceDrafter
+from ..drafters import Draft, Drafter, reference_drafter
 from ..inputs import (TokenCache, check_lengths, check_references, check_stops, encode_prompt, encode_references,
                       may_exceed, tokenize_references)
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
@@ -526,13 +526,13 @@ class ReferenceDecoder:
         req.stats.setup_s = self.clock() - t0
 
     def _index_references(self, cfg: DecoderConfig, refs: list[str | list[int]],
-                          stop: Callable[[], bool]) -> ReferenceDrafter | None:
+                          stop: Callable[[], bool]) -> Drafter | None:
         """The request's references tokenised and indexed (on the set-up thread, after
         :meth:`_set_up_drafting`); ``None`` when ``stop`` said the request no longer needs them."""
         ref_ids = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens, stop, self.reference_tokens)
         if stop() or not any(ref_ids):
             return None
-        return ReferenceDrafter(ref_ids, cfg.reference_min_match, cfg.reference_max_match)
+        return reference_drafter(ref_ids, cfg)
 
     def _take_references(self, req: _Request, setup: _SetUp) -> None:
         """The reference drafter joins the request's drafting once it is indexed (its time counts
@@ -621,10 +621,10 @@ class _SetUp:
     """
 
     def __init__(self, prompt_part: Callable[[], None],
-                 reference_part: Callable[[Callable[[], bool]], ReferenceDrafter | None] | None) -> None:
+                 reference_part: Callable[[Callable[[], bool]], Drafter | None] | None) -> None:
         self.pending = reference_part is not None  # a reference drafter may still come
         self.reference_s = 0.0  # the second part's time
-        self._drafter: ReferenceDrafter | None = None
+        self._drafter: Drafter | None = None
         self._error: BaseException | None = None
         self._prompt_done, self._done, self._stop = threading.Event(), threading.Event(), threading.Event()
 
@@ -649,7 +649,7 @@ class _SetUp:
         ``references`` (:meth:`check` raises what they raised)."""
         (self._done if references else self._prompt_done).wait()
 
-    def take(self) -> ReferenceDrafter | None:
+    def take(self) -> Drafter | None:
         """The reference drafter, once, when it is ready; ``None`` before (and after)."""
         if not self._done.is_set():
             return None

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
-from ..drafters import Drafter, ReferenceDrafter
+from ..drafters import Drafter, reference_drafter
 from ..inputs import check_ids
 from ..memory import AnswerMemory
 from ..outputs import GenerationStats
@@ -176,7 +176,7 @@ class RagProposer:
         patches.require_tracker(self)
 
     # ---------------------------------------------------------------- references, off the step loop
-    def _prepare(self, refs: Sequence[Any], config: DecoderConfig) -> ReferenceDrafter | None:
+    def _prepare(self, refs: Sequence[Any], config: DecoderConfig) -> Drafter | None:
         """Tokenise and index one request's references (on :attr:`_refs_pool`'s thread)."""
         ids = []
         for r in refs:
@@ -195,7 +195,7 @@ class RagProposer:
                              f"{config.max_reference_tokens}")
         if "reference" not in config.drafters or not total:
             return None
-        return ReferenceDrafter(ids, config.reference_min_match, config.reference_max_match)
+        return reference_drafter(ids, config)
 
     def _attach(self, row: _Row) -> None:
         """The row's reference drafter is ready (or failed): put it in its place in the row's chain."""

@@ -76,10 +76,10 @@ def check_layout(pipeline_parallel_size: Any, version: str = "0.32-0.33") -> Non
 
 
 # DecoderConfig fields a request may change through extra_args["rag_accel"].
-REQUEST_FIELDS = frozenset({"drafters", "adaptive", "reference_min_match", "reference_max_match",
-                             "prompt_lookup_min_ngram", "prompt_lookup_max_ngram", "ngram_min_n", "ngram_max_n",
-                             "max_loss", "min_gain", "max_reference_tokens", "pool_misses", "max_draft_tokens",
-                             "frequency_factor", "frequency_min_prob"})
+REQUEST_FIELDS = frozenset({"drafters", "adaptive", "reference_choice", "reference_min_match",
+                             "reference_max_match", "prompt_lookup_min_ngram", "prompt_lookup_max_ngram",
+                             "ngram_min_n", "ngram_max_n", "max_loss", "min_gain", "max_reference_tokens",
+                             "pool_misses", "max_draft_tokens", "frequency_factor", "frequency_min_prob"})
 _MAX_REFERENCE_TOKENS = DecoderConfig().max_reference_tokens
 # rag-accel serve's default: RAG documents are thousands of tokens; an untrusted client gets no more than this.
 SERVE_MAX_REFERENCE_TOKENS = 32_768
