@@ -24,8 +24,8 @@ decoding's tree of earlier answers too):
   arctic-inference's tree of earlier answers, its probabilities included, in the memory's place;
 * ours with the cached answer passed by the client (a reference: ``vllm-ours`` in the reworded case), alone
   and with the memory;
-* each of ours with the references' drafter choosing as LLMA does (``reference_choice="longest"``: the
-  longest match, its earliest place), as it did before 2026-11-27 (the rows marked "before").
+* each of ours with the references' drafter choosing by counts (``reference_choice="counts"``: suffix
+  decoding's choice over the references) instead of LLMA's longest match (the default).
 
 The cost curve is vLLM's on this project's 2-core CPU at one request in flight (SmolLM2-135M float32;
 ``benchmarks/step_costs.py``): a first draft token costs 0.08 of a step, the next ones ~0.03, with a step up
@@ -139,7 +139,7 @@ class _ProbTreeDrafter(FrequencyTreeDrafter):
             if found.token_ids else NO_DRAFT
 
 
-def ours(sequence: Sequence[tuple], memory: Any = None, reference_choice: str = "counts") -> list[dict]:
+def ours(sequence: Sequence[tuple], memory: Any = None, reference_choice: str = "longest") -> list[dict]:
     """Our drafting over ``(id, case, prompt, references, answer)`` in order; one row per item
     (``reference_choice``: the references' drafter's, ``DecoderConfig.reference_choice``)."""
     from match_choice import replay_request
@@ -205,14 +205,12 @@ CONFIGS = {
     "ours + arctic's tree of earlier answers as the memory": (lambda seq: ours(seq, TreeMemory()), False),
     "ours, the client passes the cached answer": (ours, True),
     "ours, the client passes it, + the memory": (lambda seq: ours(seq, Memory()), True),
-    # the references' drafter before 2026-11-27: LLMA's choice (the longest match, its earliest place)
-    "ours, no memory, LLMA's choice in the references (before)": (lambda seq: ours(seq, None, "longest"), False),
-    "ours + the memory, LLMA's choice in the references (before)": (lambda seq: ours(seq, Memory(), "longest"),
-                                                                    False),
-    "ours, the client passes it, LLMA's choice in the references (before)": (
-        lambda seq: ours(seq, None, "longest"), True),
-    "ours, the client passes it, + the memory, LLMA's choice (before)": (
-        lambda seq: ours(seq, Memory(), "longest"), True),
+    # the references' drafter choosing by counts (reference_choice="counts": an option since 2026-11-27)
+    "ours, no memory, the references by counts": (lambda seq: ours(seq, None, "counts"), False),
+    "ours + the memory, the references by counts": (lambda seq: ours(seq, Memory(), "counts"), False),
+    "ours, the client passes it, the references by counts": (lambda seq: ours(seq, None, "counts"), True),
+    "ours, the client passes it, + the memory, the references by counts": (
+        lambda seq: ours(seq, Memory(), "counts"), True),
 }
 
 

@@ -21,14 +21,18 @@ DRAFTER_NAMES = (*COPY_DRAFTERS, "draft_model")
 # decides only ties when the policy weighs the drafts (the same replay either way), and with adaptive=False
 # the first draft is sent whole, LLMA's copy from the references as before.
 DEFAULT_COPY_DRAFTERS = ("reference", "frequency")
-# How the reference drafter chooses among the places its match occurs: "counts", the continuation most of them
-# share (suffix decoding's choice, over the references), or "longest", LLMA's: the longest match, its earliest
-# place, followed while accepted. Counts by measurement (benchmarks/memory_replay.py, at vLLM's step costs on the
-# 2-core CPU): on the sample's FIRST 50 items, where it was chosen, 2.035x -> 2.059x modelled as first asked and
-# 1.672x -> 1.736x where the client passes a cached answer (the last 100 and timed runs: docs/benchmarks.md).
+# How the reference drafter chooses among the places its match occurs: "longest", LLMA's (the longest match, its
+# earliest place, followed while accepted), or "counts", the continuation most of them share (suffix decoding's
+# choice, over the references). LLMA's stays the default, by timing: counts drafted more per step where replayed
+# (benchmarks/memory_replay.py, at vLLM's one-request step costs on the 2-core CPU, the sample's last 100: 1.941x
+# against 1.921x as first asked, 2.184x against 2.121x where the client passes a cached answer), but timed on one
+# vLLM engine request by request (benchmarks/config_ab.py, the last 48 items) it tied (1.000x; cached answer 1.008x)
+# and lost 2.3% with 16 requests in flight (faster in 1 of 6 groups): each row's lookup reads up to 256 places
+# every step, where LLMA's followed span costs ~1 us.
 REFERENCE_CHOICES = ("counts", "longest")
-# reference_min_match's default per choice, each the best measured: counts 1 (suffix decoding's too; on the first 50,
-# as above, 2.059x / 1.736x against 2.055x / 1.693x at 2), longest 2 (benchmarks/simulate.py: 1 lost 2-4%).
+# reference_min_match's default per choice, each the best measured: counts 1 (suffix decoding's too; memory_replay.py
+# on the sample's first 50: 2.059x / 1.736x against 2.055x / 1.693x at 2), longest 2 (benchmarks/simulate.py: 1 lost
+# 2-4%).
 REFERENCE_MIN_MATCH = {"counts": 1, "longest": 2}
 
 # Upper bounds of the integer options. Each protects time or memory that grows with the option;
@@ -126,11 +130,13 @@ class DecoderConfig:
             human answers of 40 MS-MARCO items (``benchmarks/simulate.py``),
             n=1 lost 2-4%.
         reference_choice: which continuation the references' drafter copies where
-            its match occurs in several places: ``"counts"`` (default), the one most
-            of them share, each draft token with its probability from the counts
-            (``frequency_factor`` / ``frequency_min_prob`` cap it, as a frequency
-            draft); ``"longest"``, LLMA's: the longest match's earliest place,
-            followed while the model accepts it (``REFERENCE_CHOICES``).
+            its match occurs in several places: ``"longest"`` (default), LLMA's:
+            the longest match's earliest place, followed while the model accepts
+            it; ``"counts"``, the one most of them share, each draft token with
+            its probability from the counts (``frequency_factor`` /
+            ``frequency_min_prob`` cap it, as a frequency draft): more tokens per
+            step where replayed, a tie timed at one request, 2.3% slower at 16 in
+            flight on a 2-core CPU (``REFERENCE_CHOICES``).
         prompt_lookup_min_ngram / prompt_lookup_max_ngram: the same for
             prompt lookup; 1..16.
         frequency_factor / frequency_min_prob: a frequency draft is at most
@@ -183,7 +189,7 @@ class DecoderConfig:
     adaptive: bool = True
     reference_min_match: int | None = None
     reference_max_match: int = 32
-    reference_choice: str = "counts"
+    reference_choice: str = "longest"
     prompt_lookup_min_ngram: int = 1
     prompt_lookup_max_ngram: int = 4
     ngram_min_n: int = 2
@@ -261,8 +267,8 @@ class DecoderConfig:
         is ``None`` the default for ``reference_choice`` (:data:`REFERENCE_MIN_MATCH`).
 
         Example:
-            >>> DecoderConfig().min_match, DecoderConfig(reference_choice="longest").min_match
-            (1, 2)
+            >>> DecoderConfig().min_match, DecoderConfig(reference_choice="counts").min_match
+            (2, 1)
         """
         m = self.reference_min_match
         return REFERENCE_MIN_MATCH[self.reference_choice] if m is None else m

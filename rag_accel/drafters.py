@@ -127,8 +127,9 @@ class CountedReferenceDrafter:
     the continuation most of them share (suffix decoding's choice, :func:`~rag_accel.kernels.counted_draft`),
     each draft token with its probability from those counts, at most ``factor`` times its match long, cut
     where its probability falls under ``min_prob``. Matches of ``min_match`` to ``max_match`` tokens.
-    ``ReferenceDrafter`` (LLMA's choice: the longest match, its earliest place) copied less of what the
-    model went on to write: ``DecoderConfig.reference_choice``.
+    ``DecoderConfig(reference_choice="counts")``; the default is :class:`ReferenceDrafter`, LLMA's choice
+    (its drafts copied less where replayed, but were as fast timed, and cheaper in flight: see
+    :data:`~rag_accel.config.REFERENCE_CHOICES`).
 
     A lookup reads at most ``scan`` places: those of the tail's last token, or where that token is commoner,
     those of its last two tokens (an index of the common tokens' places by the token before): the cost
@@ -178,8 +179,10 @@ def reference_drafter(references: Sequence[Sequence[int]],
     """The references' drafter ``config`` asks for (``reference_choice``): by counts, or LLMA's longest match.
 
     Example:
-        >>> reference_drafter([[1, 2, 3]], DecoderConfig()).propose([1, 2], max_len=1)
+        >>> reference_drafter([[1, 2, 3]], DecoderConfig(reference_choice="counts")).propose([1, 2], max_len=1)
         Draft(tokens=[3], match_len=2, source='reference')
+        >>> type(reference_drafter([[1, 2, 3]], DecoderConfig())).__name__
+        'ReferenceDrafter'
     """
     if config.reference_choice == "longest":
         return ReferenceDrafter(references, config.min_match, config.reference_max_match)
@@ -296,8 +299,8 @@ class MemoryDrafter:
     frequency drafter's (:func:`~rag_accel.kernels.counted_draft`), the latest answers first on ties.
     Unlike the frequency drafter's, its ``factor`` is not priced down as draft tokens get dearer: where a
     question comes again reworded, a remembered answer's long copies pay even so (``benchmarks/memory_replay.py``
-    on the sample's first 50 items, at vLLM's step costs on a 2-core CPU: reworded 1.868x unpriced against
-    1.828x priced; the questions as first asked 2.097x against 2.095x).
+    on the sample's first 50 items, at vLLM's step costs on a 2-core CPU: reworded 1.849x unpriced against
+    1.814x priced; the questions as first asked 2.050x against 2.076x).
     ``segments``: the answers in segments, oldest first, each with ``tokens`` (answers with
     :data:`~rag_accel.kernels.SEPARATOR` between them) and ``index`` (their
     :class:`~rag_accel.kernels.CountedSuffixes`), read as they are at each proposal (answers added

@@ -101,10 +101,10 @@ def test_factory_follows_config():
     cfg = DecoderConfig(frequency_factor=1.5, frequency_min_prob=0.3)
     freq = build_drafters(cfg, ctx, []).drafters[0]
     assert (freq.factor, freq.min_prob) == (1.5, 0.3)
-    # the references' drafter chooses by counts unless the config asks for LLMA's longest match
-    ref = build_drafters(cfg, ctx, [[1, 2]]).drafters[0]
+    # the references' drafter takes LLMA's longest match unless the config asks for counts
+    ref = build_drafters(cfg.replace(reference_choice="counts"), ctx, [[1, 2]]).drafters[0]
     assert type(ref) is CountedReferenceDrafter and (ref.factor, ref.min_prob, ref.min_match) == (1.5, 0.3, 1)
-    ref = build_drafters(DecoderConfig(reference_choice="longest"), ctx, [[1, 2]]).drafters[0]
+    ref = build_drafters(DecoderConfig(), ctx, [[1, 2]]).drafters[0]
     assert type(ref) is ReferenceDrafter and ref.min_match == 2
 
 

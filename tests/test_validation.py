@@ -127,17 +127,17 @@ def test_every_int_field_must_be_a_real_int(name, value):
 
 
 def test_reference_min_match_defaults_per_choice():
-    assert DecoderConfig().reference_choice == "counts" and DecoderConfig().min_match == 1
-    assert DecoderConfig(reference_choice="longest").min_match == 2
-    assert DecoderConfig().replace(reference_choice="longest").min_match == 2  # (per request: vLLM's extra_args)
-    assert DecoderConfig(reference_choice="longest", reference_min_match=3).min_match == 3
-    assert DecoderConfig(reference_min_match=np.int64(3)).replace(reference_choice="longest").min_match == 3
+    assert DecoderConfig().reference_choice == "longest" and DecoderConfig().min_match == 2
+    assert DecoderConfig(reference_choice="counts").min_match == 1
+    assert DecoderConfig().replace(reference_choice="counts").min_match == 1  # (per request: vLLM's extra_args)
+    assert DecoderConfig(reference_choice="counts", reference_min_match=3).min_match == 3
+    assert DecoderConfig(reference_min_match=np.int64(3)).replace(reference_choice="counts").min_match == 3
     with pytest.raises(ValueError, match=r"reference_choice must be one of \['counts', 'longest'\], got 'best'"):
         DecoderConfig(reference_choice="best")
     with pytest.raises(ValueError, match="reference_choice must be one of"):
         DecoderConfig(reference_choice=None)
     with pytest.raises(ValueError, match="reference_min_match .* > reference_max_match"):
-        DecoderConfig(reference_max_match=1, reference_choice="longest")
+        DecoderConfig(reference_max_match=1)
 
 
 def test_numpy_integers_in_the_config_become_ints():
