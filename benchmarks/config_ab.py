@@ -7,6 +7,8 @@
     python benchmarks/config_ab.py --plot benchmarks/results/config_ab_vllm_cpu_smollm2_min_gain.json
     python benchmarks/config_ab.py --option reference_choice --values '"longest","counts"' --items 48 --reworded \
         --out benchmarks/results/config_ab_vllm_cpu_smollm2_reference_choice_reworded
+    python benchmarks/config_ab.py --option reference_choice --values '"longest","counts"' --items 48 --chunk 0.5 \
+        --max-new-tokens 64 --out benchmarks/results/config_ab_vllm_cpu_smollm2_reference_choice_long_documents
     python benchmarks/config_ab.py --option drafters \
         --values '["reference","prompt_lookup","ngram"];["reference","frequency"]' --items 48 \
         --out benchmarks/results/config_ab_vllm_cpu_smollm2_frequency
@@ -122,6 +124,10 @@ def run(args: argparse.Namespace) -> dict:
     try:
         greedy(prompts[:1])  # untimed: each engine's first request
         ours(prompts[:1], refs[:1], {})
+        if args.chunk is not None:  # the long-document case: chunks in the prompt, the whole documents as references
+            from long_documents import chunk
+
+            prompts = [encode(rag_messages(it.query, [chunk(p, args.chunk) for p in it.passages])) for it in items]
         if args.reworded:  # the cached-answer case: greedy's answers (untimed) passed with the reworded questions
             from rag_accel.bench.harness import REWORDED
 
@@ -150,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
         close()
     return {"command": "python benchmarks/config_ab.py " + shlex.join(sys.argv[1:]),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "option": args.option,
-            "reworded": args.reworded,
+            "reworded": args.reworded, "chunk": args.chunk,
             "values": [json.dumps(v) for v in values], "engine": args.engine, "in_flight": args.in_flight,
             "k": args.k, "max_new_tokens": args.max_new_tokens, "model": args.model,
             "environment": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_before": load,
@@ -190,6 +196,10 @@ def write(result: dict, out: Path) -> None:
              "- one engine of ours runs both values (the option per request), their order alternating per group; "
              "greedy decoding (" + ("a vllm-greedy engine" if engine == "vLLM" else "`model.generate`")
              + ") runs each group too: the baseline of the outputs and of the ratios"]
+    if result.get("chunk") is not None:
+        lines += [f"- the long-document case (`--chunk`): the prompt holds the question and the first "
+                  f"{result['chunk']:.0%} of each passage's words, the references the whole passages "
+                  "(`benchmarks/long_documents.py`)"]
     if result.get("reworded"):
         lines += ["- the cached-answer case (`--reworded`): each question reworded (`harness.REWORDED`), the "
                   "passages in the prompt; the references the passages and greedy's answer to the question as "
@@ -237,6 +247,9 @@ def main() -> None:
                     help="two JSON values, comma-separated (semicolon-separated when they hold commas: lists)")
     ap.add_argument("--items", type=int, default=24)
     ap.add_argument("--in-flight", type=int, default=1)
+    ap.add_argument("--chunk", type=float, default=None,
+                    help="the long-document case: this share of each passage's words in the prompt, the whole "
+                         "passages as references")
     ap.add_argument("--reworded", action="store_true",
                     help="the cached-answer case: reworded questions, greedy's earlier answer as a reference")
     ap.add_argument("--engine", choices=("vllm", "hf"), default="vllm",
