@@ -8,27 +8,36 @@ import os
 import statistics
 import time
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from ..drafters import CountedReferenceDrafter, ReferenceDrafter
 
+T = TypeVar("T")
+
 
 def _zipf_tokens(n: int, rng: np.random.Generator, vocab: int = 49152) -> np.ndarray:
     return (rng.zipf(1.2, size=n) % vocab).astype(np.int64)
 
 
-def _propose_cost_row(n: int, queries: int, rng: np.random.Generator) -> dict:
-    ref = _zipf_tokens(n, rng)
+def _built(make: Callable[[], T]) -> tuple[T, float, int]:
+    """``make()``, the seconds it took and its peak of traced memory (bytes)."""
     tracemalloc.start()
     t0 = time.perf_counter()
-    drafter = ReferenceDrafter([ref.tolist()], min_match=1, max_match=32)
-    build_s = time.perf_counter() - t0
+    made = make()
+    seconds = time.perf_counter() - t0
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    return made, seconds, peak
+
+
+def _propose_cost_row(n: int, queries: int, rng: np.random.Generator) -> dict:
+    ref = _zipf_tokens(n, rng)
+    drafter, build_s, peak = _built(lambda: ReferenceDrafter([ref.tolist()], min_match=1, max_match=32))
     contexts = []
     for _ in range(queries):
         s = int(rng.integers(0, max(1, n - 64)))
@@ -47,12 +56,8 @@ def _propose_cost_row(n: int, queries: int, rng: np.random.Generator) -> dict:
             t0 = time.perf_counter()
             drafter.propose(ctx2, 10)
             follow.append(time.perf_counter() - t0)
-    tracemalloc.start()
-    t0 = time.perf_counter()
-    counted = CountedReferenceDrafter([ref.tolist()], min_match=1, max_match=32)
-    counted_build_s = time.perf_counter() - t0
-    _, counted_peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    counted, counted_build_s, counted_peak = _built(
+        lambda: CountedReferenceDrafter([ref.tolist()], min_match=1, max_match=32))
     counts = []
     for ctx in contexts:
         t0 = time.perf_counter()
