@@ -140,6 +140,15 @@ def test_reference_min_match_defaults_per_choice():
         DecoderConfig(reference_max_match=1)
 
 
+def test_a_vllm_request_may_choose_how_its_references_draft():
+    from rag_accel.vllm.requests import request_config
+
+    cfg = request_config(DecoderConfig(), {"reference_choice": "counts"})  # extra_args["rag_accel"]
+    assert (cfg.reference_choice, cfg.min_match) == ("counts", 1)
+    with pytest.raises(ValueError, match="reference_choice must be one of"):
+        request_config(DecoderConfig(), {"reference_choice": "most"})
+
+
 def test_numpy_integers_in_the_config_become_ints():
     cfg = DecoderConfig(max_draft_tokens=np.int64(8), ngram_max_n=np.int32(6), max_loss=np.float32(0.5))
     assert type(cfg.max_draft_tokens) is int and cfg.max_draft_tokens == 8

@@ -88,8 +88,9 @@ def _propose_cost_row(n: int, queries: int, rng: np.random.Generator) -> dict:
 
 
 def propose_cost(sizes: Sequence[int], queries: int = 300, seed: int = 0) -> list[dict]:
-    """Cost of one reference-drafter ``propose``, index build time and peak memory, by counts (the default:
-    every proposal a fresh lookup) and LLMA's longest match (fresh search, followed span), against
+    """Cost of one reference-drafter ``propose``, index build time and peak memory, by counts
+    (``reference_choice="counts"``: every proposal a fresh lookup) and LLMA's longest match (the default:
+    fresh search, followed span), against
     transformers' prompt lookup on the same tokens, for each reference size.
     Synthetic references: Zipf-distributed token ids; contexts cut from them so matches exist."""
     rng = np.random.default_rng(seed)
