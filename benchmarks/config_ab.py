@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> dict:
     from rag_accel.data import load_msmarco_sample, rag_messages
 
     values = split_values(args.values)
+    if args.chunk is not None and (args.reworded or not 0 < args.chunk <= 1):
+        raise SystemExit("--chunk takes a share of each passage's words in (0, 1], and not with --reworded "
+                         "(its prompts hold the whole passages)")
     if args.engine == "hf" and args.in_flight != 1:
         raise SystemExit("--engine hf runs one request at a time: --in-flight 1")
     items = load_msmarco_sample()[-args.items:]

@@ -154,9 +154,6 @@ class CountedReferenceDrafter:
         self.min_match, self.max_match = min_match, max_match
         self.factor, self.min_prob, self.scan = factor, min_prob, scan
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
     def propose(self, context: Sequence[int], max_len: int) -> Draft:
         if len(context) < max(1, self.min_match) or max_len <= 0:
             return NO_DRAFT

@@ -15,7 +15,8 @@ Two indexes cover the two kinds of copy source:
 
 :class:`CountedSuffixes` and :func:`counted_draft` choose as suffix decoding does: the continuation
 most earlier occurrences of the tail share, counted on demand over a bounded number of them, in the
-growing source (the frequency drafter) or in earlier answers (the memory's drafter).
+growing source (the frequency drafter), in earlier answers (the memory's drafter) or in the references
+(``reference_choice="counts"``).
 """
 
 from __future__ import annotations
