@@ -5,12 +5,14 @@
     python benchmarks/config_ab.py --engine hf --option min_gain --values 0.1,0.02 --items 48 \\
         --out benchmarks/results/config_ab_hf_cpu_smollm2_min_gain
     python benchmarks/config_ab.py --plot benchmarks/results/config_ab_vllm_cpu_smollm2_min_gain.json
-    python benchmarks/config_ab.py --option reference_choice --values '"longest","counts"' --items 48 --reworded \
+    python benchmarks/config_ab.py --option reference_choice --values '"longest","counts"' --items 48 --reworded \\
         --out benchmarks/results/config_ab_vllm_cpu_smollm2_reference_choice_reworded
-    python benchmarks/config_ab.py --option reference_choice --values '"longest","counts"' --items 48 --chunk 0.5 \
+    python benchmarks/config_ab.py --option reference_choice --values '"longest","counts"' --items 48 --chunk 0.5 \\
         --max-new-tokens 64 --out benchmarks/results/config_ab_vllm_cpu_smollm2_reference_choice_long_documents
-    python benchmarks/config_ab.py --option drafters \
-        --values '["reference","prompt_lookup","ngram"];["reference","frequency"]' --items 48 \
+    python benchmarks/config_ab.py --option memory_scope --values 'null,"bench"' --items 48 \\
+        --out benchmarks/results/config_ab_vllm_cpu_smollm2_memory
+    python benchmarks/config_ab.py --option drafters \\
+        --values '["reference","prompt_lookup","ngram"];["reference","frequency"]' --items 48 \\
         --out benchmarks/results/config_ab_vllm_cpu_smollm2_frequency
 
 (the first in the vLLM virtualenv, the others in the main one: ``--plot`` needs matplotlib). Two engines
@@ -23,6 +25,9 @@ and closed first, so neither is the process's first) runs each item too: every o
 token for token, and its time gives the ratios against greedy, the same for both values. The learnt acceptance
 rates are the engine's, shared by both values' requests, as a server's are. ``--engine hf``: the same on
 transformers, one :class:`~rag_accel.ReferenceDecoder` against ``model.generate(do_sample=False)``.
+``--option memory_scope`` (vLLM only) is no DecoderConfig field but the request's memory scope
+(``extra_args["memory_scope"]``): ``null`` drafts without the memory of earlier answers, a name with it,
+the named scope holding that value's earlier answers only.
 
 Judged on the sample's last items (no default was tuned on them); per item, new tokens over wall time.
 """
@@ -79,9 +84,20 @@ def vllm_pair(args: argparse.Namespace):
 
     return (greedy.encode_prompt,
             lambda prompts: [o.token_ids for o in greedy.generate_batch(prompts, max_new_tokens=args.max_new_tokens)],
-            lambda prompts, refs, changes: ours.generate_batch(prompts, refs, max_new_tokens=args.max_new_tokens,
-                                                               config=changes),
+            lambda prompts, refs, changes: scoped(ours, changes).generate_batch(
+                prompts, refs, max_new_tokens=args.max_new_tokens, config=changes),
             close)
+
+
+def scoped(decoder, changes: dict):
+    """``decoder`` with its requests in the memory scope ``changes`` names (``--option memory_scope``: the
+    request's scope, not a config field, so it leaves ``changes``); any other option leaves it as it is."""
+    if "memory_scope" in changes:
+        from rag_accel.vllm.requests import request_scope
+
+        scope = changes.pop("memory_scope")
+        decoder.memory_scope = None if scope is None else request_scope({"memory_scope": scope})
+    return decoder
 
 
 def hf_pair(args: argparse.Namespace):
@@ -116,6 +132,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.chunk is not None and (args.reworded or not 0 < args.chunk <= 1):
         raise SystemExit("--chunk takes a share of each passage's words in (0, 1], and not with --reworded "
                          "(its prompts hold the whole passages)")
+    if args.engine == "hf" and args.option == "memory_scope":
+        raise SystemExit("--option memory_scope is vLLM's memory of earlier answers: the transformers decoder has none")
     if args.engine == "hf" and args.in_flight != 1:
         raise SystemExit("--engine hf runs one request at a time: --in-flight 1")
     items = load_msmarco_sample()[-args.items:]
