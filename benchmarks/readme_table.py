@@ -21,8 +21,12 @@ SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
 RESULTS = ROOT / "benchmarks" / "results"
 # every peer in one run, per request and in flight, on items no default was tuned on, a spare engine built first;
 # ours with the default chain of the frequency drafter, suffix decoding at vLLM's defaults and tuned (vllm-suffix-f3),
-# vLLM's engines under PEER_ENVIRONMENT (numba's workqueue layer; the runs before it understate vllm-ngram)
-PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_workqueue.json"
+# vLLM's engines under PEER_ENVIRONMENT (numba's workqueue layer; the runs before it understate vllm-ngram); the
+# memory of answers drafting by counts (the run before it, bench_vllm_cpu_smollm2_last24_workqueue, had the n-gram memory)
+PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_memory_counts.json"
+# the memory of answers on and off on ONE engine, request by request: what the memory buys without the spread between
+# engines (PEERS's memory engine was 13.5% slower a step than vllm-ours's, from the first item on)
+MEMORY_AB = RESULTS / "config_ab_vllm_cpu_smollm2_memory.json"
 SERVE = RESULTS / "serve_cpu_smollm2.json"
 # cold: median of 5 runs per item (the run of 3 before it stays on the results page)
 COLD, WARM = RESULTS / "bench_cpu_smollm2_last30x64_cold_r5.json", RESULTS / "bench_cpu_smollm2_last30x64_warm.json"
@@ -34,53 +38,32 @@ MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejecte
 # the server's memory against suffix's tree, the memory drafting by suffix decoding's counts (the n-gram memory before
 # it: bench_vllm_cpu_smollm2_memory_last16x64, on the results page)
 MEMORY = RESULTS / "bench_vllm_cpu_smollm2_last24_frequency_memory.json"
-PEERS_NGRAM_MEMORY = True  # PEERS ran before the memory drafted by counts
 # every peer in flight, each level on unseen items, twice on engines built afresh, the default chain of the frequency
 # drafter, vLLM's engines under PEER_ENVIRONMENT (the earlier in-flight runs stay on the results page)
 INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2_workqueue.json"
 # vLLM's n-gram under numba's default threading layer and under workqueue, in one run (PEER_ENVIRONMENT's reason)
 NUMBA_LAYER = RESULTS / "numba_layer_vllm_cpu_smollm2.json"
-# the memory of earlier answers in flight, beside suffix decoding (and a repeat of ours with and without it)
-INFLIGHT_MEMORY = (RESULTS / "inflight_vllm_cpu_smollm2_memory.json",
-                   RESULTS / "inflight_vllm_cpu_smollm2_memory_r2.json")
-# ... with a second engine configured as vllm-ours beside them (the spread between engines): once, and twice on
+# suffix decoding and ours in flight with a spare engine built (and closed) first, so none timed is the process's first
+INFLIGHT_SPARE = RESULTS / "inflight_vllm_cpu_smollm2_spare.json"
+# suffix decoding tuned (max_spec_factor 3) in flight beside its defaults and ours with its memory
+SUFFIX_F3_INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2_suffix_f3.json"
+# a second engine configured as vllm-ours beside it in flight (the spread between engines): once, and twice on
 # engines built afresh
 INFLIGHT_CONTROL = (RESULTS / "inflight_vllm_cpu_smollm2_memory_control.json",
                     RESULTS / "inflight_vllm_cpu_smollm2_memory_repeats.json")
-# ours and its control against greedy in flight, the engines' build order rotated from run to run
-INFLIGHT_ROTATED = RESULTS / "inflight_vllm_cpu_smollm2_rotated.json"
-# suffix decoding and ours in flight with a spare engine built (and closed) first, so none timed is the process's first
-INFLIGHT_SPARE = RESULTS / "inflight_vllm_cpu_smollm2_spare.json"
 # identical vLLM engines built in turn in one process: is the first one slower?
 ENGINE_ORDER = RESULTS / "engine_order_vllm_cpu_smollm2.json"
 # suffix decoding and ours again in flight, twice on engines built afresh, a control engine beside them
 INFLIGHT_PEERS_REPEATS = RESULTS / "inflight_vllm_cpu_smollm2_peers_repeats.json"
-# the frequency drafter (the default chain since 2026-11-26): against the chain before it on one engine, per request
-# (vLLM, transformers), and the in-flight levels against suffix decoding
-FREQUENCY_AB = (RESULTS / "config_ab_vllm_cpu_smollm2_frequency.json", RESULTS / "config_ab_vllm_cpu_smollm2_frequency_16.json",
-                RESULTS / "config_ab_hf_cpu_smollm2_frequency.json")
+# the frequency drafter (the default chain since 2026-11-26) in flight beside suffix decoding, tuned and not
 FREQUENCY_INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2_frequency.json"
+# the long-document case (chunks in the prompt, the whole documents behind them as references) with the defaults,
+# and again with the references drafted by counts (the A/B on one engine found the two choices level there)
+LONG_DOCUMENTS = (RESULTS / "long_documents_vllm_cpu_smollm2_spare.json",
+                  RESULTS / "long_documents_vllm_cpu_smollm2_counted_refs.json")
 # a request's references set up beside its prefill: 2 torch threads (the CPU's cores), and 1 (a core left free,
 # as a GPU leaves the host's)
 SETUP, SETUP_FREE = RESULTS / "setup_cost_cpu_smollm2.json", RESULTS / "setup_cost_cpu_smollm2_1thread.json"
-
-
-def levels_vs_greedy(summary: dict, methods: tuple[str, ...], levels: list[int]) -> str:
-    """An in-flight run's ratios against vllm-greedy per level, with tokens/step, for each method.
-
-    Example:
-        >>> levels_vs_greedy({"m@1": {"vs_greedy": 1.2, "tokens_per_step": 1.5}}, ("m",), [1])
-        'm 1.20x (1.50 tokens/step)'
-    """
-    return "; ".join(f"{m} " + "/".join(f"{summary[f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
-                     + " (" + "/".join(f"{summary[f'{m}@{c}']['tokens_per_step']:.2f}" for c in levels)
-                     + " tokens/step)" for m in methods)
-
-
-def levels_ratio(summary: dict, method: str, other: str, levels: list[int]) -> str:
-    """``method``'s tokens/s over ``other``'s per level, all runs: ``1.00x/1.02x``."""
-    return "/".join(f"{summary[f'{method}@{c}']['tokens_per_s'] / summary[f'{other}@{c}']['tokens_per_s']:.2f}x"
-                    for c in levels)
 
 
 def engine_section(path: Path) -> str:
@@ -246,36 +229,83 @@ def _replace(path: Path, start: str, end: str, body: str) -> None:
     path.write_text(text[:a] + "\n" + body + "\n" + text[b:])
 
 
-def frequency_paragraph() -> str:
-    """What the frequency drafter changed: the A/B runs of the default chain against the one before it, on one
-    engine request by request, and the in-flight levels against suffix decoding."""
-    said = []
-    for path in FREQUENCY_AB:
+def suffix_section(peers: dict) -> str:
+    """Ours against vLLM's suffix decoding, case by case, from the runs that put them side by side: what a
+    user choosing between its one flag and our plug-in asks first."""
+    rows = []
+
+    def row(case: str, ours: float, suffix: float, run: Path, ours_name: str = "vllm-ours") -> None:
+        rows.append(f"| {case} | {ours_name} {ours:.2f}x | {suffix:.2f}x | **{ours / suffix:.2f}x** | "
+                    f"[run](benchmarks/results/{run.with_suffix('.md').name}) |")
+
+    def vs(summary: dict, m: str) -> float:
+        return summary[m]["speedup_vs_vllm_greedy_geomean"]
+
+    sm = peers["summary"]
+    row(f"per request, {peers['items']} new questions", vs(sm, "vllm-ours"), vs(sm, "vllm-suffix"), PEERS)
+    row("the same, ours copying from earlier answers too, as suffix does", vs(sm, "vllm-ours-memory"),
+        vs(sm, "vllm-suffix"), PEERS, "vllm-ours-memory")
+    if MEMORY.is_file():  # the cached-answer case, every item reworded
+        mm = json.loads(MEMORY.read_text())
+        rw = mm["reworded_summary"]
+        case = f"a question asked again, reworded ({mm['reworded']} items)"
+        row(case + ": the server's memory only", vs(rw, "vllm-ours-memory"), vs(rw, "vllm-suffix"), MEMORY,
+            "vllm-ours-memory")
+        row(case + ": the client passes its cached answer", vs(rw, "vllm-ours"), vs(rw, "vllm-suffix"), MEMORY)
+    if INFLIGHT.is_file():
+        fl = json.loads(INFLIGHT.read_text())["summary"]
+        levels = sorted({v["in_flight"] for v in fl.values()})
+
+        def at(m: str) -> list[float]:
+            return [fl[f"{m}@{c}"]["vs_greedy"] for c in levels]
+
+        rows.append(f"| {' / '.join(map(str, levels))} in flight (tokens/s, 2 runs; the table below) | vllm-ours "
+                    + " / ".join(f"{x:.2f}x" for x in at("vllm-ours")) + " | "
+                    + " / ".join(f"{x:.2f}x" for x in at("vllm-suffix")) + " | **"
+                    + " / ".join(f"{o / x:.2f}x" for o, x in zip(at("vllm-ours"), at("vllm-suffix"))) + "** | "
+                    f"[run](benchmarks/results/{INFLIGHT.with_suffix('.md').name}) |")
+    runs = [json.loads(path.read_text()) for path in LONG_DOCUMENTS if path.is_file()]
+    if runs:  # (the second run with the references by counts: level with LLMA's choice on one engine there)
+        ours = [run["summary"]["vllm-ours-documents"]["vs_greedy_geomean"] for run in runs]
+        suffix = [run["summary"]["vllm-suffix"]["vs_greedy_geomean"] for run in runs]
+        items = len({row["item"] for row in runs[0]["rows"] if not row.get("warm_up")})
+        rows.append(f"| long documents: chunks in the prompt, the whole documents as references ({items} items, "
+                    f"{len(runs)} runs, the second with the references by counts) | vllm-ours "
+                    + "; ".join(f"{x:.2f}x" for x in ours) + " | " + "; ".join(f"{x:.2f}x" for x in suffix) + " | **"
+                    + "; ".join(f"{o / x:.2f}x" for o, x in zip(ours, suffix)) + "** | "
+                    + ", ".join(f"[run](benchmarks/results/{path.with_suffix('.md').name})"
+                                for path in LONG_DOCUMENTS if path.is_file()) + " |")
+    loaded = []  # ours and tuned suffix against greedy at 16 and 32 in flight, over every committed in-flight run
+    for path in (INFLIGHT, FREQUENCY_INFLIGHT, INFLIGHT_SPARE, INFLIGHT_PEERS_REPEATS, SUFFIX_F3_INFLIGHT):
         if path.is_file():
-            ab = json.loads(path.read_text())
-            s, (a, b) = ab["summary"], ab["values"]
-            engine = {"vllm": "vLLM", "hf": "transformers"}[ab["engine"]]
-            unit = "items" if ab["in_flight"] == 1 else f"groups of {ab['in_flight']} in flight"
-            engine += f" ({ab['max_new_tokens']} tokens" + ("" if ab["in_flight"] == 1 else f", {ab['in_flight']} in flight") + ")"
-            said.append(f"{engine} {s['b_over_a']['geo_mean']:.3f}x (faster on {s['b_over_a']['b_faster']} of "
-                        f"{s['b_over_a']['groups']} {unit}; {s[b]['tokens_per_step']:.2f} against "
-                        f"{s[a]['tokens_per_step']:.2f} tokens/step; {s[b]['vs_greedy']:.2f}x greedy; "
-                        f"[run](benchmarks/results/{path.with_suffix('.md').name}))")
-    text = ("The `frequency` drafter (suffix decoding's choice over prompt and output, its drafts valued by their "
-            "per-token probabilities) is in the default chain the table's `ours` rows ran (references, then it); "
-            "the chain before it was references, prompt lookup, n-grams")
-    if said:
-        text += ("; against that chain on one engine, request by request on the sample's last items: "
-                 + "; ".join(said))
-    if FREQUENCY_INFLIGHT.is_file():
-        run = json.loads(FREQUENCY_INFLIGHT.read_text())
-        sm = run["summary"]
-        levels = sorted({int(k.split("@")[1]) for k in sm})
-        methods = list(dict.fromkeys(k.split("@")[0] for k in sm if not k.startswith("vllm-greedy@")))
-        text += (f". In flight, one run, each level on its own items ([run](benchmarks/results/"
-                 f"{FREQUENCY_INFLIGHT.with_suffix('.md').name})), tokens/s against vllm-greedy at "
-                 f"{'/'.join(map(str, levels))}: {levels_vs_greedy(sm, tuple(methods), levels)}")
-    return text + "."
+            loaded.append(json.loads(path.read_text())["summary"])
+    under_load = {m: [run[f"{m}@{c}"]["vs_greedy"] for run in loaded for c in (16, 32) if f"{m}@{c}" in run]
+                  for m in ("vllm-ours", "vllm-suffix-f3")}
+    said = ""
+    if MEMORY_AB.is_file():  # the memory row's engines against the memory itself on one engine
+        ab = json.loads(MEMORY_AB.read_text())["summary"]
+        off, on, diff = ab["null"], ab['"bench"'], ab["b_over_a"]
+        said = (f"On ONE engine, the memory on against off request by request ([run](benchmarks/results/"
+                f"{MEMORY_AB.with_suffix('.md').name}), the sample's last {diff['groups']} items): "
+                f"{diff['geo_mean']:.3f}x (faster on {diff['b_faster']} of {diff['groups']}; "
+                f"{on['tokens_per_step']:.2f} against {off['tokens_per_step']:.2f} tokens/step), so where the memory's "
+                "row falls below vllm-ours it is the spread between engines on this CPU (below), not the memory's "
+                "cost. ")
+    return "\n".join([
+        "Against vLLM's suffix decoding (its one flag, at vLLM's defaults), case by case; speed-ups against "
+        "vllm-greedy, per request unless said (geo-mean over the same items, so their ratio is ours over suffix's "
+        "per item):", "", "| case | ours | vllm-suffix | ours / suffix | run |", "|---|---|---|---|---|", *rows, "",
+        said + "Where they tie, both copy from the same places: the prompt, the answer so far, the engine's earlier answers; "
+        "suffix decoding at `max_spec_factor` 3 "
+        f"(vllm-suffix-f3) was {vs(sm, 'vllm-suffix-f3') / vs(sm, 'vllm-suffix'):.2f}x its defaults per request in "
+        "the peer table's run, and under load "
+        f"{min(under_load['vllm-suffix-f3']):.2f}x-{max(under_load['vllm-suffix-f3']):.2f}x vllm-greedy's tokens/s "
+        f"at 16 and 32 in flight, ours {min(under_load['vllm-ours']):.2f}x-{max(under_load['vllm-ours']):.2f}x "
+        f"(every committed in-flight run with them). What ours adds: references that are not in the prompt (a cached "
+        "answer, whole documents, an earlier turn), a memory scoped per tenant, and drafts cut to what the batch "
+        "can afford. On these items the model answers from its prompt, where suffix decoding's tree finds as much "
+        "as our drafters do; no match choice tried here (a learned score, suffix's own tree, counts over the "
+        "references) moved real timing by more than ~1% ([benchmarks/results](benchmarks/results/README.md))."])
 
 
 def summary_section() -> str:
@@ -332,42 +362,42 @@ def summary_section() -> str:
         lines[-1] += (f" Through HTTP (`rag-accel serve`, the sample's last {sv['items']} items, {sv['date'][:10]}; "
                       f"[table](benchmarks/results/{SERVE.with_suffix('.md').name})), tokens/s over the server "
                       "without speculation, c requests in flight: " + "; ".join(said) + ".")
-    if any(p.is_file() for p in FREQUENCY_AB) or FREQUENCY_INFLIGHT.is_file():
-        lines += ["", frequency_paragraph()]
-    if COLD.is_file() and WARM.is_file():
+    lines += ["", suffix_section(r)]
+    if COLD.is_file() and WARM.is_file():  # never slower from the first request: cold, warm, other queries
         cold, warm = json.loads(COLD.read_text()), json.loads(WARM.read_text())
-        lines += ["", f"Cold against warm (transformers, the sample's last {cold['items']} items, which no default "
-                      f"was tuned on, x {cold['max_new_tokens']} tokens, median of {cold['repeats']} runs per item, "
-                      f"{cold['environment']['date']}): cold, every request is a fresh process's first "
-                      "([run](benchmarks/results/" + COLD.with_suffix('.md').name + ")); warm, the decoder keeps "
-                      "what earlier requests taught ([run](benchmarks/results/" + WARM.with_suffix('.md').name + ")).",
-                  "", "| method | cold: speed-up (geo-mean) | cold: worst item | warm: speed-up (geo-mean) | "
-                      "warm: worst item | identical |", "|---|---|---|---|---|---|"]
-        for m, c in cold["summary"].items():
-            w = warm["summary"].get(m)
-            if w is None or m == "greedy":
-                continue
-            lines.append(f"| {m} | {c['speedup_geomean']:.2f}x | {c['speedup_worst']:.2f}x | "
-                         f"{w['speedup_geomean']:.2f}x | {w['speedup_worst']:.2f}x | "
-                         f"{min(c['identical_rate'], w['identical_rate']):.0%} |")
-        if VLLM_COLD.is_file():  # against its own engine's greedy: vllm-greedy
+        said = [f"{m} cold {c['speedup_geomean']:.2f}x (worst item {c['speedup_worst']:.2f}x), warm "
+                f"{warm['summary'][m]['speedup_geomean']:.2f}x ({warm['summary'][m]['speedup_worst']:.2f}x)"
+                for m, c in cold["summary"].items() if m != "greedy" and m in warm["summary"]]
+        if VLLM_COLD.is_file() and VLLM_WARM.is_file():  # against its own engine's greedy: vllm-greedy
             vc = json.loads(VLLM_COLD.read_text())
-            v = vc["summary"]["vllm-ours"]
-            w = json.loads(VLLM_WARM.read_text())["summary"]["vllm-ours"] if VLLM_WARM.is_file() else None
-            warm_cells = (f"{w['speedup_vs_vllm_greedy_geomean']:.2f}x ([run](benchmarks/results/"
-                          f"{VLLM_WARM.with_suffix('.md').name})) | {w['speedup_vs_vllm_greedy_worst']:.2f}x"
-                          if w else "- | -")
-            same = min(v["identical_rate"], w["identical_rate"]) if w else v["identical_rate"]
-            lines.append(f"| vllm-ours, against vllm-greedy ([run](benchmarks/results/{VLLM_COLD.with_suffix('.md').name}), "
-                         f"median of {vc['repeats']}) | {v['speedup_vs_vllm_greedy_geomean']:.2f}x | "
-                         f"{v['speedup_vs_vllm_greedy_worst']:.2f}x | {warm_cells} | {same:.0%} |")
+            v, w = vc["summary"]["vllm-ours"], json.loads(VLLM_WARM.read_text())["summary"]["vllm-ours"]
+            said.append(f"vllm-ours against vllm-greedy cold {v['speedup_vs_vllm_greedy_geomean']:.2f}x "
+                        f"({v['speedup_vs_vllm_greedy_worst']:.2f}x; [run](benchmarks/results/"
+                        f"{VLLM_COLD.with_suffix('.md').name}), median of {vc['repeats']}), warm "
+                        f"{w['speedup_vs_vllm_greedy_geomean']:.2f}x ({w['speedup_vs_vllm_greedy_worst']:.2f}x; "
+                        f"[run](benchmarks/results/{VLLM_WARM.with_suffix('.md').name}))")
         if TRECDL_COLD.is_file():  # queries and passages of another kind, never tuned on
             tc = json.loads(TRECDL_COLD.read_text())
             t = tc["summary"]["ours"]
-            lines.append(f"| ours, the first {tc['items']} TREC DL 2019+2020 queries, BM25 top-10 passages "
-                         f"([run](benchmarks/results/{TRECDL_COLD.with_suffix('.md').name}), median of "
-                         f"{tc['repeats']}) | {t['speedup_geomean']:.2f}x | {t['speedup_worst']:.2f}x | - | - | "
-                         f"{t['identical_rate']:.0%} |")
+            said.append(f"ours on the first {tc['items']} TREC DL 2019+2020 queries, BM25 top-10 passages, cold "
+                        f"{t['speedup_geomean']:.2f}x ({t['speedup_worst']:.2f}x; [run](benchmarks/results/"
+                        f"{TRECDL_COLD.with_suffix('.md').name}), median of {tc['repeats']})")
+        replay = RESULTS / "cold_replay_smollm2_last100.json"
+        if replay.is_file():  # the same without timing noise
+            rs = json.loads(replay.read_text())["summary"]
+            said.append("replayed without timing noise (each request's drafting against the model's answers to the "
+                        "last 100 items, at the measured step costs; [replay](benchmarks/results/"
+                        f"{replay.with_suffix('.md').name})) " + ", ".join(
+                            f"{k.replace(', new policy', '')} {v['geomean']:.2f}x (worst {v['worst']:.2f}x)"
+                            for k, v in rs.items() if k.endswith("new policy")))
+        same = min(x["identical_rate"] for path in (COLD, WARM, VLLM_COLD, VLLM_WARM, TRECDL_COLD) if path.is_file()
+                   for x in json.loads(path.read_text())["summary"].values())
+        lines += ["", f"Never slower from the first request: cold, every request a fresh process's first "
+                      f"([run](benchmarks/results/{COLD.with_suffix('.md').name})), against warm, the decoder keeping "
+                      f"what earlier requests taught ([run](benchmarks/results/{WARM.with_suffix('.md').name})); "
+                      f"transformers, the sample's last {cold['items']} items (no default was tuned on them) x "
+                      f"{cold['max_new_tokens']} tokens, median of {cold['repeats']} runs per item, "
+                      f"{cold['environment']['date']}: " + "; ".join(said) + f"; {same:.0%} identical."]
     if MISLEADING.is_file():
         ms = json.loads(MISLEADING.read_text())["summary"]["ours-ref"]
         lines += ["", f"Every draft rejected (references built to match the output and continue it wrongly, cold, "
@@ -375,23 +405,21 @@ def summary_section() -> str:
                       f"{ms['drafted']} draft tokens sent, none accepted; all items' time "
                       f"{ms['total_vs_greedy']:.3f}x greedy's speed and {ms['total_vs_plain']:.3f}x our loop's "
                       f"without drafting (worst item {ms['worst_vs_plain']:.3f}x)."]
-    if MEMORY.is_file():  # the cached-answer case with nothing from the client: our memory against suffix's tree
-        mm = json.loads(MEMORY.read_text())
-        said = []
-        for case, key in (("new questions", "summary"), ("the same questions reworded", "reworded_summary")):
-            got = mm.get(key) or {}
-            said.append(f"{case}: " + ", ".join(
-                f"{m} {got[m]['speedup_vs_vllm_greedy_geomean']:.2f}x ({got[m]['tokens_per_step']:.2f} tokens/step)"
-                for m in ("vllm-ours-memory", "vllm-suffix", "vllm-ours") if m in got))
-        lines += ["", f"The server's memory of earlier answers (vLLM, the sample's last {mm['items']} items x "
-                      f"{mm['max_new_tokens']} tokens, {mm['environment']['date']}; "
-                      f"[run](benchmarks/results/{MEMORY.with_suffix('.md').name})), per request against vllm-greedy; "
-                      "vllm-ours-memory gets the passages only, its memory holding the earlier answers as suffix "
-                      "decoding's tree does, and drafting from them as suffix decoding does (the continuation most "
-                      "of them share, with its probabilities); in the reworded case vllm-ours gets the cached answer "
-                      "from the client: " + "; ".join(said) + "."
-                      + (" The peer table's vllm-ours-memory row ran the memory before it (the latest answer "
-                         "continuing the longest 2-4-token n-gram)." if PEERS_NGRAM_MEMORY else "")]
+    spread = ""
+    if all(p.is_file() for p in INFLIGHT_CONTROL):  # how far two engines configured alike differ in flight
+        ratios = []
+        for path in INFLIGHT_CONTROL:
+            rate = run_rates(json.loads(path.read_text())["rows"])
+            ratios += [rate["vllm-ours-control", c, k] / rate["vllm-ours", c, k] - 1 for m, c, k in rate
+                       if m == "vllm-ours"]
+        spread = (" Two engines configured alike differ on this 2-core CPU: a second engine configured as vllm-ours "
+                  "beside it (the same items in the same order) had tokens/s against it from "
+                  f"{min(ratios):+.0%} to {max(ratios):+.0%} at 1-32 in flight over "
+                  f"{sum(len(json.loads(p.read_text()).get('build_orders', [0])) for p in INFLIGHT_CONTROL)} runs ("
+                  + ", ".join(f"[run](benchmarks/results/{p.with_suffix('.md').name})" for p in INFLIGHT_CONTROL)
+                  + "), so a difference between methods smaller than that, from one run, is not told apart; the "
+                  "in-flight runs with the memory of earlier answers, the engines' build order rotated and a spare "
+                  "engine built first are on the [results page](benchmarks/results/README.md).")
     if INFLIGHT.is_file():  # suffix and a tuned dynamic n-gram in flight, on items they never saw
         fl = json.loads(INFLIGHT.read_text())
         sm, levels = fl["summary"], sorted({v["in_flight"] for v in fl["summary"].values()})
@@ -403,7 +431,7 @@ def summary_section() -> str:
                          if len(fl.get("build_orders", [])) > 1 else "") + " "
                       f"([run](benchmarks/results/{INFLIGHT.with_suffix('.md').name}); vllm-ngram-dynamic: vLLM's "
                       f"dynamic speculative decoding with the schedule `{fl['schedule']}` tuned first on the sample's "
-                      "first items" + numba_clause(fl) + "): tokens/s against vllm-greedy:", "",
+                      "first items" + numba_clause(fl) + ")." + spread + " Tokens/s against vllm-greedy:", "",
                   "| method | " + " | ".join(f"{c} in flight" for c in levels) + " | identical |",
                   "|---|" + "---|" * (len(levels) + 1)]
         for m in methods:
@@ -411,91 +439,6 @@ def summary_section() -> str:
             same = sum(sm[f"{m}@{c}"]["identical"] for c in levels)
             total = sum(sm[f"{m}@{c}"]["requests"] for c in levels)
             lines.append(f"| {m} | " + " | ".join(cells) + f" | {same / total:.0%} |")
-    if all(p.is_file() for p in INFLIGHT_MEMORY):  # our memory in flight, as suffix's tree is on by default
-        said = []
-        for path in INFLIGHT_MEMORY:
-            sm = json.loads(path.read_text())["summary"]
-            levels = sorted({v["in_flight"] for v in sm.values()})
-            methods = [m for m in ("vllm-ours-memory", "vllm-suffix", "vllm-ours") if f"{m}@{levels[0]}" in sm]
-            said.append(", ".join(f"{m} " + "/".join(f"{sm[f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
-                                  for m in methods) + f" ([run](benchmarks/results/{path.with_suffix('.md').name}))")
-        lines += ["", "With the memory of earlier answers on (vllm-ours-memory: every request in one scope, as suffix "
-                      "decoding's tree holds every answer), the same items in runs of their own, tokens/s against "
-                      f"vllm-greedy at {'/'.join(str(c) for c in levels)} in flight: " + "; again: ".join(said) + "."]
-    if all(p.is_file() for p in INFLIGHT_MEMORY + INFLIGHT_CONTROL):  # (said after the memory: how far two engines differ)
-        def ratios(path: Path, method: str) -> list[dict[int, float]]:
-            """Per run (repeat) of ``path``: ``method``'s tokens/s over vllm-ours's, per level."""
-            rate = run_rates(json.loads(path.read_text())["rows"])
-            repeats, levels = sorted({k for _, _, k in rate}), sorted({c for _, c, _ in rate})
-            return [{c: rate[method, c, k] / rate["vllm-ours", c, k] for c in levels} for k in repeats]
-
-        control = [(ratios(path, "vllm-ours-control"), path) for path in INFLIGHT_CONTROL]
-        levels = sorted(control[0][0][0])
-        said = [" and ".join("/".join(f"{run[c] - 1:+.0%}" for c in levels) for run in runs)
-                + f" ([run](benchmarks/results/{path.with_suffix('.md').name}))" for runs, path in control]
-        memory = [run[16] - 1 for path in INFLIGHT_MEMORY + INFLIGHT_CONTROL for run in ratios(path, "vllm-ours-memory")]
-        lines[-1] += (" Two engines of one configuration differ as much on this 2-core CPU. A second engine configured "
-                      "as vllm-ours beside them (vllm-ours-control, the same items in the same order) had tokens/s "
-                      f"against vllm-ours at {'/'.join(str(c) for c in levels)} in flight of " + "; in two runs on "
-                      "engines built afresh, ".join(said) + f". So the memory's gap at 16 in flight ({len(memory)} "
-                      f"runs: {min(memory):+.0%} to {max(memory):+.0%}, {sum(memory) / len(memory):+.0%} on average) "
-                      "is not told apart from that spread: a cost of a few per cent there is possible, not shown. "
-                      "Nor is any in-flight difference between methods of that size, from one run with one engine each.")
-    if INFLIGHT_PEERS_REPEATS.is_file() and all(p.is_file() for p in INFLIGHT_MEMORY):  # (after the spread)
-        run = json.loads(INFLIGHT_PEERS_REPEATS.read_text())
-        sm, rate = run["summary"], run_rates(run["rows"])
-        levels = sorted({c for _, c, _ in rate})
-        repeats = sorted({k for _, _, k in rate})
-        both = levels_vs_greedy(sm, ("vllm-suffix", "vllm-ours", "vllm-ours-control"), levels)
-        ours_vs = levels_ratio(sm, "vllm-ours", "vllm-suffix", levels)
-        control = " and ".join("/".join(f"{rate['vllm-ours-control', c, k] / rate['vllm-ours', c, k] - 1:+.0%}"
-                                        for c in levels) for k in repeats)
-        lines[-1] += (f" Suffix decoding and ours again, {len(repeats)} runs on engines built afresh, a control engine "
-                      f"beside them ([run](benchmarks/results/{INFLIGHT_PEERS_REPEATS.with_suffix('.md').name}), the "
-                      f"table's items), all runs' tokens/s against vllm-greedy at {'/'.join(map(str, levels))} in "
-                      f"flight: {both}. Ours against suffix: {ours_vs}, while the control against ours was {control} in the "
-                      "runs: in flight the two are tied within the spread between engines. At 16 and 32 in flight, "
-                      "where a verify's draft tokens cost this CPU nearly their full share, neither beats greedy; "
-                      "ours drafts less there, suffix as much as alone.")
-    if INFLIGHT_ROTATED.is_file() and INFLIGHT_PEERS_REPEATS.is_file() and all(p.is_file() for p in INFLIGHT_MEMORY):
-        run = json.loads(INFLIGHT_ROTATED.read_text())
-        rate = run_rates(run["rows"])
-        levels, repeats = sorted({c for _, c, _ in rate}), sorted({k for _, _, k in rate})
-        ours = ("vllm-ours", "vllm-ours-control")
-
-        def vs_greedy(m: str, c: int, k: int) -> float:
-            return rate[m, c, k] / rate["vllm-greedy", c, k]
-
-        said = []
-        for k, order in zip(repeats, run["build_orders"]):
-            where = "first" if order[0] == "vllm-greedy" else "last" if order[-1] == "vllm-greedy" else "in between"
-            said.append(f"vllm-greedy built {where}: " + ", ".join(
-                f"{m} " + "/".join(f"{vs_greedy(m, c, k):.2f}x" for c in levels) for m in ours))
-        lines[-1] += (" With the engines' build order rotated from run to run ([run](benchmarks/results/"
-                      f"{INFLIGHT_ROTATED.with_suffix('.md').name})), tokens/s against vllm-greedy at "
-                      f"{'/'.join(map(str, levels))} in flight: " + "; ".join(said) + "; both runs: " + ", ".join(
-                          f"{m} " + "/".join(f"{run['summary'][f'{m}@{c}']['vs_greedy']:.2f}x" for c in levels)
-                          for m in ours)
-                      + ".")
-        orders = run["build_orders"]
-        if len(repeats) == 2 and orders[0][0] == "vllm-greedy" and orders[1][-1] == "vllm-greedy":
-            moved = {m: [vs_greedy(m, c, repeats[1]) / vs_greedy(m, c, repeats[0]) - 1 for c in levels] for m in ours}
-            lines[-1] += (" From vllm-greedy built first to built last, those ratios moved by "
-                          + ", ".join(f"{m} {min(d):+.0%} to {max(d):+.0%}" for m, d in moved.items())
-                          + ": a bias of that size is not told apart from the spread in one pair of runs.")
-    if INFLIGHT_SPARE.is_file() and INFLIGHT_PEERS_REPEATS.is_file() and all(p.is_file() for p in INFLIGHT_MEMORY):
-        run = json.loads(INFLIGHT_SPARE.read_text())
-        sm, rate = run["summary"], run_rates(run["rows"])
-        levels, repeats = sorted({c for _, c, _ in rate}), sorted({k for _, _, k in rate})
-        peers = ("vllm-suffix", "vllm-ours")
-        each = "; ".join(f"run {k + 1}: " + ", ".join(
-            f"{m} " + "/".join(f"{rate[m, c, k] / rate['vllm-greedy', c, k]:.2f}x" for c in levels) for m in peers)
-            for k in repeats)
-        lines[-1] += (" Then with a spare engine built and closed before the timed ones, so that none is the process's "
-                      f"first, {len(repeats)} runs, the build order rotated ([run](benchmarks/results/"
-                      f"{INFLIGHT_SPARE.with_suffix('.md').name})), tokens/s against vllm-greedy at "
-                      f"{'/'.join(map(str, levels))} in flight, all runs: {levels_vs_greedy(sm, peers, levels)}; "
-                      f"ours against suffix {levels_ratio(sm, 'vllm-ours', 'vllm-suffix', levels)} ({each}).")
     if SETUP.is_file() and SETUP_FREE.is_file():  # the first token of a short prompt with big references
         said = []
         for path, how in ((SETUP, "2 torch threads"), (SETUP_FREE, "1 thread, a core left free as a GPU leaves the host's")):
@@ -517,15 +460,6 @@ def summary_section() -> str:
             lines[-1] += (f" A {new}-token answer to a {setup['environment']['prompt_tokens']}-token RAG prompt with the "
                           f"{big.split(', ')[1]}, 2 threads: {e2e[big]['vs_greedy']:.2f}x greedy new to the decoder, "
                           f"{e2e[big + ', seen before']['vs_greedy']:.2f}x seen before (its text tokenised once).")
-    replay = RESULTS / "cold_replay_smollm2_last100.json"
-    if replay.is_file():
-        rs = json.loads(replay.read_text())["summary"]
-        said = "; ".join(f"{k.replace(', new policy', '')} {v['geomean']:.2f}x, worst {v['worst']:.2f}x"
-                         for k, v in rs.items() if k.endswith("new policy"))
-        lines += ["", "The same without timing noise (each request's drafting replayed against the model's answers to "
-                      "the last 100 items, at the measured step costs; "
-                      f"[replay](benchmarks/results/{replay.with_suffix('.md').name}), the policy before and "
-                      f"after there): {said}."]
     png = PEERS.with_suffix(".png")
     if png.is_file():
         lines += ["", f"![per-item speed-up and tokens per step](benchmarks/results/{png.name})"]
