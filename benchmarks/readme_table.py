@@ -27,6 +27,7 @@ PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_memory_counts.json"
 # the memory of answers on and off on ONE engine, request by request: what the memory buys without the spread between
 # engines (PEERS's memory engine was 13.5% slower a step than vllm-ours's, from the first item on)
 MEMORY_AB = RESULTS / "config_ab_vllm_cpu_smollm2_memory.json"
+MEMORY_AB_16 = RESULTS / "config_ab_vllm_cpu_smollm2_memory_16.json"  # the same, 16 requests in flight
 SERVE = RESULTS / "serve_cpu_smollm2.json"
 # cold: median of 5 runs per item (the run of 3 before it stays on the results page)
 COLD, WARM = RESULTS / "bench_cpu_smollm2_last30x64_cold_r5.json", RESULTS / "bench_cpu_smollm2_last30x64_warm.json"
@@ -275,12 +276,13 @@ def suffix_section(peers: dict) -> str:
                     + "; ".join(f"{o / x:.2f}x" for o, x in zip(ours, suffix)) + "** | "
                     + ", ".join(f"[run](benchmarks/results/{path.with_suffix('.md').name})"
                                 for path in LONG_DOCUMENTS if path.is_file()) + " |")
-    loaded = []  # ours and tuned suffix against greedy at 16 and 32 in flight, over every committed in-flight run
+    loaded = []  # ours and tuned suffix against greedy at 16 and 32 in flight, in the in-flight runs this page names
     for path in (INFLIGHT, FREQUENCY_INFLIGHT, INFLIGHT_SPARE, INFLIGHT_PEERS_REPEATS, SUFFIX_F3_INFLIGHT):
         if path.is_file():
             loaded.append(json.loads(path.read_text())["summary"])
     under_load = {m: [run[f"{m}@{c}"]["vs_greedy"] for run in loaded for c in (16, 32) if f"{m}@{c}" in run]
                   for m in ("vllm-ours", "vllm-suffix-f3")}
+    runs_with = {m: sum(f"{m}@16" in run for run in loaded) for m in under_load}
     said = ""
     if MEMORY_AB.is_file():  # the memory row's engines against the memory itself on one engine
         ab = json.loads(MEMORY_AB.read_text())["summary"]
@@ -288,9 +290,14 @@ def suffix_section(peers: dict) -> str:
         said = (f"On ONE engine, the memory on against off request by request ([run](benchmarks/results/"
                 f"{MEMORY_AB.with_suffix('.md').name}), the sample's last {diff['groups']} items): "
                 f"{diff['geo_mean']:.3f}x (faster on {diff['b_faster']} of {diff['groups']}; "
-                f"{on['tokens_per_step']:.2f} against {off['tokens_per_step']:.2f} tokens/step), so where the memory's "
-                "row falls below vllm-ours it is the spread between engines on this CPU (below), not the memory's "
-                "cost. ")
+                f"{on['tokens_per_step']:.2f} against {off['tokens_per_step']:.2f} tokens/step)")
+        if MEMORY_AB_16.is_file():
+            ab = json.loads(MEMORY_AB_16.read_text())
+            diff = ab["summary"]["b_over_a"]
+            said += (f"; with {ab['in_flight']} in flight ([run](benchmarks/results/{MEMORY_AB_16.with_suffix('.md').name})) "
+                     f"{diff['geo_mean']:.3f}x (faster in {diff['b_faster']} of {diff['groups']} groups)")
+        said += (", so where the memory's row falls below vllm-ours it is the spread between engines on this CPU "
+                 "(below), not the memory's cost. ")
     return "\n".join([
         "Against vLLM's suffix decoding (its one flag, at vLLM's defaults), case by case; speed-ups against "
         "vllm-greedy, per request unless said (geo-mean over the same items, so their ratio is ours over suffix's "
@@ -301,7 +308,7 @@ def suffix_section(peers: dict) -> str:
         "the peer table's run, and under load "
         f"{min(under_load['vllm-suffix-f3']):.2f}x-{max(under_load['vllm-suffix-f3']):.2f}x vllm-greedy's tokens/s "
         f"at 16 and 32 in flight, ours {min(under_load['vllm-ours']):.2f}x-{max(under_load['vllm-ours']):.2f}x "
-        f"(every committed in-flight run with them). What ours adds: references that are not in the prompt (a cached "
+        f"({runs_with['vllm-suffix-f3']} and {runs_with['vllm-ours']} committed in-flight runs). What ours adds: references that are not in the prompt (a cached "
         "answer, whole documents, an earlier turn), a memory scoped per tenant, and drafts cut to what the batch "
         "can afford. On these items the model answers from its prompt, where suffix decoding's tree finds as much "
         "as our drafters do; no match choice tried here (a learned score, suffix's own tree, counts over the "
