@@ -309,8 +309,9 @@ def suffix_section(peers: dict) -> str:
         f"{min(under_load['vllm-suffix-f3']):.2f}x-{max(under_load['vllm-suffix-f3']):.2f}x vllm-greedy's tokens/s "
         f"at 16 and 32 in flight, ours {min(under_load['vllm-ours']):.2f}x-{max(under_load['vllm-ours']):.2f}x "
         f"({runs_with['vllm-suffix-f3']} and {runs_with['vllm-ours']} committed in-flight runs). What ours adds: references that are not in the prompt (a cached "
-        "answer, whole documents, an earlier turn), a memory scoped per tenant, and drafts cut to what the batch "
-        "can afford. On these items the model answers from its prompt, where suffix decoding's tree finds as much "
+        "answer, whole documents, an earlier turn) and reach whichever engine serves the request, where suffix "
+        "decoding's tree (like our memory) holds only what its own engine answered since it started; a memory "
+        "scoped per tenant; drafts cut to what the batch can afford. On these items the model answers from its prompt, where suffix decoding's tree finds as much "
         "as our drafters do; no match choice tried here (a learned score, suffix's own tree, counts over the "
         "references) moved real timing by more than ~1% ([benchmarks/results](benchmarks/results/README.md))."])
 
