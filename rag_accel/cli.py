@@ -199,8 +199,9 @@ def bench(
     out: Path = typer.Option(Path("benchmarks/results/bench"), help="Output prefix: .json, .md, .png"),
 ) -> None:
     """Run greedy, Hugging Face prompt lookup and our configurations side by side on the same items
-    (and vLLM: vllm-greedy, vllm-ngram, vllm-suffix, vllm-suffix-f3, vllm-ours, with rag-accel[vllm] installed;
-    vllm-suffix and vllm-suffix-f3 need arctic-inference)."""
+    (and vLLM: vllm-greedy, vllm-ngram, vllm-suffix, vllm-suffix-f3, vllm-suffix-elsewhere, vllm-ours,
+    vllm-ours-memory, with rag-accel[vllm] installed; the vllm-suffix* methods need arctic-inference;
+    vllm-suffix-elsewhere runs the reworded case only)."""
     from .bench import (
         VLLM_HINT,
         BenchReport,

@@ -27,7 +27,7 @@ BASELINES = ("greedy", "hf-pld", "hf-assisted")
 NEEDS_DRAFT_MODEL = ("ours-draft", "ours-hybrid", "hf-assisted")
 # name -> the engine's speculation (rag_accel.vllm.SPECULATION); each runs on its own vLLM engine.
 VLLM_METHODS = {"vllm-greedy": "off", "vllm-ngram": "ngram", "vllm-suffix": "suffix", "vllm-suffix-f3": "suffix",
-                "vllm-ours": "ours", "vllm-ours-memory": "ours"}
+                "vllm-suffix-elsewhere": "suffix", "vllm-ours": "ours", "vllm-ours-memory": "ours"}
 # vLLM methods whose engine's speculative_config differs from that speculation's defaults: name -> the settings
 # (vLLM's names). vllm-suffix-f3 is suffix decoding tuned: a draft up to 3 times its match long, the best
 # max_spec_factor of 1-3 when its drafting was replayed on the sample's first 50 answers
@@ -48,5 +48,10 @@ MEMORY_SCOPE = {"vllm-ours-memory": "bench"}
 # answer in that tree, as a deployed engine would: the peer of our cached-answer reference. vllm-ours-memory is
 # our proposer with the memory of earlier answers (one scope for all its requests): the same rules, and in the
 # reworded case it gets the passages only, the cached answer being in its memory, as suffix's is in its tree.
-REMEMBERS_OUTPUTS = ("vllm-suffix", "vllm-suffix-f3", "vllm-ours-memory")
+REMEMBERS_OUTPUTS = ("vllm-suffix", "vllm-suffix-f3", "vllm-suffix-elsewhere", "vllm-ours-memory")
+# Methods that run the reworded case only: vllm-suffix-elsewhere is vLLM's suffix decoding on another engine than
+# the one that answered the questions first (another data-parallel engine, or the same server after a restart):
+# its tree holds the reworded answers it gave before the item, never the original's, which the client's cached
+# answer (vllm-ours's reference) still carries to whichever engine serves the request.
+REWORDED_ONLY = ("vllm-suffix-elsewhere",)
 ALL_METHODS = (*BASELINES, *OUR_METHODS, *VLLM_METHODS)

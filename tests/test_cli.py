@@ -332,7 +332,7 @@ def test_bench_vllm_methods_need_their_engines_and_cannot_be_target_forced():
         assert code == 2 and "pip install 'rag-accel[vllm]'" in out
 
 
-@pytest.mark.parametrize("suffix", ["vllm-suffix", "vllm-suffix-f3"])
+@pytest.mark.parametrize("suffix", ["vllm-suffix", "vllm-suffix-f3", "vllm-suffix-elsewhere"])
 def test_bench_never_shows_vllm_suffix_a_prompt_twice(suffix):
     """vLLM's suffix decoding copies its own earlier answers: a second round of an item, or a warm-up
     on a timed item, would let it copy the answer. Refused before any engine is needed; its tuned
@@ -342,13 +342,17 @@ def test_bench_never_shows_vllm_suffix_a_prompt_twice(suffix):
 
     dec = _tiny_decoder()
     items = load_msmarco_sample(with_answers=True, limit=3)
+    reworded = 1 if suffix == "vllm-suffix-elsewhere" else 0  # (it runs the reworded case only)
     with pytest.raises(ValueError, match="repeats=1"):
-        run_benchmark(dec, items[:2], ["greedy", suffix], 4, repeats=2, warmup=items[2])
+        run_benchmark(dec, items[:2], ["greedy", suffix], 4, repeats=2, warmup=items[2], reworded=reworded)
     for warmup in (None, items[0]):
         with pytest.raises(ValueError, match="warm up on an item that is not timed"):
-            run_benchmark(dec, items[:2], ["greedy", suffix], 4, warmup=warmup)
+            run_benchmark(dec, items[:2], ["greedy", suffix], 4, warmup=warmup, reworded=reworded)
     with pytest.raises(ValueError, match="needs its vLLM engine"):  # past the checks: the engine is missing
-        run_benchmark(dec, items[:2], ["greedy", suffix], 4, warmup=items[2])
+        run_benchmark(dec, items[:2], ["greedy", suffix], 4, warmup=items[2], reworded=reworded)
+    if reworded:  # without reworded items it would run nothing: refused, before any engine is needed
+        with pytest.raises(ValueError, match="reworded case only"):
+            run_benchmark(dec, items[:2], ["greedy", suffix], 4, warmup=items[2])
 
 
 def test_concurrency_summary_is_throughput_against_vllm_greedy_at_the_same_level():

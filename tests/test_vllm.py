@@ -593,6 +593,15 @@ def test_bench_runs_the_vllm_methods_beside_the_transformers_ones(dec, items, ba
     s = summarize(runs)
     assert s["vllm-ours"]["tokens_per_step"] > 1.0 and "speedup_vs_vllm_greedy_geomean" in s["vllm-ours"]
     assert 0.0 <= s["vllm-ours"]["identical_to_hf_greedy_rate"] <= 1.0
+    # vllm-suffix-elsewhere (suffix decoding on an engine that never answered the originals) runs the reworded
+    # case only, with the passages only (the plain engine stands in for it: the harness goes by its name)
+    runs = run_benchmark(hf, items[:1], ["greedy", "vllm-suffix-elsewhere"], 24, reworded=1, warmup=items[2],
+                         engines={"vllm-greedy": baseline.plain, "vllm-suffix-elsewhere": baseline.plain})
+    assert {(r.method, r.case) for r in runs if r.method == "vllm-suffix-elsewhere"} == {
+        ("vllm-suffix-elsewhere", "reworded")}
+    assert {(r.method, r.case) for r in runs if r.method == "greedy"} == {("greedy", "rag"), ("greedy", "reworded")}
+    assert all(r.identical for r in runs) and set(summarize(runs, "reworded")) == {
+        "greedy", "vllm-greedy", "vllm-suffix-elsewhere"} and "vllm-suffix-elsewhere" not in summarize(runs)
     # vllm-suffix remembers its earlier answers and these items were answered: it sits out (by name;
     # the plain engine stands in for it, so this costs no engine start)
     batch = run_concurrency({**engines, "vllm-suffix": baseline.plain}, hf, items, [2], 24, n_items=4)

@@ -38,6 +38,7 @@ from ..methods import (
     OUR_METHODS,
     PEER_ENVIRONMENT,
     REMEMBERS_OUTPUTS,
+    REWORDED_ONLY,
     SPECULATIVE_SETTINGS,
     VLLM_METHODS,
 )
@@ -317,6 +318,9 @@ def run_benchmark(
     if reworded < 0 or reworded > len(items):
         raise ValueError(f"reworded must be in [0, {len(items)}] (the items run), got {reworded}: lower --reworded "
                          "or raise --items")
+    if reworded == 0 and any(m in REWORDED_ONLY for m in methods):
+        raise ValueError(f"{[m for m in methods if m in REWORDED_ONLY]} run the reworded case only (an engine that "
+                         "never answered the original questions): add reworded items (--reworded N)")
     remembers = [m for m in methods if m in REMEMBERS_OUTPUTS]
     if remembers and repeats > 1:
         raise ValueError(f"{remembers} copy their own earlier outputs: a second round of an item would copy the "
@@ -360,6 +364,8 @@ def run_benchmark(
             for rep in range(repeats):
                 k = (i * repeats + rep) % len(methods)
                 for m in list(methods[k:]) + list(methods[:k]):
+                    if case == "rag" and m in REWORDED_ONLY:
+                        continue
                     if cold and m.startswith("ours"):
                         dec.reset_learning()
                     elif cold and m == "vllm-ours" and engines:

@@ -176,6 +176,10 @@ class BenchReport:
             *(["- vllm-suffix-f3: the same with suffix_decoding_max_spec_factor 3 (vLLM's default 1): a draft up to 3 "
                "times its match long, the best of 1-3 when its drafting was replayed on the sample's first 50 answers"]
               if "vllm-suffix-f3" in self.methods else []),
+            *(["- vllm-suffix-elsewhere: vLLM's suffix decoding on another engine than the one that answered the "
+               "questions first (another data-parallel engine, or the server after a restart): it runs the reworded "
+               "case only, its tree holding the reworded answers it gave before, never the original's"]
+              if "vllm-suffix-elsewhere" in self.methods else []),
             *(["- vllm-ours-memory: our proposer with the memory of earlier answers (all its requests in one scope): "
                "the same rules as vllm-suffix, and in the reworded case the client passes the passages only, "
                "the cached answer being in its memory"] if "vllm-ours-memory" in self.methods else []),
