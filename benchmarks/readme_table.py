@@ -26,6 +26,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_memory_counts.json"
 # the memory of answers on and off on ONE engine, request by request: what the memory buys without the spread between
 # engines (PEERS's memory engine was 13.5% slower a step than vllm-ours's, from the first item on)
+# the cached-answer case where suffix decoding's engine never answered the original (another data-parallel engine,
+# a restart): vllm-suffix-elsewhere beside the engine that did and ours with the client's cached answer
+ELSEWHERE = RESULTS / "bench_vllm_cpu_smollm2_last24_elsewhere.json"
 MEMORY_AB = RESULTS / "config_ab_vllm_cpu_smollm2_memory.json"
 MEMORY_AB_16 = RESULTS / "config_ab_vllm_cpu_smollm2_memory_16.json"  # the same, 16 requests in flight
 SERVE = RESULTS / "serve_cpu_smollm2.json"
@@ -253,6 +256,11 @@ def suffix_section(peers: dict) -> str:
         row(case + ": the server's memory only", vs(rw, "vllm-ours-memory"), vs(rw, "vllm-suffix"), MEMORY,
             "vllm-ours-memory")
         row(case + ": the client passes its cached answer", vs(rw, "vllm-ours"), vs(rw, "vllm-suffix"), MEMORY)
+    if ELSEWHERE.is_file():  # the same, suffix decoding's engine never having answered the original
+        el = json.loads(ELSEWHERE.read_text())
+        rw = el["reworded_summary"]
+        row(f"the same ({el['reworded']} items), the reworded question served by another engine than the original "
+            "(data parallel, a restart)", vs(rw, "vllm-ours"), vs(rw, "vllm-suffix-elsewhere"), ELSEWHERE)
     if INFLIGHT.is_file():
         fl = json.loads(INFLIGHT.read_text())["summary"]
         levels = sorted({v["in_flight"] for v in fl.values()})
