@@ -594,7 +594,7 @@ def test_bench_runs_the_vllm_methods_beside_the_transformers_ones(dec, items, ba
     assert s["vllm-ours"]["tokens_per_step"] > 1.0 and "speedup_vs_vllm_greedy_geomean" in s["vllm-ours"]
     assert 0.0 <= s["vllm-ours"]["identical_to_hf_greedy_rate"] <= 1.0
     # vllm-suffix-elsewhere (suffix decoding on an engine that never answered the originals) runs the reworded
-    # case only, with the passages only (the plain engine stands in for it: the harness goes by its name)
+    # case only (the plain engine stands in for it: the harness goes by its name)
     runs = run_benchmark(hf, items[:1], ["greedy", "vllm-suffix-elsewhere"], 24, reworded=1, warmup=items[2],
                          engines={"vllm-greedy": baseline.plain, "vllm-suffix-elsewhere": baseline.plain})
     assert {(r.method, r.case) for r in runs if r.method == "vllm-suffix-elsewhere"} == {
