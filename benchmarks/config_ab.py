@@ -15,7 +15,7 @@
         --values '["reference","prompt_lookup","ngram"];["reference","frequency"]' --items 48 \\
         --out benchmarks/results/config_ab_vllm_cpu_smollm2_frequency
 
-(the first in the vLLM virtualenv, the others in the main one: ``--plot`` needs matplotlib). Two engines
+(vLLM runs in the vLLM virtualenv, ``--engine hf`` and ``--plot`` in the main one: it has matplotlib). Two engines
 built in one process on this 2-core CPU differ by up to 8% (``benchmarks/results/inflight_vllm_cpu_smollm2_memory_control.md``), more
 than a policy change moves: comparing two values of an option on two engines measures the engines. Here one
 ``vllm-ours`` engine runs both values, the option passed per request (``config=``, what a client sends as
