@@ -4,7 +4,7 @@ The LLMA paper's second scenario: a service that answers many similar
 questions can copy from its own earlier answers. :class:`ResponseCache` keeps
 (query, answer) pairs with a FAISS index over the query embeddings; for a new
 query it returns the answers of the most similar past queries, which the
-decoder then uses as references (only speed is at stake: the output is the
+decoder then copies drafts from (``answers=``; only speed is at stake: the output is the
 model's own greedy answer whatever the cache returns).
 
 * Bounded: at most ``max_entries`` pairs; when full, the least recently used
@@ -123,7 +123,8 @@ class ResponseCache:
             return hits
 
     def references(self, query: str, k: int = 3) -> list[str]:
-        """Answers of similar past queries, ready to pass as ``references=``."""
+        """Answers of similar past queries, ready to pass as ``answers=`` (drafted as the model's earlier
+        answers are; as ``references=`` they would draft as passages do)."""
         return [h.answer for h in self.lookup(query, k)]
 
     def save(self, path: str | Path | None = None) -> None:

@@ -26,14 +26,14 @@ class Turn:
 
 
 class Conversation:
-    """A chat whose references are its own history plus retrieved passages and cached answers.
+    """A chat whose references are its own history plus retrieved passages, with cached answers.
 
     Args:
         decoder: the model.
         index: optional passage index; its top ``k`` hits for each question are
             put in the prompt and passed as references.
         cache: optional response cache; answers to similar past questions are
-            passed as references (not put in the prompt), and each answer is stored.
+            passed as ``answers=`` (not put in the prompt), and each answer is stored.
         system: system prompt.
     """
 
@@ -50,11 +50,13 @@ class Conversation:
         return msgs
 
     def references(self, question: str, passages: list[str]) -> list[str]:
+        """The next answer's references: the earlier turns and the passages."""
         refs = [text for t in self.turns for text in (t.answer, t.question)]
-        refs += passages
-        if self.cache is not None:
-            refs += self.cache.references(question)
-        return refs
+        return refs + passages
+
+    def answers(self, question: str) -> list[str]:
+        """Cached answers to questions like ``question`` (``answers=``: drafted as earlier answers are)."""
+        return self.cache.references(question) if self.cache is not None else []
 
     def ask(self, question: str, **generate_kwargs: Any) -> Turn:
         """Answer ``question`` in the context of the earlier turns and record the turn."""
@@ -63,7 +65,8 @@ class Conversation:
         hits = self.index.search(question, self.k) if self.index is not None else []
         passages = [h.text for h in hits]
         out = self.decoder.generate(self.messages(question, passages),
-                                    references=self.references(question, passages), **generate_kwargs)
+                                    references=self.references(question, passages),
+                                    answers=self.answers(question), **generate_kwargs)
         turn = Turn(question, out.text, hits, out)
         self.turns.append(turn)
         if self.cache is not None:

@@ -187,6 +187,23 @@ def reference_drafter(references: Sequence[Sequence[int]],
                                    config.frequency_factor, config.frequency_min_prob)
 
 
+def chain_order(drafters: Sequence[str]) -> list[str]:
+    """The order of a request's drafter chain for drafters that join it mid-request (``add_drafter``):
+    the config's ``drafters``, with ``"memory"`` (earlier answers: the engine's memory, answers a
+    request brings) just after ``"reference"``.
+
+    Example:
+        >>> chain_order(("reference", "prompt_lookup", "ngram"))
+        ['reference', 'memory', 'prompt_lookup', 'ngram']
+        >>> chain_order(("prompt_lookup",))
+        ['prompt_lookup']
+    """
+    order = list(drafters)
+    if "reference" in order:
+        order.insert(order.index("reference") + 1, "memory")
+    return order
+
+
 class PromptLookupDrafter(_SpanCopier):
     """Prompt lookup: copy from earlier in the prompt + output, most recent occurrence.
 

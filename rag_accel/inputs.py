@@ -141,19 +141,19 @@ def encode_prompt(tokenizer: Any, prompt: Any, vocab_size: int) -> list[int]:
     return ids
 
 
-def check_reference(ref: Any, i: int, vocab_size: int) -> str | list[int]:
-    """One reference checked: its text, or its token ids."""
+def check_reference(ref: Any, i: int, vocab_size: int, what: str = "reference") -> str | list[int]:
+    """One reference (or ``what``: an answer) checked: its text, or its token ids."""
     if isinstance(ref, str):
-        check_text(ref, f"reference {i}")
+        check_text(ref, f"{what} {i}")
         return ref
     if isinstance(ref, (bytes, bytearray)):
-        raise TypeError(f"reference {i} is bytes; decode it to a string first (e.g. .decode('utf-8'))")
+        raise TypeError(f"{what} {i} is bytes; decode it to a string first (e.g. .decode('utf-8'))")
     if isinstance(ref, (Sequence, torch.Tensor, np.ndarray)):
-        ids = token_ids(ref, f"reference {i}", "a string or a list of token ids")
-        check_ids(ids, f"reference {i}", vocab_size)
+        ids = token_ids(ref, f"{what} {i}", "a string or a list of token ids")
+        check_ids(ids, f"{what} {i}", vocab_size)
         return ids
     hint = " (pass its .page_content / .text)" if hasattr(ref, "page_content") or hasattr(ref, "text") else ""
-    raise TypeError(f"reference {i} must be a string or a list of token ids, got {type(ref).__name__}{hint}")
+    raise TypeError(f"{what} {i} must be a string or a list of token ids, got {type(ref).__name__}{hint}")
 
 
 def encode_references(tokenizer: Any, references: Any, vocab_size: int, max_tokens: int) -> list[list[int]]:
@@ -168,18 +168,20 @@ def encode_references(tokenizer: Any, references: Any, vocab_size: int, max_toke
                                max_tokens)
 
 
-def check_references(tokenizer: Any, references: Any, vocab_size: int, max_tokens: int) -> list[str | list[int]]:
+def check_references(tokenizer: Any, references: Any, vocab_size: int, max_tokens: int,
+                     what: str = "references") -> list[str | list[int]]:
     """The checks of :func:`encode_references` that need no tokenising: each reference's type
-    and ids, and text that is certainly too long. Returns the references, texts untokenised."""
+    and ids, and text that is certainly too long. Returns the references, texts untokenised.
+    ``what``: their name in errors (``"answers"``: a request's earlier answers, checked alike)."""
     if references is None:
         return []
     if isinstance(references, str):
         references = [references]
     if not isinstance(references, Sequence):
         raise TypeError(
-            f"references must be a list of strings or token-id lists, got {type(references).__name__}"
+            f"{what} must be a list of strings or token-id lists, got {type(references).__name__}"
         )
-    refs = [check_reference(ref, i, vocab_size) for i, ref in enumerate(references)]
+    refs = [check_reference(ref, i, vocab_size, what[:-1]) for i, ref in enumerate(references)]
     _refuse_certainly_too_long(tokenizer, refs, max_tokens)
     return refs
 

@@ -28,8 +28,9 @@ from .vllm.requests import REQUEST_FIELDS, request_config  # (no vLLM import)
 
 SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
 # The per-call options of generate / stream / generate_batch, and their defaults, on every decoder.
+# ``answers``: earlier answers to copy from (in generate_batch, the same for every prompt, as every option).
 CALL_OPTIONS: dict[str, Any] = dict(max_new_tokens=256, stop=None, config=None, speculate=True, do_sample=False,
-                                    temperature=None, top_k=None, top_p=None, seed=None)
+                                    temperature=None, top_k=None, top_p=None, seed=None, answers=None)
 
 
 @runtime_checkable
@@ -62,14 +63,16 @@ class Decoder(Protocol):
 
 
 def batch_arguments(prompts: Sequence[Any], references: Sequence[Any] | None,
-                    options: Mapping[str, Any]) -> tuple[list[Any], list[Any], dict[str, Any]]:
-    """``generate_batch``'s arguments checked: (prompts, one references entry per prompt, the
-    options with their defaults). Unknown options are a ``TypeError``, as in ``generate``.
+                    options: Mapping[str, Any]) -> tuple[list[Any], list[Any], list[dict[str, Any]]]:
+    """``generate_batch``'s arguments checked: (prompts, one references entry per prompt, one dict of
+    options per prompt, with their defaults). Options are the same for every prompt but ``answers``,
+    which, like ``references``, holds one entry per prompt. Unknown options are a ``TypeError``, as in
+    ``generate``.
 
     Example:
-        >>> batch_arguments(["a", "b"], None, {"max_new_tokens": 8})[1:]
-        ([None, None], {'max_new_tokens': 8, 'stop': None, 'config': None, 'speculate': True, \
-'do_sample': False, 'temperature': None, 'top_k': None, 'top_p': None, 'seed': None})
+        >>> _, refs, opts = batch_arguments(["a", "b"], None, {"max_new_tokens": 8, "answers": [["x"], None]})
+        >>> refs, [o["answers"] for o in opts], opts[0]["max_new_tokens"]
+        ([None, None], [['x'], None], 8)
     """
     if isinstance(prompts, str) or not isinstance(prompts, Sequence):
         raise TypeError("prompts must be a list of prompts")
@@ -79,7 +82,12 @@ def batch_arguments(prompts: Sequence[Any], references: Sequence[Any] | None,
     unknown = sorted(set(options) - set(CALL_OPTIONS))
     if unknown:
         raise TypeError(f"unexpected keyword arguments {unknown}")
-    return list(prompts), refs, {**CALL_OPTIONS, **options}
+    answers = options.get("answers")
+    if answers is None:
+        answers = [None] * len(prompts)
+    elif isinstance(answers, str) or not isinstance(answers, Sequence) or len(answers) != len(prompts):
+        raise ValueError(f"answers in generate_batch: one entry per prompt ({len(prompts)}), as references")
+    return list(prompts), refs, [{**CALL_OPTIONS, **options, "answers": a} for a in answers]
 
 
 def sampling_request(do_sample: bool, temperature: Any = None, top_k: Any = None, top_p: Any = None,

@@ -223,7 +223,7 @@ class RemoteDecoder:
 
     # ------------------------------------------------------------ inputs
     def _call(self, prompt: Any, references: Any, max_new_tokens: int, stop: Any, config: Any, speculate: bool,
-              do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> _Call:
+              do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any, answers: Any = None) -> _Call:
         """Check one request and build its arguments (nothing is sent)."""
         stops = check_stops(stop)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -233,11 +233,12 @@ class RemoteDecoder:
         xargs: dict[str, Any] = {"speculate": speculate}
         if self.memory_scope is not None:
             xargs["memory_scope"] = self.memory_scope
-        texts, ids = self._references(references)
-        if texts:
-            xargs["references"] = texts
-        if ids:
-            xargs["reference_ids"] = json.dumps(ids, separators=(",", ":"))
+        for key, given in (("reference", references), ("answer", answers)):
+            texts, ids = self._references(given, key)
+            if texts:
+                xargs[f"{key}s"] = texts
+            if ids:
+                xargs[f"{key}_ids"] = json.dumps(ids, separators=(",", ":"))
         changes = config_changes(config, DecoderConfig())
         if changes:
             xargs["rag_accel"] = json.dumps(changes)
@@ -277,17 +278,18 @@ class RemoteDecoder:
         return _Call(False, dict(kwargs, prompt=prompt_ids))
 
     @staticmethod
-    def _references(references: Any) -> tuple[list[str], list[list[int]]]:
-        """(text references, token-id references), checked as in process (the vocabulary: by the server)."""
+    def _references(references: Any, what: str = "reference") -> tuple[list[str], list[list[int]]]:
+        """(text references, token-id references), checked as in process (the vocabulary: by the server);
+        ``what="answer"``: a request's answers, alike."""
         if references is None:
             return [], []
         if isinstance(references, str):
             references = [references]
         if not isinstance(references, Sequence):
-            raise TypeError(f"references must be a list of strings or token-id lists, got {type(references).__name__}")
+            raise TypeError(f"{what}s must be a list of strings or token-id lists, got {type(references).__name__}")
         texts, ids = [], []
         for i, ref in enumerate(references):
-            r = check_reference(ref, i, _ANY_VOCAB)
+            r = check_reference(ref, i, _ANY_VOCAB, what)
             if isinstance(r, str):
                 if r:
                     texts.append(r)
@@ -328,13 +330,16 @@ class RemoteDecoder:
     def stream(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
                stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
                speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> GenerationStream:
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               answers: Any = None) -> GenerationStream:
         """Stream the output as text pieces (``.output`` once the iteration ends), as
         :meth:`ReferenceDecoder.stream` does.
 
         Args:
             prompt: string, chat messages, or token ids.
             references: documents to copy drafts from: strings or token-id lists.
+            answers: earlier answers to copy from (a cached answer; ``vllm_xargs`` ``answers`` /
+                ``answer_ids``), drafted as the server's memory of answers drafts.
             max_new_tokens / stop: as there.
             config: DecoderConfig changes for this request (a dict, or a :class:`DecoderConfig`:
                 its drafting fields that differ from the defaults).
@@ -348,7 +353,7 @@ class RemoteDecoder:
         server aborts that request and serves on.
         """
         call = self._call(prompt, references, max_new_tokens, stop, config, speculate, do_sample, temperature,
-                          top_k, top_p, seed)
+                          top_k, top_p, seed, answers)
         try:
             response = self._create(self.client, call, stream=True)
         except self._openai.BadRequestError as e:
@@ -371,14 +376,15 @@ class RemoteDecoder:
     def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
                        **kwargs: Any) -> list[GenerationOutput]:
         """Several requests at once, in flight together (``references[i]`` for ``prompts[i]``).
-        Keywords as :meth:`stream`, the same for all. Every request is checked before any is sent."""
+        Keywords as :meth:`stream`, the same for all but ``answers`` (``answers[i]`` for ``prompts[i]``).
+        Every request is checked before any is sent."""
         prompts, refs, opts = batch_arguments(prompts, references, kwargs)
-        for p, r in zip(prompts, refs):
-            self._call(p, r, **opts)
+        for p, r, o in zip(prompts, refs, opts):
+            self._call(p, r, **o)
         if not prompts:
             return []
         with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
-            return list(pool.map(lambda pr: self.generate(pr[0], pr[1], **opts), zip(prompts, refs)))
+            return list(pool.map(lambda pro: self.generate(pro[0], pro[1], **pro[2]), zip(prompts, refs, opts)))
 
     def generate_greedy(self, prompt: Any, *, max_new_tokens: int = 256,
                         stop: str | Sequence[str] | None = None) -> GenerationOutput:

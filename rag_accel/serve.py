@@ -15,10 +15,11 @@ A request's documents travel in the request body's ``vllm_xargs``::
     client.chat.completions.create(model=..., messages=..., extra_body={"vllm_xargs": {
         "references": ["passage one", "passage two"],   # strings
         "reference_ids": "[[12, 34, 56]]",              # token ids: a JSON string of id lists
+        "answers": ["a cached answer"],                 # earlier answers ("answer_ids" for ids)
         "speculate": False}})                           # this request: no drafting
 
 Without references a request drafts from its prompt and its own output (prompt lookup, n-grams).
-Bad ``vllm_xargs`` (wrong types, references over ``--max-reference-tokens``) are refused for that
+Bad ``vllm_xargs`` (wrong types, references and answers over ``--max-reference-tokens``) are refused for that
 request with HTTP 400 (:meth:`rag_accel.vllm.RowTracker.validate_params`); the server serves on.
 
 ``--speculation ngram`` (vLLM's own n-gram proposer, ``-k`` tokens, lookup 2-4), ``suffix`` (vLLM's suffix

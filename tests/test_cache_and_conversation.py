@@ -133,6 +133,24 @@ def test_cache_hit_feeds_references_and_output_stays_greedy(real_decoder, emb):
 
 
 @pytest.mark.slow
+def test_cache_hit_passed_as_answers_drafts_as_the_memory_and_output_stays_greedy(real_decoder, emb):
+    item = load_msmarco_sample(with_answers=True, limit=1)[0]
+    messages = rag_messages(item.query, item.passages)
+    want = hf_greedy(real_decoder.model, real_decoder.encode_prompt(messages), 40)
+    cache = ResponseCache(emb, min_score=0.6)
+    cache.put(item.query, real_decoder.tokenizer.decode(want, skip_special_tokens=True))
+    answers = cache.references("Please tell me: " + item.query)
+    out = real_decoder.generate(messages, answers=answers, max_new_tokens=40, config={"adaptive": False})
+    assert out.token_ids == want
+    assert out.stats.by_drafter["memory"]["accepted"] >= 20
+    with pytest.raises(TypeError, match="answers must be a list"):
+        real_decoder.generate(messages, answers=5)
+    with pytest.raises(ValueError, match="max_reference_tokens|hold"):
+        real_decoder.generate(messages, references=["word " * 60], answers=["word " * 60],
+                              config={"max_reference_tokens": 100})
+
+
+@pytest.mark.slow
 def test_conversation_uses_earlier_turns_and_stays_greedy(real_decoder, emb):
     items = load_msmarco_sample(with_answers=True, limit=3)
     index = VectorIndex(emb)

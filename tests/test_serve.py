@@ -38,6 +38,7 @@ from rag_accel.vllm import (  # noqa: E402
     TRACKER_PATH,
     VllmDecoder,
     check_extra_args,
+    request_answers,
     request_inputs,
     speculative_config,
 )
@@ -133,12 +134,17 @@ def test_extra_args_as_the_server_delivers_them():
     assert request_inputs({"references": ["a", "b"], "reference_ids": "[[1, 2], [3]]", "speculate": 0,
                            "rag_accel": '{"max_loss": 0.1}'}) == (["a", "b", [1, 2], [3]], False, {"max_loss": 0.1})
     assert request_inputs({"reference_ids": [5, 6, 7], "speculate": 1}) == ([[5, 6, 7]], True, None)
+    assert request_answers({"answers": "an earlier answer", "answer_ids": "[[1, 2], [3]]"}) == \
+        ["an earlier answer", [1, 2], [3]]
+    assert request_answers({"references": ["a"]}) == [] and request_answers(None) == []
     check_extra_args({"rag_accel": '{"max_loss": 0.1}'})
     for bad, match in (({"reference_ids": "[[1, 'x']]"}, "JSON"), ({"reference_ids": "[1, 2]"}, "list of token-id"),
                        ({"reference_ids": 5}, "reference_ids"), ({"speculate": 2}, "speculate"),
                        ({"rag_accel": "{bogus"}, "JSON"), ({"rag_accel": '{"bogus": 1}'}, "bogus"),
                        ({"reference_ids": "[[-1]]"}, "negative"), ({"memory_scope": 7}, "memory_scope"),
-                       ({"memory_scope": ""}, "memory_scope"), ({"memory_scope": "x" * 257}, "257 characters")):
+                       ({"memory_scope": ""}, "memory_scope"), ({"memory_scope": "x" * 257}, "257 characters"),
+                       ({"answers": 5}, r"\['answers'\] must be"), ({"answer_ids": "[[-1]]"}, "negative"),
+                       ({"answer_ids": "nope"}, r"\['answer_ids'\] is not valid JSON")):
         with pytest.raises(ValueError, match=match):
             check_extra_args(bad)
     check_extra_args({"memory_scope": "tenant-1"})
@@ -323,7 +329,9 @@ def test_bad_references_get_400_and_the_server_serves_on(server, client, baselin
     bad = [{"references": 5}, {"references": [[1, 2]]}, {"speculate": "yes"},
            {"references": ["word " * (10 * MAX_REF)]},  # over --max-reference-tokens
            {"reference_ids": "[[1, 2"}, {"rag_accel": '{"bogus": 1}'}, {"memory_scope": 5},
-           {"memory_scope": "x" * 300}]
+           {"memory_scope": "x" * 300}, {"answers": 5}, {"answer_ids": "[[1, 2"},
+           {"answers": ["word " * (10 * MAX_REF)]},
+           {"references": ["word " * MAX_REF], "answers": ["word " * MAX_REF]}]  # together over the limit
     for xargs in bad:
         with pytest.raises(openai.BadRequestError) as e:
             _chat(client, baseline.msgs[0], xargs)
@@ -333,6 +341,8 @@ def test_bad_references_get_400_and_the_server_serves_on(server, client, baselin
     with pytest.raises(RemoteError, match="hold over"):  # streamed: HTTP 200, then an error event (code 400)
         list(RemoteDecoder(server.base_url).stream(baseline.msgs[0], ["word " * (10 * MAX_REF)]))
     assert _chat(client, baseline.msgs[0], {"references": baseline.msgs[0][-1]["content"]}).token_ids == baseline.ids[0]
+    assert RemoteDecoder(server.base_url).generate(baseline.msgs[0], answers=[baseline.msgs[0][-1]["content"]],
+                                                   max_new_tokens=MAX_NEW).token_ids == baseline.ids[0]
     assert server.proc.poll() is None
 
 

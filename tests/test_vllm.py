@@ -456,6 +456,42 @@ def test_speculate_false_drafts_nothing_and_right_references_draft(dec, items, b
     assert sum(n for _, n in on.stats.trace) >= on.stats.new_tokens
 
 
+def test_answers_draft_as_the_memory_in_their_own_row():
+    """A request's answers (a cached answer) draft under the memory's name, in that row only; its
+    references still draft as references."""
+    proposer = RagProposer(_fake_config())
+    tracker = RowTracker(_fake_config())
+    proposer.tracker = tracker
+    a = SamplingParams(temperature=0, max_tokens=20, extra_args={"answers": [[5, 6, 7, 8, 9, 10]]})
+    b = SamplingParams(temperature=0, max_tokens=20, extra_args={"references": [[50, 51, 52, 53]],
+                                                                  "answer_ids": "[[70, 71, 72, 73]]"})
+    tokens = np.zeros((2, 64), dtype=np.int64)
+    tokens[0, :3] = [1, 5, 6]
+    tokens[1, :3] = [2, 50, 51]
+    tracker.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
+                                     added=[(0, a, [1, 5], []), (1, b, [2, 50], [])]))
+    drafts = proposer.propose([[6], [51]], np.array([3, 3]), tokens)
+    assert drafts[0][:2] == [7, 8] and tracker.rows[0].source == "memory"
+    assert drafts[1][:2] == [52, 53] and tracker.rows[1].source == "reference"
+    assert [d.name for d in tracker.rows[1].drafting.chain.drafters][:2] == ["reference", "memory"]
+
+
+@pytest.mark.slow
+def test_a_cached_answer_passed_as_answers_drafts_as_the_memory_and_stays_exact(dec, items, baseline):
+    """The greedy answer passed as ``answers=`` (no references, no memory scope): drafted by the memory's
+    drafter, the output still vLLM greedy's; generate_batch takes one answers entry per prompt."""
+    msgs = [rag_messages(it.query, it.passages) for it in items[:2]]
+    out = dec.generate(msgs[0], answers=[baseline.texts[0]], max_new_tokens=MAX_NEW)
+    assert out.token_ids == baseline.alone[0]
+    mem = out.stats.by_drafter["memory"]
+    assert mem["accepted"] >= 0.8 * mem["drafted"] > 0 and "reference" not in out.stats.by_drafter, out.stats
+    outs = dec.generate_batch(msgs, answers=[None, [baseline.texts[1]]], max_new_tokens=MAX_NEW)
+    assert [o.token_ids for o in outs] == baseline.alone[:2]
+    assert "memory" not in outs[0].stats.by_drafter and outs[1].stats.by_drafter["memory"]["accepted"] > 0
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        dec.generate_batch(msgs, answers=[baseline.texts[1]])
+
+
 @pytest.mark.slow
 def test_a_reset_engine_drafts_from_its_first_request(dec, items, baseline):
     """reset_learning reaches the drafting worker (the stats RPC with forget=True); a proposer that

@@ -19,12 +19,13 @@ import torch
 from .attention import install as install_packed_gqa
 from .attention import packed_gqa
 from ..config import DecoderConfig
-from ..drafters import Draft, Drafter, reference_drafter
+from ..drafters import Draft, Drafter, chain_order, reference_drafter
 from ..inputs import (TokenCache, check_lengths, check_references, check_stops, encode_prompt, encode_references,
                       may_exceed, tokenize_references)
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
+from ..memory import answers_drafter
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..policy import AcceptanceStats, leading_matches
 from ..protocol import batch_arguments, sampling_request
@@ -279,6 +280,7 @@ class ReferenceDecoder:
         max_new_tokens: int = 256,
         stop: str | Sequence[str] | None = None,
         config: DecoderConfig | Mapping[str, Any] | None = None,
+        answers: Any = None,
         drafters: Sequence[Drafter] | None = None,
         speculate: bool = True,
         do_sample: bool = False,
@@ -297,6 +299,11 @@ class ReferenceDecoder:
             stop: stop string(s); the text ends before the first one (the
                 token ids end with the token that completed it).
             config: per-call :class:`DecoderConfig` or a dict of changes to it.
+            answers: earlier answers of this model to copy from (a cached answer to a similar
+                question: :meth:`ResponseCache.references <rag_accel.ResponseCache.references>`),
+                strings or token-id lists: drafted as the memory of answers drafts, where the same
+                text among ``references`` drafts as a passage does. References and answers
+                together count against ``max_reference_tokens``.
             drafters: use these drafters instead of the configured chain.
             speculate: ``False``: no drafting for this call (plain steps of the same loop; the
                 output is the same, as every decoder's ``speculate=False``).
@@ -328,13 +335,15 @@ class ReferenceDecoder:
         self._check_lengths(len(prompt_ids), max_new_tokens)
         t0 = self.clock()
         refs = check_references(self.tokenizer, references, self.vocab_size, cfg.max_reference_tokens)
-        if may_exceed(refs, cfg.max_reference_tokens):  # only tokenising tells: refuse now, before any iteration
-            refs = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens,
-                                       cache=self.reference_tokens)
+        given = check_references(self.tokenizer, answers, self.vocab_size, cfg.max_reference_tokens, "answers")
+        if may_exceed([*refs, *given], cfg.max_reference_tokens):  # only tokenising tells: refuse now
+            ids = tokenize_references(self.tokenizer, [*refs, *given], cfg.max_reference_tokens,
+                                      cache=self.reference_tokens)
+            refs, given = ids[:len(refs)], ids[len(refs):]
         encode_s = self.clock() - t0  # (other texts are tokenised during the prefill)
         sampling = self._sampling(do_sample, temperature, top_k, top_p, seed)
-        return GenerationStream(self._decode(prompt_ids, refs, max_new_tokens, stops, cfg, drafters, sampling,
-                                             encode_s))
+        return GenerationStream(self._decode(prompt_ids, refs, given, max_new_tokens, stops, cfg, drafters,
+                                             sampling, encode_s))
 
     def _sampling(self, do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampling | None:
         given = sampling_request(do_sample, temperature, top_k, top_p, seed)
@@ -353,11 +362,11 @@ class ReferenceDecoder:
 
     def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
                        **kwargs: Any) -> list[GenerationOutput]:
-        """Several requests (``references[i]`` for ``prompts[i]``), keywords as :meth:`stream`, the
-        same for all; every request is checked before any runs. In process they run one after the
+        """Several requests (``references[i]`` and ``answers[i]`` for ``prompts[i]``), other keywords as
+        :meth:`stream`, the same for all; every request is checked before any runs. In process they run one after the
         other (one model, one sequence per forward); vLLM's decoder runs them in one batch."""
         prompts, refs, opts = batch_arguments(prompts, references, kwargs)
-        streams = [self.stream(p, r, **opts) for p, r in zip(prompts, refs)]  # (checks every request first)
+        streams = [self.stream(p, r, **o) for p, r, o in zip(prompts, refs, opts)]  # (checks every request first)
         outputs = []
         for stream in streams:
             for _ in stream:
@@ -434,8 +443,8 @@ class ReferenceDecoder:
             self.reference_tokens.clear()
 
     # ------------------------------------------------------------ the loop
-    def _decode(self, prompt_ids: list[int], refs: list[str | list[int]], max_new_tokens: int, stops: list[str],
-                cfg: DecoderConfig, custom_drafters: Sequence[Drafter] | None,
+    def _decode(self, prompt_ids: list[int], refs: list[str | list[int]], answers: list[str | list[int]],
+                max_new_tokens: int, stops: list[str], cfg: DecoderConfig, custom_drafters: Sequence[Drafter] | None,
                 sampling: Sampling | None, encode_s: float = 0.0) -> Iterator[str]:
         """The decode loop: prefill (the request's drafting is set up on a thread meanwhile: its
         drafters over the prompt, then its references tokenised and indexed), then per step
@@ -455,8 +464,8 @@ class ReferenceDecoder:
         with self._lock, torch.inference_mode():
             req = self._start(prompt_ids, max_new_tokens, stops, cfg, sampling)
             index_refs = None
-            if custom_drafters is None and "reference" in cfg.drafters and any(len(r) for r in refs):
-                index_refs = lambda stop: self._index_references(cfg, refs, stop)  # noqa: E731
+            if custom_drafters is None and "reference" in cfg.drafters and any(len(r) for r in [*refs, *answers]):
+                index_refs = lambda stop: self._index_references(cfg, refs, answers, stop)  # noqa: E731
             setup = _SetUp(lambda: self._set_up_drafting(req, custom_drafters), index_refs)
             try:
                 new_tokens = self._prefill(req)
@@ -465,7 +474,7 @@ class ReferenceDecoder:
                 raise
             finally:  # (a failed prefill's error wins over the set-up's)
                 t0 = self.clock()
-                setup.wait(references=sum(len(r) for r in refs) <= WAITED_REFERENCE_SIZE)
+                setup.wait(references=sum(len(r) for r in [*refs, *answers]) <= WAITED_REFERENCE_SIZE)
             setup.check()
             req.stats.setup_wait_s = self.clock() - t0
             req.stats.setup_s += encode_s
@@ -525,22 +534,29 @@ class ReferenceDecoder:
                                                    draft_model=draft_model)
         req.stats.setup_s = self.clock() - t0
 
-    def _index_references(self, cfg: DecoderConfig, refs: list[str | list[int]],
-                          stop: Callable[[], bool]) -> Drafter | None:
-        """The request's references tokenised and indexed (on the set-up thread, after
-        :meth:`_set_up_drafting`); ``None`` when ``stop`` said the request no longer needs them."""
-        ref_ids = tokenize_references(self.tokenizer, refs, cfg.max_reference_tokens, stop, self.reference_tokens)
-        if stop() or not any(ref_ids):
-            return None
-        return reference_drafter(ref_ids, cfg)
+    def _index_references(self, cfg: DecoderConfig, refs: list[str | list[int]], answers: list[str | list[int]],
+                          stop: Callable[[], bool]) -> list[Drafter]:
+        """The request's references and answers tokenised and indexed (on the set-up thread, after
+        :meth:`_set_up_drafting`): its reference drafter and its answers' (drafted as the memory of
+        answers: :func:`~rag_accel.memory.answers_drafter`); none when ``stop`` said the request no
+        longer needs them."""
+        ids = tokenize_references(self.tokenizer, [*refs, *answers], cfg.max_reference_tokens, stop,
+                                  self.reference_tokens)
+        ref_ids, answer_ids = ids[:len(refs)], ids[len(refs):]
+        if stop():
+            return []
+        found = [reference_drafter(ref_ids, cfg) if any(ref_ids) else None,
+                 answers_drafter(answer_ids, cfg.frequency_factor, cfg.frequency_min_prob)]
+        return [d for d in found if d is not None]
 
     def _take_references(self, req: _Request, setup: _SetUp) -> None:
-        """The reference drafter joins the request's drafting once it is indexed (its time counts
-        in the request's set-up)."""
+        """The reference and answers drafters join the request's drafting once they are indexed
+        (their time counts in the request's set-up)."""
         if setup.pending:
-            drafter = setup.take()
-            if drafter is not None:
-                req.drafting.add_drafter(drafter, req.cfg.drafters)
+            drafters = setup.take()
+            for drafter in drafters:
+                req.drafting.add_drafter(drafter, chain_order(req.cfg.drafters))
+            if drafters:
                 req.stats.setup_s += setup.reference_s
 
     def _drafting_ready(self, req: _Request) -> None:
@@ -613,18 +629,18 @@ class _Request:
 
 class _SetUp:
     """A request's drafting set up on a thread of its own, started now: ``prompt_part()``, then
-    ``reference_part(stop)`` if given, which returns the reference drafter (``None``: none needed).
+    ``reference_part(stop)`` if given, which returns the reference and answers drafters (none: none needed).
 
     :meth:`wait` waits for the first part (and the second, if asked); :meth:`take` hands over the
-    reference drafter once it is ready, without waiting; :meth:`stop` tells the second part that
+    reference and answers drafters once they are ready, without waiting; :meth:`stop` tells the second part that
     the request needs it no more. What either part raises, :meth:`check` and :meth:`take` raise.
     """
 
     def __init__(self, prompt_part: Callable[[], None],
-                 reference_part: Callable[[Callable[[], bool]], Drafter | None] | None) -> None:
-        self.pending = reference_part is not None  # a reference drafter may still come
+                 reference_part: Callable[[Callable[[], bool]], list[Drafter]] | None) -> None:
+        self.pending = reference_part is not None  # reference and answers drafters may still come
         self.reference_s = 0.0  # the second part's time
-        self._drafter: Drafter | None = None
+        self._drafters: list[Drafter] = []
         self._error: BaseException | None = None
         self._prompt_done, self._done, self._stop = threading.Event(), threading.Event(), threading.Event()
 
@@ -634,7 +650,7 @@ class _SetUp:
                 self._prompt_done.set()
                 if reference_part is not None:
                     t0 = time.perf_counter()
-                    self._drafter = reference_part(self._stop.is_set)
+                    self._drafters = reference_part(self._stop.is_set)
                     self.reference_s = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001 - handed to the decode loop
                 self._error = e
@@ -649,14 +665,14 @@ class _SetUp:
         ``references`` (:meth:`check` raises what they raised)."""
         (self._done if references else self._prompt_done).wait()
 
-    def take(self) -> Drafter | None:
-        """The reference drafter, once, when it is ready; ``None`` before (and after)."""
+    def take(self) -> list[Drafter]:
+        """The reference and answers drafters, once, when they are ready; none before (and after)."""
         if not self._done.is_set():
-            return None
+            return []
         self.check()
         self.pending = False
-        drafter, self._drafter = self._drafter, None
-        return drafter
+        drafters, self._drafters = self._drafters, []
+        return drafters
 
     def stop(self) -> None:
         self._stop.set()

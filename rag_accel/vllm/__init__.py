@@ -24,11 +24,12 @@ Per-request inputs travel in ``SamplingParams.extra_args`` (the OpenAI server fi
 from ``vllm_xargs``)::
 
     {"references": ["passage text", [12, 34, 56]],   # strings or token-id lists
+     "answers": ["a cached answer to a similar question"],  # earlier answers: drafted as the memory's
      "speculate": False,                               # this request: no drafting
      "rag_accel": {"max_loss": 0.05}}                  # DecoderConfig changes
 
 Over HTTP (``vllm_xargs`` allows only strings, numbers and flat lists of them) token-id
-references travel as ``"reference_ids": "[[12, 34, 56]]"`` (a JSON string), ``rag_accel`` as a
+references travel as ``"reference_ids": "[[12, 34, 56]]"`` (a JSON string; answers as ``"answer_ids"``), ``rag_accel`` as a
 JSON string, and ``speculate`` arrives as ``0``/``1``: :func:`request_inputs` reads both shapes.
 
 Cost of a draft at batch size ``B``: the engine learns its step time as a line in the tokens it
@@ -55,13 +56,14 @@ from .requests import (
     TRACKER_PATH,
     check_extra_args,
     max_reference_tokens,
+    request_answers,
     request_inputs,
     speculative_config,
 )
 
 __all__ = ["BatchStepCosts", "PROPOSER_PATH", "RagProposer", "RowTracker", "SERVE_MAX_REFERENCE_TOKENS",
            "SPECULATION", "TRACKER_PATH", "VllmDecoder", "check_extra_args", "max_reference_tokens",
-           "request_inputs", "speculative_config"]
+           "request_answers", "request_inputs", "speculative_config"]
 
 # Imported on first use (PEP 562), so that reading a request's inputs (rag_accel.remote, rag-accel serve)
 # imports neither vLLM nor torch. vLLM resolves "rag_accel.vllm.RagProposer" and "rag_accel.vllm:RowTracker"

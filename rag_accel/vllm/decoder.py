@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..config import COPY_DRAFTERS, DEFAULT_COPY_DRAFTERS, DecoderConfig
-from ..inputs import check_lengths, check_stops, encode_prompt, encode_references
+from ..inputs import check_lengths, check_references, check_stops, encode_prompt, encode_references
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..protocol import batch_arguments, config_changes, sampling_request
 from ..stopping import OutputText
@@ -117,7 +117,7 @@ class VllmDecoder:
 
     def _request(self, prompt: Any, references: Any, max_new_tokens: int, stop: Any, config: Any,
                  speculate: bool, do_sample: bool, temperature: Any, top_k: Any, top_p: Any,
-                 seed: Any) -> tuple[list[int], list[str], Any]:
+                 seed: Any, answers: Any = None) -> tuple[list[int], list[str], Any]:
         """Check and encode one request: (prompt ids, stop strings, SamplingParams)."""
         from vllm import SamplingParams
 
@@ -129,9 +129,14 @@ class VllmDecoder:
         changes = config_changes(config, self.config)
         cfg = request_config(self.config, changes)
         refs = self.encode_references(references, cfg.max_reference_tokens)
+        given = encode_references(self.tokenizer, check_references(self.tokenizer, answers, self.vocab_size,
+                                                                    cfg.max_reference_tokens, "answers"),
+                                  self.vocab_size, cfg.max_reference_tokens - sum(len(r) for r in refs))
         if "max_draft_tokens" in changes:
             changes["max_draft_tokens"] = min(changes["max_draft_tokens"], self.config.max_draft_tokens)
         extra: dict[str, Any] = {"references": refs, "speculate": speculate, "rag_accel_id": f"rag-{next(_ids)}"}
+        if given:
+            extra["answers"] = given
         if changes:
             extra["rag_accel"] = changes
         if self.memory_scope is not None:
@@ -149,17 +154,22 @@ class VllmDecoder:
     # ------------------------------------------------------------ public
     def generate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
         """Greedy output for ``prompt``, drafting from ``references``. See :meth:`stream` for arguments."""
+        if "answers" in kwargs:  # (generate_batch takes one entry per prompt)
+            kwargs["answers"] = [kwargs["answers"]]
         return self.generate_batch([prompt], [references], **kwargs)[0]
 
     def stream(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
                stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
                speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> GenerationStream:
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               answers: Any = None) -> GenerationStream:
         """Stream the output as text pieces, as :meth:`ReferenceDecoder.stream` does.
 
         Args:
             prompt: string, chat messages, or token ids.
             references: documents to copy from: strings or token-id lists.
+            answers: earlier answers to copy from (a cached answer), drafted as the memory of
+                answers drafts (:meth:`ReferenceDecoder.stream`).
             max_new_tokens / stop: as there (stops: the text ends before the first stop
                 string; the token ids end with the token that completed it).
             config: a :class:`DecoderConfig` or a dict of changes, for this request.
@@ -170,7 +180,7 @@ class VllmDecoder:
         Inputs are checked here, before any iteration.
         """
         req = self._request(prompt, references, max_new_tokens, stop, config, speculate, do_sample,
-                            temperature, top_k, top_p, seed)
+                            temperature, top_k, top_p, seed, answers)
 
         def pieces() -> Iterator[str]:
             outputs: list[GenerationOutput | None] = [None]
@@ -183,9 +193,10 @@ class VllmDecoder:
     def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
                        **kwargs: Any) -> list[GenerationOutput]:
         """Several requests at once, concurrent in vLLM's batch (``references[i]`` for ``prompts[i]``).
-        Keywords as :meth:`stream`, the same for all. Every request is checked before any runs."""
+        Keywords as :meth:`stream`, the same for all but ``answers`` (``answers[i]`` for ``prompts[i]``).
+        Every request is checked before any runs."""
         prompts, refs, opts = batch_arguments(prompts, references, kwargs)
-        reqs = [self._request(p, r, **opts) for p, r in zip(prompts, refs)]
+        reqs = [self._request(p, r, **o) for p, r, o in zip(prompts, refs, opts)]
         outputs: list[GenerationOutput | None] = [None] * len(reqs)
         for _ in self._run(reqs, outputs):
             pass

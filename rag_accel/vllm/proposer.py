@@ -22,9 +22,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
-from ..drafters import Drafter, reference_drafter
+from ..drafters import Drafter, chain_order, reference_drafter
 from ..inputs import check_ids
-from ..memory import AnswerMemory
+from ..memory import AnswerMemory, answers_drafter
 from ..outputs import GenerationStats
 from ..policy import AcceptanceStats
 from ..speculation import BatchStepCosts, RequestDrafting
@@ -35,6 +35,7 @@ from .requests import (
     check_extra_args,
     check_layout,
     request_config,
+    request_answers,
     request_inputs,
     request_scope,
 )
@@ -56,7 +57,7 @@ _INLINE_REFERENCE_TOKENS = 4096
 class _Row:
     """One request in a batch row: its parameters, and its drafting once it has a first token."""
 
-    __slots__ = ("config", "refs", "speculate", "greedy", "max_tokens", "prompt_len", "key", "scope",
+    __slots__ = ("config", "refs", "answers", "speculate", "greedy", "max_tokens", "prompt_len", "key", "scope",
                  "drafting", "context", "sent", "source", "stats", "error", "pending")
 
     def __init__(self, params: Any, prompt_ids: Sequence[int] | None, base: DecoderConfig,
@@ -64,6 +65,7 @@ class _Row:
         extra = params.extra_args or {}
         self.key = extra.get("rag_accel_id")
         self.refs, self.speculate, changes = request_inputs(extra, vocab_size)
+        self.answers = request_answers(extra, vocab_size)  # earlier answers it brings (a cached answer)
         self.scope = request_scope(extra)  # its memory of earlier answers (None: none)
         self.greedy = (params.temperature or 0.0) < 1e-5
         self.max_tokens = params.max_tokens
@@ -74,7 +76,7 @@ class _Row:
         self.sent, self.source = 0, ""
         self.stats = GenerationStats(prompt_tokens=self.prompt_len or 0)
         self.error: str | None = None
-        self.pending: Future | None = None  # its reference drafter, being built off the step loop
+        self.pending: Future | None = None  # its reference and answers drafters, being built off the step loop
 
 
 class RowTracker(_LogitsProcessor):
@@ -176,10 +178,23 @@ class RagProposer:
         patches.require_tracker(self)
 
     # ---------------------------------------------------------------- references, off the step loop
-    def _prepare(self, refs: Sequence[Any], config: DecoderConfig) -> Drafter | None:
-        """Tokenise and index one request's references (on :attr:`_refs_pool`'s thread)."""
+    def _prepare(self, refs: Sequence[Any], answers: Sequence[Any], config: DecoderConfig) -> list[Drafter]:
+        """Tokenise and index one request's references and answers (on :attr:`_refs_pool`'s thread):
+        its reference drafter and its answers' (:func:`~rag_accel.memory.answers_drafter`)."""
+        ref_ids, answer_ids = self._token_ids(refs, "reference"), self._token_ids(answers, "answer")
+        total = sum(len(r) for r in ref_ids) + sum(len(r) for r in answer_ids)
+        if total > config.max_reference_tokens:
+            raise ValueError(f"references and answers hold {total} tokens, over max_reference_tokens="
+                             f"{config.max_reference_tokens}")
+        if "reference" not in config.drafters or not total:
+            return []
+        found = [reference_drafter(ref_ids, config) if any(ref_ids) else None,
+                 answers_drafter(answer_ids, config.frequency_factor, config.frequency_min_prob)]
+        return [d for d in found if d is not None]
+
+    def _token_ids(self, texts: Sequence[Any], what: str) -> list[list[int]]:
         ids = []
-        for r in refs:
+        for r in texts:
             if isinstance(r, str):
                 if self._tokenizer is None:
                     from transformers import AutoTokenizer
@@ -187,34 +202,29 @@ class RagProposer:
                     self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_name)
                 ids.append(self._tokenizer(r, add_special_tokens=False)["input_ids"] if r else [])
             else:
-                check_ids(r, "reference", self.vocab_size)
+                check_ids(r, what, self.vocab_size)
                 ids.append(list(r))
-        total = sum(len(r) for r in ids)
-        if total > config.max_reference_tokens:
-            raise ValueError(f"references hold {total} tokens, over max_reference_tokens="
-                             f"{config.max_reference_tokens}")
-        if "reference" not in config.drafters or not total:
-            return None
-        return reference_drafter(ids, config)
+        return ids
 
     def _attach(self, row: _Row) -> None:
-        """The row's reference drafter is ready (or failed): put it in its place in the row's chain."""
+        """The row's reference and answers drafters are ready (or failed): put them in their place in
+        the row's chain."""
         future, row.pending = row.pending, None
         try:
-            drafter = future.result()
+            drafters = future.result()
         except Exception as e:  # noqa: BLE001 - bad references cost this request its reference drafts only
             log.warning("rag_accel: references of a request not used: %s", e)
             return
-        self._insert(row, drafter)
+        for drafter in drafters:
+            self._insert(row, drafter)
 
     @staticmethod
     def _insert(row: _Row, drafter: Drafter | None) -> None:
         """A reference or memory drafter joins the row's chain where the config's order puts it, the
-        memory just after the references (the HF decoder's big references join the same way)."""
+        memory (and a request's answers, drafted as the memory) just after the references (the HF
+        decoder's big references join the same way)."""
         if drafter is not None and row.drafting is not None:
-            order = list(row.config.drafters)
-            order.insert(order.index("reference") + 1, "memory")
-            row.drafting.add_drafter(drafter, order)
+            row.drafting.add_drafter(drafter, chain_order(row.config.drafters))
 
     # ---------------------------------------------------------------- the memory of answers
     def _remember(self, rows: Sequence[_Row]) -> None:
@@ -246,14 +256,15 @@ class RagProposer:
             self.acceptance[row.greedy], self.costs)
         row.drafting.prefill_steps = self.costs.prefill_steps(row.prompt_len)
         self._insert_memory(row)  # (before the references: they go in front of it)
-        small = all(not isinstance(r, str) for r in row.refs) and \
-            sum(len(r) for r in row.refs) <= _INLINE_REFERENCE_TOKENS
-        if row.refs and small:
-            self._insert(row, self._prepare(row.refs, row.config))
-        elif row.refs:
+        given = [*row.refs, *row.answers]
+        small = all(not isinstance(r, str) for r in given) and sum(len(r) for r in given) <= _INLINE_REFERENCE_TOKENS
+        if given and small:
+            for drafter in self._prepare(row.refs, row.answers, row.config):
+                self._insert(row, drafter)
+        elif given:
             if self._refs_pool is None:
                 self._refs_pool = ThreadPoolExecutor(1, thread_name_prefix="rag-accel-references")
-            row.pending = self._refs_pool.submit(self._prepare, row.refs, row.config)
+            row.pending = self._refs_pool.submit(self._prepare, row.refs, row.answers, row.config)
         if row.key is not None:
             self.stats[row.key] = row.stats
             while len(self.stats) > 10_000:  # nobody collected them

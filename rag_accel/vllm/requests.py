@@ -17,7 +17,8 @@ from ..memory import DEFAULT_MAX_TOKENS, check_scope
 
 __all__ = ["PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION", "TRACKER_PATH",
            "PIPELINE_REFUSED", "admission_vocab_size", "answer_memory_tokens", "check_extra_args", "check_layout",
-           "max_reference_tokens", "request_config", "request_inputs", "request_scope", "speculative_config"]
+           "max_reference_tokens", "request_answers", "request_config", "request_inputs", "request_scope",
+           "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
@@ -143,12 +144,15 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
     - ``references``: a string or a list of strings (in process, token-id lists too);
     - ``reference_ids``: token-id references over HTTP: a JSON string of a list of id lists
       (``"[[1, 2, 3], [4, 5]]"``), or one flat list of ids (one reference);
+    - ``answers`` / ``answer_ids``: the same for earlier answers the request brings (a cached
+      answer to a similar question): :func:`request_answers` reads them;
     - ``speculate``: ``True``/``False`` or ``1``/``0``;
     - ``rag_accel``: DecoderConfig changes, a dict or a JSON string of one.
 
-    Size: token ids count as they are, text as one token per 8 characters (a cheap lower
-    bound: nothing is tokenised here; the worker counts exactly, off its step loop, and drops
-    references over the limit). With ``vocab_size``, ids outside ``[0, vocab_size)`` are refused.
+    Size: references and answers together; token ids count as they are, text as one token per 8
+    characters (a cheap lower bound: nothing is tokenised here; the worker counts exactly, off its
+    step loop, and drops references and answers over the limit). With ``vocab_size``, ids outside
+    ``[0, vocab_size)`` are refused.
 
     Raises ``ValueError`` naming what is wrong (vLLM answers it with HTTP 400).
 
@@ -160,50 +164,13 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
         return [], True, None
     if not isinstance(extra_args, Mapping):
         raise ValueError(f"extra_args must be a dict, got {type(extra_args).__name__}")
-    refs = extra_args.get("references")
-    if refs is None:
-        refs = []
-    elif isinstance(refs, str):
-        refs = [refs]
-    elif not isinstance(refs, (list, tuple)):
-        raise ValueError(f"extra_args['references'] must be a list of strings or token-id lists, "
-                         f"got {type(refs).__name__}")
-    refs = list(refs)
     limit = max_reference_tokens()
-    ids = extra_args.get("reference_ids")
-    if ids is not None:
-        if isinstance(ids, str):
-            if len(ids) // 8 > limit:  # refused before parsing: an id takes at most ~8 characters
-                raise ValueError(f"extra_args['reference_ids'] hold over {limit} tokens")
-            try:
-                ids = json.loads(ids)
-            except ValueError as e:
-                raise ValueError(f"extra_args['reference_ids'] is not valid JSON: {e}") from None
-            if not isinstance(ids, list) or not all(_is_ids(r) for r in ids):
-                raise ValueError("extra_args['reference_ids'] must be a JSON list of token-id lists, "
-                                 "e.g. '[[1, 2, 3], [4, 5]]'")
-        elif _is_ids(ids):
-            ids = [ids]
-        else:
-            raise ValueError("extra_args['reference_ids'] must be a JSON string of token-id lists "
-                             "or one list of token ids")
-        refs.extend(list(r) for r in ids)
-    total = 0
-    for i, r in enumerate(refs):
-        if isinstance(r, str):
-            total += len(r) // 8  # a cheap lower bound on its tokens; the worker counts exactly
-        elif _is_ids(r):
-            if r and min(r) < 0:
-                raise ValueError(f"extra_args['references'][{i}] has a negative token id")
-            if r and vocab_size is not None and max(r) >= vocab_size:
-                raise ValueError(f"extra_args['references'][{i}] has token id {max(r)}, outside the model's "
-                                 f"vocabulary (size {vocab_size})")
-            total += len(r)
-        else:
-            raise ValueError(f"extra_args['references'][{i}] must be a string or a list of token ids, "
-                             f"got {type(r).__name__}")
+    refs, total = _sources(extra_args, "references", "reference_ids", vocab_size, limit)
+    answers, answer_total = _sources(extra_args, "answers", "answer_ids", vocab_size, limit)
     if total > limit:
         raise ValueError(f"extra_args['references'] hold over {limit} tokens")
+    if total + answer_total > limit:
+        raise ValueError(f"extra_args['references'] and extra_args['answers'] hold over {limit} tokens")
     spec = extra_args.get("speculate", True)
     if isinstance(spec, int) and not isinstance(spec, bool) and spec in (0, 1):
         spec = bool(spec)  # JSON true/false through vllm_xargs
@@ -216,6 +183,68 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
         except ValueError as e:
             raise ValueError(f"extra_args['rag_accel'] is not valid JSON: {e}") from None
     return refs, spec, changes
+
+
+def request_answers(extra_args: Any, vocab_size: int | None = None) -> list[str | list[int]]:
+    """The earlier answers a request brings, ``extra_args["answers"]`` and ``["answer_ids"]``, read as
+    :func:`request_inputs` reads references (which checks both; call it first). They draft as the memory
+    of answers does (:func:`rag_accel.memory.answers_drafter`).
+
+    Example:
+        >>> request_answers({"answers": "It is 42.", "answer_ids": "[[7, 8]]"})
+        ['It is 42.', [7, 8]]
+    """
+    if not isinstance(extra_args, Mapping):
+        return []
+    return _sources(extra_args, "answers", "answer_ids", None, max_reference_tokens())[0]
+
+
+def _sources(extra_args: Mapping[str, Any], key: str, ids_key: str, vocab_size: int | None,
+             limit: int) -> tuple[list[str | list[int]], int]:
+    """``extra_args[key]`` (strings; in process token-id lists too) and ``extra_args[ids_key]`` (token-id
+    lists over HTTP) as one list, checked, and a lower bound of their tokens."""
+    refs = extra_args.get(key)
+    if refs is None:
+        refs = []
+    elif isinstance(refs, str):
+        refs = [refs]
+    elif not isinstance(refs, (list, tuple)):
+        raise ValueError(f"extra_args['{key}'] must be a list of strings or token-id lists, "
+                         f"got {type(refs).__name__}")
+    refs = list(refs)
+    ids = extra_args.get(ids_key)
+    if ids is not None:
+        if isinstance(ids, str):
+            if len(ids) // 8 > limit:  # refused before parsing: an id takes at most ~8 characters
+                raise ValueError(f"extra_args['{ids_key}'] hold over {limit} tokens")
+            try:
+                ids = json.loads(ids)
+            except ValueError as e:
+                raise ValueError(f"extra_args['{ids_key}'] is not valid JSON: {e}") from None
+            if not isinstance(ids, list) or not all(_is_ids(r) for r in ids):
+                raise ValueError(f"extra_args['{ids_key}'] must be a JSON list of token-id lists, "
+                                 "e.g. '[[1, 2, 3], [4, 5]]'")
+        elif _is_ids(ids):
+            ids = [ids]
+        else:
+            raise ValueError(f"extra_args['{ids_key}'] must be a JSON string of token-id lists "
+                             "or one list of token ids")
+        refs.extend(list(r) for r in ids)
+    total = 0
+    for i, r in enumerate(refs):
+        if isinstance(r, str):
+            total += len(r) // 8  # a cheap lower bound on its tokens; the worker counts exactly
+        elif _is_ids(r):
+            if r and min(r) < 0:
+                raise ValueError(f"extra_args['{key}'][{i}] has a negative token id")
+            if r and vocab_size is not None and max(r) >= vocab_size:
+                raise ValueError(f"extra_args['{key}'][{i}] has token id {max(r)}, outside the model's "
+                                 f"vocabulary (size {vocab_size})")
+            total += len(r)
+        else:
+            raise ValueError(f"extra_args['{key}'][{i}] must be a string or a list of token ids, "
+                             f"got {type(r).__name__}")
+    return refs, total
 
 
 def check_extra_args(extra_args: Any, vocab_size: int | None = None) -> None:
