@@ -9,6 +9,8 @@
         --out benchmarks/results/config_ab_vllm_cpu_smollm2_reference_choice_reworded
     python benchmarks/config_ab.py --option reference_choice --values '"longest","counts"' --items 48 --chunk 0.5 \\
         --max-new-tokens 64 --out benchmarks/results/config_ab_vllm_cpu_smollm2_reference_choice_long_documents
+    python benchmarks/config_ab.py --option cached_answer --values '"reference","answers"' --items 48 --reworded \\
+        --out benchmarks/results/config_ab_vllm_cpu_smollm2_cached_answer
     python benchmarks/config_ab.py --option memory_scope --values 'null,"bench"' --items 48 \\
         --out benchmarks/results/config_ab_vllm_cpu_smollm2_memory
     python benchmarks/config_ab.py --option drafters \\
@@ -27,7 +29,9 @@ rates are the engine's, shared by both values' requests, as a server's are. ``--
 transformers, one :class:`~rag_accel.ReferenceDecoder` against ``model.generate(do_sample=False)``.
 ``--option memory_scope`` (vLLM only) is no DecoderConfig field but the request's memory scope
 (``extra_args["memory_scope"]``): ``null`` drafts without the memory of earlier answers, a name with it,
-the named scope holding that value's earlier answers only.
+the named scope holding that value's earlier answers only. ``--option cached_answer`` (with ``--reworded``) is
+where the client puts its cached answer: ``"reference"`` among the references (drafted as a passage), ``"answers"``
+in ``answers=`` (drafted as the memory of answers drafts).
 
 Judged on the sample's last items (no default was tuned on them); per item, new tokens over wall time.
 """
@@ -84,9 +88,13 @@ def vllm_pair(args: argparse.Namespace):
 
     return (greedy.encode_prompt,
             lambda prompts: [o.token_ids for o in greedy.generate_batch(prompts, max_new_tokens=args.max_new_tokens)],
-            lambda prompts, refs, changes: scoped(ours, changes).generate_batch(
-                prompts, refs, max_new_tokens=args.max_new_tokens, config=changes),
+            lambda prompts, refs, changes: batch(scoped(ours, changes), *placed(prompts, refs, changes),
+                                                 max_new_tokens=args.max_new_tokens, config=changes),
             close)
+
+
+def batch(decoder, prompts: list, refs: list, answers: list, **kwargs):
+    return decoder.generate_batch(prompts, refs, answers=answers, **kwargs)
 
 
 def scoped(decoder, changes: dict):
@@ -98,6 +106,16 @@ def scoped(decoder, changes: dict):
         scope = changes.pop("memory_scope")
         decoder.memory_scope = None if scope is None else request_scope({"memory_scope": scope})
     return decoder
+
+
+def placed(prompts: list, refs: list, changes: dict) -> tuple[list, list, list]:
+    """``(prompts, references, answers)``: ``--option cached_answer`` (the reworded case) places each
+    request's cached answer, the last of its references, among them (``"reference"``) or in ``answers=``
+    (``"answers"``); it leaves ``changes``. Any other option leaves the references as they are."""
+    where = changes.pop("cached_answer", "reference")
+    if where == "reference":
+        return prompts, refs, [None] * len(prompts)
+    return prompts, [r[:-1] for r in refs], [r[-1:] for r in refs]
 
 
 def hf_pair(args: argparse.Namespace):
@@ -120,7 +138,8 @@ def hf_pair(args: argparse.Namespace):
         return outs
 
     def ours(prompts, refs, changes):
-        return [dec.generate(p, r, max_new_tokens=args.max_new_tokens, config=changes) for p, r in zip(prompts, refs)]
+        return [dec.generate(p, r, answers=a, max_new_tokens=args.max_new_tokens, config=changes)
+                for p, r, a in zip(*placed(prompts, refs, changes))]
 
     return dec.encode_prompt, greedy, ours, lambda: None
 
@@ -132,6 +151,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.chunk is not None and (args.reworded or not 0 < args.chunk <= 1):
         raise SystemExit("--chunk takes a share of each passage's words in (0, 1], and not with --reworded "
                          "(its prompts hold the whole passages)")
+    if args.option == "cached_answer" and (not args.reworded or any(v not in ("reference", "answers")
+                                                                     for v in values)):
+        raise SystemExit('--option cached_answer takes --reworded and the values "reference" and "answers"')
     if args.engine == "hf" and args.option == "memory_scope":
         raise SystemExit("--option memory_scope is vLLM's memory of earlier answers: the transformers decoder has none")
     if args.engine == "hf" and args.in_flight != 1:

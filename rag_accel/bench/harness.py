@@ -119,7 +119,7 @@ class TargetForcing:
 
 
 # (ids, references) -> (output ids, steps or None: counted by hook, our stats or None)
-Runner = Callable[[list[int], list[str]], tuple[list[int], "int | None", Any]]
+Runner = Callable[[list[int], list[str], "list[str] | None"], tuple[list[int], "int | None", Any]]
 
 
 def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: dict[str, Any] | None = None) -> Runner:
@@ -142,7 +142,7 @@ def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: di
             if dec.universal:
                 extra.update(tokenizer=dec.tokenizer, assistant_tokenizer=dec.draft_tokenizer)
 
-        def run_hf(ids: list[int], refs: list[str]) -> tuple[list[int], int | None, Any]:
+        def run_hf(ids: list[int], refs: list[str], answers: list[str] | None) -> tuple[list[int], int | None, Any]:
             x = torch.tensor([ids], device=dec.device)
             with torch.inference_mode():
                 out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
@@ -154,8 +154,8 @@ def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: di
         raise ValueError(f"unknown method {method!r}; choose from {list(ALL_METHODS)}")
     cfg = dec.config.replace(**OUR_METHODS[method])
 
-    def run_ours(ids: list[int], refs: list[str]) -> tuple[list[int], int | None, Any]:
-        out = dec.generate(ids, references=refs, max_new_tokens=max_new_tokens, config=cfg)
+    def run_ours(ids: list[int], refs: list[str], answers: list[str] | None) -> tuple[list[int], int | None, Any]:
+        out = dec.generate(ids, references=refs, answers=answers, max_new_tokens=max_new_tokens, config=cfg)
         return out.token_ids, None, out.stats
 
     return run_ours
@@ -164,11 +164,12 @@ def _runner(dec: ReferenceDecoder, method: str, max_new_tokens: int, engines: di
 def _vllm_runner(vdec: Any, method: str, max_new_tokens: int) -> Runner:
     ours = VLLM_METHODS[method] == "ours"
 
-    def run_vllm(ids: list[int], refs: list[str]) -> tuple[list[int], int | None, Any]:
+    def run_vllm(ids: list[int], refs: list[str], answers: list[str] | None) -> tuple[list[int], int | None, Any]:
         # steps: the engine steps that gave this request tokens (VllmDecoder counts them for every kind of
         # speculation). Not vLLM's Prometheus counters: each engine made in a process unregisters the
         # earlier engines' collectors, so with three engines the n-gram one's counts read as 0.
-        out = vdec.generate(ids, refs if ours else None, max_new_tokens=max_new_tokens)
+        out = vdec.generate(ids, refs if ours else None, answers=answers if ours else None,
+                            max_new_tokens=max_new_tokens)
         return out.token_ids, out.stats.steps, None
 
     return run_vllm
@@ -250,8 +251,9 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
 
 def reworded_items(items: Sequence[RagItem], answers: Sequence[str]) -> list[tuple[RagItem, list[str]]]:
     """The cached-answer case: each question reworded (:data:`REWORDED`), with the item's
-    passages in the prompt and, as references, the passages plus ``answers[i]`` (the cached
-    answer of the original question). Drafting from the prompt alone cannot see that answer."""
+    passages in the prompt, and the passages plus ``answers[i]`` (the cached answer of the
+    original question), which the runs pass as ``references=`` and ``answers=``. Drafting from
+    the prompt alone cannot see that answer."""
     return [(RagItem(f"{it.id}~reworded", REWORDED.format(query=it.query.rstrip("?")), it.passages, it.answers),
              [*it.passages, ans]) for it, ans in zip(items, answers)]
 
@@ -353,7 +355,7 @@ def run_benchmark(
         for m in methods:
             if forcing is not None:  # (the warm-up item may have no target of its own: any target warms up)
                 forcing.set(len(ids0), targets.get(first.id, targets[items[0].id]))
-            runners[m](ids0, list(first.passages))
+            runners[m](ids0, list(first.passages), None)
         i = 0
         while i < len(cases):
             item, refs, case = cases[i]
@@ -371,10 +373,11 @@ def run_benchmark(
                     elif cold and m == "vllm-ours" and engines:
                         engines[m].reset_learning()
                     counter.reset()
-                    # (a method that remembers its answers has the cached answer there, not from the client)
-                    given = list(item.passages) if m in REMEMBERS_OUTPUTS else refs
+                    # The client's cached answer (the reworded case) goes in answers=; a method that remembers
+                    # its answers has it there, not from the client.
+                    cached = refs[len(item.passages):] if m not in REMEMBERS_OUTPUTS else []
                     t0 = time.perf_counter()
-                    out_ids, steps, stats = runners[m](ids, given)
+                    out_ids, steps, stats = runners[m](ids, list(item.passages), cached or None)
                     if dec.device.type == "cuda":
                         torch.cuda.synchronize()
                     dt = time.perf_counter() - t0
