@@ -28,7 +28,7 @@ from .vllm.requests import REQUEST_FIELDS, request_config  # (no vLLM import)
 
 SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
 # The per-call options of generate / stream / generate_batch, and their defaults, on every decoder.
-# ``answers``: earlier answers to copy from (in generate_batch, the same for every prompt, as every option).
+# ``answers``: earlier answers to copy from (in generate_batch one entry per prompt, as references: batch_arguments).
 CALL_OPTIONS: dict[str, Any] = dict(max_new_tokens=256, stop=None, config=None, speculate=True, do_sample=False,
                                     temperature=None, top_k=None, top_p=None, seed=None, answers=None)
 

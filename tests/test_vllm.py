@@ -490,6 +490,10 @@ def test_a_cached_answer_passed_as_answers_drafts_as_the_memory_and_stays_exact(
     assert "memory" not in outs[0].stats.by_drafter and outs[1].stats.by_drafter["memory"]["accepted"] > 0
     with pytest.raises(ValueError, match="one entry per prompt"):
         dec.generate_batch(msgs, answers=[baseline.texts[1]])
+    with pytest.raises(ValueError, match="max_reference_tokens=100"):  # references and answers together
+        dec.generate(msgs[0], [[7] * 60], answers=[[7] * 60], config={"max_reference_tokens": 100})
+    with pytest.raises(TypeError, match="answers must be a list"):
+        dec.generate(msgs[0], answers=5)
 
 
 @pytest.mark.slow

@@ -29,8 +29,8 @@ from ``vllm_xargs``)::
      "rag_accel": {"max_loss": 0.05}}                  # DecoderConfig changes
 
 Over HTTP (``vllm_xargs`` allows only strings, numbers and flat lists of them) token-id
-references travel as ``"reference_ids": "[[12, 34, 56]]"`` (a JSON string; answers as ``"answer_ids"``), ``rag_accel`` as a
-JSON string, and ``speculate`` arrives as ``0``/``1``: :func:`request_inputs` reads both shapes.
+references travel as ``"reference_ids": "[[12, 34, 56]]"`` (a JSON string; answers as ``"answer_ids"``),
+``rag_accel`` as a JSON string, and ``speculate`` arrives as ``0``/``1``: :func:`request_inputs` reads both shapes.
 
 Cost of a draft at batch size ``B``: the engine learns its step time as a line in the tokens it
 schedules (:class:`~rag_accel.speculation.BatchStepCosts`), each step timed as the whole engine

@@ -11,7 +11,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..config import COPY_DRAFTERS, DEFAULT_COPY_DRAFTERS, DecoderConfig
-from ..inputs import check_lengths, check_references, check_stops, encode_prompt, encode_references
+from ..inputs import (check_lengths, check_references, check_stops, encode_prompt, encode_references,
+                      tokenize_references)
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..protocol import batch_arguments, config_changes, sampling_request
 from ..stopping import OutputText
@@ -128,10 +129,11 @@ class VllmDecoder:
             raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
         changes = config_changes(config, self.config)
         cfg = request_config(self.config, changes)
-        refs = self.encode_references(references, cfg.max_reference_tokens)
-        given = encode_references(self.tokenizer, check_references(self.tokenizer, answers, self.vocab_size,
-                                                                    cfg.max_reference_tokens, "answers"),
-                                  self.vocab_size, cfg.max_reference_tokens - sum(len(r) for r in refs))
+        limit = cfg.max_reference_tokens  # (references and answers together, as in the worker)
+        refs = check_references(self.tokenizer, references, self.vocab_size, limit)
+        given = check_references(self.tokenizer, answers, self.vocab_size, limit, "answers")
+        ids = tokenize_references(self.tokenizer, [*refs, *given], limit)
+        refs, given = ids[:len(refs)], ids[len(refs):]
         if "max_draft_tokens" in changes:
             changes["max_draft_tokens"] = min(changes["max_draft_tokens"], self.config.max_draft_tokens)
         extra: dict[str, Any] = {"references": refs, "speculate": speculate, "rag_accel_id": f"rag-{next(_ids)}"}

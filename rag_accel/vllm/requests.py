@@ -196,7 +196,7 @@ def request_answers(extra_args: Any, vocab_size: int | None = None) -> list[str 
     """
     if not isinstance(extra_args, Mapping):
         return []
-    return _sources(extra_args, "answers", "answer_ids", None, max_reference_tokens())[0]
+    return _sources(extra_args, "answers", "answer_ids", vocab_size, max_reference_tokens())[0]
 
 
 def _sources(extra_args: Mapping[str, Any], key: str, ids_key: str, vocab_size: int | None,
