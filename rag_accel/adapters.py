@@ -20,6 +20,7 @@ __all__ = [
     "BACKENDS",
     "DECODER_METHODS",
     "adapter_engine",
+    "answer_texts",
     "check_decoder",
     "close_shared_decoders",
     "iterate_in_thread",
@@ -192,6 +193,7 @@ def start_generation(decoder: Any, prompt: Any, references: list[Any], *, config
     close())``. Inputs are checked here, before any model work. ``accelerate=False`` runs the
     engine's plain greedy baseline (``generate_greedy``) behind the same interface."""
     if not accelerate:
+        options.pop("answers", None)  # copy sources, like the references: the baseline has no use for them
         greedy = getattr(decoder, "generate_greedy", None)
         if not callable(greedy):
             raise TypeError(f"accelerate=False runs decoder.generate_greedy(), which {type(decoder).__name__} "
@@ -255,6 +257,38 @@ def reference_texts(references: Any) -> list[Any]:
         else:
             out.append(ref)
     return out
+
+
+def answer_texts(answers: Any) -> list[Any] | None:
+    """A call's ``answers`` (earlier answers to copy from, e.g. a cached answer) as the decoder
+    takes them: what :func:`reference_texts` takes, and the frameworks' answers themselves
+    (a LangChain ``AIMessage``, a LlamaIndex ``ChatResponse`` / ``CompletionResponse`` /
+    ``Response``), as their text. ``None`` stays ``None`` (the call passes none).
+
+        >>> class Said:  # an object with string .content, as a chat message
+        ...     content = "Paris is the capital."
+        >>> answer_texts(["It is Paris.", Said()])
+        ['It is Paris.', 'Paris is the capital.']
+        >>> answer_texts(None) is None, answer_texts("one answer")
+        (True, ['one answer'])
+    """
+    if answers is None:
+        return None
+    if isinstance(answers, str) or not isinstance(answers, Sequence):
+        answers = [answers]
+    out = []
+    for a in answers:
+        message = getattr(a, "message", None)  # llama_index ChatResponse
+        if isinstance(getattr(message, "content", None), str):
+            a = message.content
+        elif isinstance(getattr(a, "content", None), str):  # a chat message (LangChain, LlamaIndex)
+            a = a.content
+        elif isinstance(getattr(a, "text", None), str) and not callable(getattr(a, "get_content", None)):
+            a = a.text  # llama_index CompletionResponse
+        elif isinstance(getattr(a, "response", None), str):  # llama_index query engine Response
+            a = a.response
+        out.append(a)
+    return reference_texts(out)
 
 
 def sampling_options(temperature: Any, top_p: Any, top_k: Any, seed: Any, accelerate: bool) -> dict[str, Any]:

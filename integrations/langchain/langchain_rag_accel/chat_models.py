@@ -41,6 +41,7 @@ except ImportError as e:  # pragma: no cover - exercised only without langchain-
 
 import rag_accel
 from rag_accel.adapters import (
+    answer_texts,
     check_decoder,
     check_engine_options,
     iterate_in_thread,
@@ -55,8 +56,9 @@ from rag_accel.adapters import (
 from rag_accel.inputs import check_stops
 from rag_accel.models import DEFAULT_MODEL
 
-CALL_OPTIONS = ("max_new_tokens", "max_tokens", "references", "decoder_config", "model", "temperature", "top_p",
-                "top_k", "seed")
+CALL_OPTIONS = ("max_new_tokens", "max_tokens", "references", "answers", "decoder_config", "model", "temperature",
+                "top_p", "top_k", "seed")
+_COPY_SOURCES = ("references", "answers")  # bulky, and they never change the output
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -94,7 +96,9 @@ class ChatRagAccel(BaseChatModel):
             default scope, if it has one, else no memory). The transformers backend has no memory.
 
     Per-call options (``invoke(..., **kw)`` or ``bind(**kw)``): ``references``
-    (Documents, strings or token-id lists), ``max_tokens``/``max_new_tokens`` (one of them,
+    (Documents, strings or token-id lists), ``answers`` (earlier answers to copy from, e.g. a
+    cached answer to a similar question: ``AIMessage``s, strings or token-id lists; drafted as the
+    server's memory of answers drafts, not as a passage), ``max_tokens``/``max_new_tokens`` (one of them,
     or both equal),
     ``decoder_config`` (DecoderConfig changes; ``config`` is LangChain's RunnableConfig),
     ``model`` (must name this model),
@@ -188,16 +192,18 @@ class ChatRagAccel(BaseChatModel):
         return params
 
     def _get_invocation_params(self, stop: list[str] | None = None, **kwargs: Any) -> dict[str, Any]:
-        # References are bulky and do not change the output (decoding is lossless): keep them out
-        # of traces and of the LLM-cache key, record only how many there were.
-        refs = kwargs.pop("references", None)
+        # References and answers are bulky and do not change the output (decoding is lossless): keep
+        # them out of traces and of the LLM-cache key, record only how many there were.
+        sources = {k: kwargs.pop(k) for k in _COPY_SOURCES if k in kwargs}
         params = super()._get_invocation_params(stop=stop, **kwargs)
-        if refs is not None:
-            params["n_references"] = len(reference_texts(refs))
+        for key, given in sources.items():
+            if given is not None:
+                params[f"n_{key}"] = len(reference_texts(given))
         return params
 
     def _get_llm_string(self, stop: list[str] | None = None, **kwargs: Any) -> str:
-        kwargs.pop("references", None)
+        for key in _COPY_SOURCES:
+            kwargs.pop(key, None)
         return super()._get_llm_string(stop=stop, **kwargs)
 
     def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
@@ -231,6 +237,9 @@ class ChatRagAccel(BaseChatModel):
         config = merged_decoder_config(self.decoder_config, kwargs.get("decoder_config"))
         stops = check_stops(stop if stop is not None else self.stop)  # here: before the model is loaded
         opts = {"max_new_tokens": max_new, "stop": stops, **self._sampling_options(kwargs)}
+        answers = answer_texts(kwargs.get("answers"))
+        if answers is not None:
+            opts["answers"] = answers
         return to_chat_messages(messages), reference_texts(kwargs.get("references")), opts, config
 
     def _sampling_options(self, kwargs: dict[str, Any]) -> dict[str, Any]:

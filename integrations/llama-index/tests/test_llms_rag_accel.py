@@ -49,3 +49,18 @@ def test_reference_summary_counts_all_and_lists_the_first_distinct_ids():
     mixed = ["text", [1, 2, 3], TextNode(text="a", id_="x"), nodes[0], TextNode(text="a", id_="x")]
     assert reference_summary(mixed) == {"reference_count": 5, "reference_ids": ["x", "n0"]}
     assert reference_summary([]) == {"reference_count": 0, "reference_ids": []}
+
+
+def test_answers_are_the_texts_of_llama_index_responses_and_nodes():
+    from llama_index.core.base.llms.types import ChatMessage, ChatResponse, CompletionResponse
+    from llama_index.core.base.response.schema import Response
+
+    from rag_accel.adapters import answer_texts
+
+    given = [ChatResponse(message=ChatMessage(role="assistant", content="chat said")),
+             CompletionResponse(text="completed"), Response(response="the query's answer"),
+             ChatMessage(role="assistant", content="a message"), TextNode(text="a node", id_="n"),
+             NodeWithScore(node=TextNode(text="scored node"), score=1.0), "text", [1, 2, 3]]
+    assert answer_texts(given) == ["chat said", "completed", "the query's answer", "a message", "a node",
+                                   "scored node", "text", [1, 2, 3]]
+    assert answer_texts(CompletionResponse(text="one")) == ["one"]

@@ -175,6 +175,20 @@ def test_wrong_or_stale_references_cost_only_speed(index, llm, greedy_llm, items
         assert llm.chat(messages, references=refs).message.content == want
 
 
+def test_a_cached_answer_passed_as_answers_drafts_as_the_memory(llm, greedy_llm, items):
+    """An earlier ChatResponse to a similar question, passed as answers: exact output, copied by the memory
+    drafter; the baseline takes the same call and ignores it."""
+    messages = [ChatMessage(role="user", content=f"{items[3].passages[0]}\n\nQuestion: {items[3].query}")]
+    earlier = greedy_llm.chat(messages)
+    got = llm.chat(messages, answers=[earlier], decoder_config={"adaptive": False})
+    assert got.message.content == earlier.message.content
+    assert got.additional_kwargs["rag_accel"]["by_drafter"]["memory"]["accepted"] >= 20
+    assert greedy_llm.chat(messages, answers=[earlier]).message.content == earlier.message.content
+    completed = llm.complete(f"{items[3].passages[0]}\nSummary:", max_new_tokens=24)
+    again = llm.complete(f"{items[3].passages[0]}\nSummary:", max_new_tokens=24, answers=completed)
+    assert again.text == completed.text and "memory" in again.additional_kwargs["rag_accel"]["by_drafter"]
+
+
 def test_complete_streaming_usage_and_token_counting(real_decoder, items):
     counter = TokenCountingHandler(tokenizer=real_decoder.tokenizer.encode)
     llm = RagAccelLLM(decoder=real_decoder, max_new_tokens=24, callback_manager=CallbackManager([counter]))
@@ -223,6 +237,8 @@ def test_bad_input_is_a_clear_error(real_decoder, llm):
         llm.chat([ChatMessage(role="tool", content="42")])
     with pytest.raises(TypeError, match="reference 0"):
         llm.complete("hi", references=[3.5])
+    with pytest.raises(TypeError, match="answer 0"):
+        llm.complete("hi", answers=[3.5])
     with pytest.raises(ValueError, match="context window"):
         llm.complete("word " * 9000)
     with pytest.raises(ValueError):

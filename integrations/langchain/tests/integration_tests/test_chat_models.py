@@ -117,6 +117,19 @@ def test_concurrent_calls_on_one_model_each_get_their_own_greedy_answer(llm, rea
     assert asyncio.run(run()) == want
 
 
+def test_a_cached_answer_passed_as_answers_drafts_as_the_memory_and_stays_greedy(llm, real_decoder, items):
+    """A client's cached answer to a similar question (an AIMessage): exact output, copied by the memory drafter;
+    the baseline (accelerate=False) takes the same call and ignores it."""
+    prompt = [SystemMessage("Answer briefly."), HumanMessage(f"{items[1].query}\n\n{items[1].passages[0]}")]
+    want = real_decoder.generate_greedy(to_chat_messages(prompt), max_new_tokens=MAX_NEW).text
+    msg = llm.invoke(prompt, answers=[AIMessage(want)], decoder_config={"adaptive": False})
+    assert msg.content == want
+    stats = msg.response_metadata["rag_accel"]
+    assert stats["new_tokens"] == MAX_NEW and stats["by_drafter"]["memory"]["accepted"] >= 30  # nearly all copied
+    plain = ChatRagAccel(decoder=real_decoder, max_tokens=MAX_NEW, accelerate=False)
+    assert plain.invoke(prompt, answers=[want]).content == want
+
+
 def test_without_references_it_still_accelerates_from_the_prompt(llm, items):
     it = items[1]
     msg = llm.invoke([HumanMessage("Repeat this passage exactly:\n" + it.passages[0])], max_tokens=32)
@@ -151,6 +164,8 @@ def test_stop_at_construction_and_per_call(real_decoder):
     ({"decoder_config": {"no_such_knob": 1}}, ValueError, "no_such_knob"),
     ({"decoder_config": [1]}, TypeError, "decoder_config"),
     ({"references": [object()]}, TypeError, "reference 0"),
+    ({"answers": [object()]}, TypeError, "answer 0"),
+    ({"answers": 5}, TypeError, "answer 0"),
     ({"max_tokens": 0}, ValueError, "max_new_tokens"),
 ])
 def test_bad_call_options_are_clear_errors(llm, kwargs, err, match):

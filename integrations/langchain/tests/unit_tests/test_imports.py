@@ -44,15 +44,29 @@ def test_decoder_is_checked_by_its_methods():
         ChatRagAccel(decoder=fake, accelerate=False).invoke("hi")
 
 
-def test_references_stay_out_of_traces_and_cache_key():
+def test_references_and_answers_stay_out_of_traces_and_cache_key():
     llm = ChatRagAccel(decoder=FakeDecoder())
     docs = [Document(page_content="x" * 1000)]
-    params = llm._get_invocation_params(stop=None, references=docs)
+    answers = ["y" * 1000, "z" * 1000]
+    params = llm._get_invocation_params(stop=None, references=docs, answers=answers)
     assert "references" not in params and params["n_references"] == 1
-    assert "xxxx" not in llm._get_llm_string(stop=None, references=docs)
+    assert "answers" not in params and params["n_answers"] == 2
+    key = llm._get_llm_string(stop=None, references=docs, answers=answers)
+    assert "xxxx" not in key and "yyyy" not in key
+    assert "n_answers" not in llm._get_invocation_params(stop=None)
 
 
 def test_bind_tools_says_what_to_do():
     with pytest.raises(NotImplementedError, match=r"ChatRagAccel does not support tool calling.*"):
         ChatRagAccel(decoder=FakeDecoder()).bind_tools(
             [{"type": "function", "function": {"name": "f", "parameters": {}}}])
+
+
+def test_answers_are_the_texts_of_messages_and_documents():
+    from langchain_core.messages import AIMessage
+
+    from rag_accel.adapters import answer_texts
+
+    assert answer_texts([AIMessage("said before"), Document(page_content="a doc"), "text", [1, 2]]) == [
+        "said before", "a doc", "text", [1, 2]]
+    assert answer_texts(AIMessage("one")) == ["one"]

@@ -51,6 +51,7 @@ except ImportError as e:  # pragma: no cover - exercised only without llama-inde
 
 import rag_accel
 from rag_accel.adapters import (
+    answer_texts,
     check_decoder,
     check_engine_options,
     iterate_in_thread,
@@ -67,8 +68,8 @@ from rag_accel.models import DEFAULT_MODEL
 
 from llama_index.llms.rag_accel.capture import captured_nodes, retrieval_capture
 
-CALL_OPTIONS = ("references", "max_new_tokens", "max_tokens", "stop", "decoder_config", "temperature", "top_p",
-                "top_k", "seed")
+CALL_OPTIONS = ("references", "answers", "max_new_tokens", "max_tokens", "stop", "decoder_config", "temperature",
+                "top_p", "top_k", "seed")
 # additional_kwargs["rag_accel"] lists the ids of at most this many reference nodes (the first ones,
 # i.e. the best-ranked of a retrieval) beside the count of all: a query can pass hundreds.
 MAX_REFERENCE_IDS = 8
@@ -108,6 +109,9 @@ class RagAccelLLM(CustomLLM):
             sampling distribution), with ``top_p``, ``top_k`` and ``seed``.
 
     Per-call options: ``references`` (nodes, strings or token-id lists; ``[]`` for none),
+    ``answers`` (earlier answers to copy from, e.g. a cached answer to a similar question:
+    ``ChatResponse``, ``CompletionResponse`` or query ``Response`` objects, strings or token-id lists;
+    drafted as the server's memory of answers drafts, not as a passage),
     ``max_new_tokens`` (or ``max_tokens``), ``stop``, ``decoder_config``, ``temperature``, ``top_p``,
     ``top_k``, ``seed``.
     Anything else is an error.
@@ -207,6 +211,9 @@ class RagAccelLLM(CustomLLM):
         sampling = {k: kwargs.get(k, getattr(self, k)) for k in ("temperature", "top_p", "top_k", "seed")}
         opts = {"max_new_tokens": max_new_tokens_option(kwargs, self.max_new_tokens), "stop": stop,
                 **sampling_options(**sampling, accelerate=self.accelerate)}
+        answers = answer_texts(kwargs.get("answers"))
+        if answers is not None:
+            opts["answers"] = answers
         pieces, output, _ = start_generation(self.engine, prompt, reference_texts(refs), config=config,
                                              accelerate=self.accelerate, **opts)  # inputs checked here
         return pieces, output, about_refs
