@@ -290,7 +290,7 @@ def _tiny_decoder():
     return ReferenceDecoder(model, tok)
 
 
-def test_bench_reworded_case_gives_the_cached_answer_as_a_reference_outside_the_prompt():
+def test_bench_reworded_case_gives_the_cached_answer_outside_the_prompt():
     from rag_accel.bench import REWORDED, reworded_items, run_benchmark, summarize
     from rag_accel.data import load_msmarco_sample, rag_messages
 

@@ -110,7 +110,7 @@ class BenchReport:
         reworded_summary = summarize(runs, "reworded") if self.reworded else {}
         if reworded_summary:
             parts += ["", f"Cached-answer case ({self.reworded} items): the question reworded, greedy's answer to the "
-                      "original as an extra reference that is not in the prompt:", "",
+                      "original passed by the client (not in the prompt) as `answers=`, beside the passages:", "",
                       markdown_table(reworded_summary, legend=False)]
         split = split_table(summary)
         if split:
@@ -147,6 +147,8 @@ class BenchReport:
                       f"{n}{'' if packed else '-unpacked'}{'' if head else '-nohead'}": v
                       for (n, packed, head), v in (cost_curves or {}).items()},
                   "summary": summary, "reworded": self.reworded,
+                  # where the cached answer went: answers= (the runs before 2026-11-27 passed it as a reference)
+                  "cached_answer_as": "answers" if self.reworded else None,
                   "reworded_summary": summarize(runs, "reworded") if self.reworded else {},
                   "concurrency_summary": summarize_concurrency(batch_runs) if batch_runs else {},
                   "concurrency_runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in batch_runs],
