@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from engine_order import first_vs_others  # (this folder is on sys.path when run as a script)
 from inflight_bench import run_rates
@@ -26,9 +27,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 PEERS = RESULTS / "bench_vllm_cpu_smollm2_last24_memory_counts.json"
 # the memory of answers on and off on ONE engine, request by request: what the memory buys without the spread between
 # engines (PEERS's memory engine was 13.5% slower a step than vllm-ours's, from the first item on)
-# the cached-answer case where suffix decoding's engine never answered the original (another data-parallel engine,
-# a restart): vllm-suffix-elsewhere beside the engine that did and ours with the client's cached answer
-ELSEWHERE = RESULTS / "bench_vllm_cpu_smollm2_last24_elsewhere.json"
+# the cached-answer case, every item reworded, in one run: the server's memory only (vllm-ours-memory), the client's
+# cached answer passed as answers= (vllm-ours), suffix decoding on the engine that answered the original (vllm-suffix)
+# and on one that never did (vllm-suffix-elsewhere: another data-parallel engine, a restart). The runs before it
+# passed the cached answer as a reference: bench_vllm_cpu_smollm2_last24_frequency_memory and _elsewhere.
+REWORDED = RESULTS / "bench_vllm_cpu_smollm2_last24_answers.json"
 MEMORY_AB = RESULTS / "config_ab_vllm_cpu_smollm2_memory.json"
 MEMORY_AB_16 = RESULTS / "config_ab_vllm_cpu_smollm2_memory_16.json"  # the same, 16 requests in flight
 SERVE = RESULTS / "serve_cpu_smollm2.json"
@@ -39,9 +42,6 @@ VLLM_COLD = RESULTS / "bench_vllm_cpu_smollm2_last30x64_cold_r5.json"
 VLLM_WARM = RESULTS / "bench_vllm_cpu_smollm2_last30x64_warm_r5.json"  # the same, one engine learning throughout
 TRECDL_COLD = RESULTS / "bench_cpu_smollm2_trecdl30x64_cold.json"  # other queries and passages, cold
 MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejected
-# the server's memory against suffix's tree, the memory drafting by suffix decoding's counts (the n-gram memory before
-# it: bench_vllm_cpu_smollm2_memory_last16x64, on the results page)
-MEMORY = RESULTS / "bench_vllm_cpu_smollm2_last24_frequency_memory.json"
 # every peer in flight, each level on unseen items, twice on engines built afresh, the default chain of the frequency
 # drafter, vLLM's engines under PEER_ENVIRONMENT (the earlier in-flight runs stay on the results page)
 INFLIGHT = RESULTS / "inflight_vllm_cpu_smollm2_workqueue.json"
@@ -95,8 +95,10 @@ def engine_section(path: Path) -> str:
                      f"`{env.get('vllm_env', {})}`; machine load (1/5/15 min, 2 cores) before {env.get('load_before')}, "
                      f"after {env.get('load_after')}.", "", markdown_table(s)]
         if r.get("reworded_summary"):
+            given = ("passed by the client (not in the prompt) as `answers=`, beside the passages"
+                     if r.get("cached_answer_as") == "answers" else "as an extra reference that is not in the prompt")
             lines += ["", f"Cached-answer case ({r['reworded']} items): the question reworded, greedy's answer to the "
-                          "original as an extra reference that is not in the prompt:", "",
+                          f"original {given}:", "",
                       markdown_table(r["reworded_summary"], legend=False)]
         if r.get("concurrency_summary"):
             lines += ["", "Throughput with several requests in flight (vLLM; the transformers methods run one "
@@ -238,9 +240,17 @@ def suffix_section(peers: dict) -> str:
     user choosing between its one flag and our plug-in asks first."""
     rows = []
 
-    def row(case: str, ours: float, suffix: float, run: Path, ours_name: str = "vllm-ours") -> None:
-        rows.append(f"| {case} | {ours_name} {ours:.2f}x | {suffix:.2f}x | **{ours / suffix:.2f}x** | "
-                    f"[run](benchmarks/results/{run.with_suffix('.md').name}) |")
+    def row(case: str, ours: Any, suffix: Any, runs: Any, ours_name: str = "vllm-ours", sep: str = "; ") -> None:
+        """One case: a speed-up each (or one per run / level, joined by ``sep``), their ratio, the runs."""
+        ours, suffix = ([x] if isinstance(x, float) else list(x) for x in (ours, suffix))
+        runs = [runs] if isinstance(runs, Path) else runs
+
+        def fmt(xs: Any) -> str:
+            return sep.join(f"{x:.2f}x" for x in xs)
+
+        links = ", ".join(f"[run](benchmarks/results/{r.with_suffix('.md').name})" for r in runs)
+        rows.append(f"| {case} | {ours_name} {fmt(ours)} | {fmt(suffix)} | "
+                    f"**{fmt(o / x for o, x in zip(ours, suffix))}** | {links} |")
 
     def vs(summary: dict, m: str) -> float:
         return summary[m]["speedup_vs_vllm_greedy_geomean"]
@@ -249,18 +259,17 @@ def suffix_section(peers: dict) -> str:
     row(f"per request, {peers['items']} new questions", vs(sm, "vllm-ours"), vs(sm, "vllm-suffix"), PEERS)
     row("the same, ours copying from earlier answers too, as suffix does", vs(sm, "vllm-ours-memory"),
         vs(sm, "vllm-suffix"), PEERS, "vllm-ours-memory")
-    if MEMORY.is_file():  # the cached-answer case, every item reworded
-        mm = json.loads(MEMORY.read_text())
-        rw = mm["reworded_summary"]
-        case = f"a question asked again, reworded ({mm['reworded']} items)"
-        row(case + ": the server's memory only", vs(rw, "vllm-ours-memory"), vs(rw, "vllm-suffix"), MEMORY,
+    reworded = REWORDED if REWORDED.is_file() else None
+    if reworded:  # the cached-answer case, every item reworded; suffix also on an engine that never saw the original
+        rr = json.loads(reworded.read_text())
+        rw = rr["reworded_summary"]
+        case = f"a question asked again, reworded ({rr['reworded']} items)"
+        row(case + ": the server's memory only", vs(rw, "vllm-ours-memory"), vs(rw, "vllm-suffix"), reworded,
             "vllm-ours-memory")
-        row(case + ": the client passes its cached answer", vs(rw, "vllm-ours"), vs(rw, "vllm-suffix"), MEMORY)
-    if ELSEWHERE.is_file():  # the same, suffix decoding's engine never having answered the original
-        el = json.loads(ELSEWHERE.read_text())
-        rw = el["reworded_summary"]
-        row(f"the same ({el['reworded']} items), the reworded question served by another engine than the original "
-            "(data parallel, a restart)", vs(rw, "vllm-ours"), vs(rw, "vllm-suffix-elsewhere"), ELSEWHERE)
+        row(case + ": the client passes its cached answer (`answers=`)", vs(rw, "vllm-ours"), vs(rw, "vllm-suffix"),
+            reworded)
+        row("the same, the reworded question served by another engine than the original (data parallel, a restart)",
+            vs(rw, "vllm-ours"), vs(rw, "vllm-suffix-elsewhere"), reworded)
     if INFLIGHT.is_file():
         fl = json.loads(INFLIGHT.read_text())["summary"]
         levels = sorted({v["in_flight"] for v in fl.values()})
@@ -268,22 +277,16 @@ def suffix_section(peers: dict) -> str:
         def at(m: str) -> list[float]:
             return [fl[f"{m}@{c}"]["vs_greedy"] for c in levels]
 
-        rows.append(f"| {' / '.join(map(str, levels))} in flight (tokens/s, 2 runs; the table below) | vllm-ours "
-                    + " / ".join(f"{x:.2f}x" for x in at("vllm-ours")) + " | "
-                    + " / ".join(f"{x:.2f}x" for x in at("vllm-suffix")) + " | **"
-                    + " / ".join(f"{o / x:.2f}x" for o, x in zip(at("vllm-ours"), at("vllm-suffix"))) + "** | "
-                    f"[run](benchmarks/results/{INFLIGHT.with_suffix('.md').name}) |")
+        row(f"{' / '.join(map(str, levels))} in flight (tokens/s, 2 runs; the table below)", at("vllm-ours"),
+            at("vllm-suffix"), INFLIGHT, sep=" / ")
     runs = [json.loads(path.read_text()) for path in LONG_DOCUMENTS if path.is_file()]
     if runs:  # (the second run with the references by counts: level with LLMA's choice on one engine there)
-        ours = [run["summary"]["vllm-ours-documents"]["vs_greedy_geomean"] for run in runs]
-        suffix = [run["summary"]["vllm-suffix"]["vs_greedy_geomean"] for run in runs]
         items = len({row["item"] for row in runs[0]["rows"] if not row.get("warm_up")})
-        rows.append(f"| long documents: chunks in the prompt, the whole documents as references ({items} items, "
-                    f"{len(runs)} runs, the second with the references by counts) | vllm-ours "
-                    + "; ".join(f"{x:.2f}x" for x in ours) + " | " + "; ".join(f"{x:.2f}x" for x in suffix) + " | **"
-                    + "; ".join(f"{o / x:.2f}x" for o, x in zip(ours, suffix)) + "** | "
-                    + ", ".join(f"[run](benchmarks/results/{path.with_suffix('.md').name})"
-                                for path in LONG_DOCUMENTS if path.is_file()) + " |")
+        row(f"long documents: chunks in the prompt, the whole documents as references ({items} items, {len(runs)} "
+            "runs, the second with the references by counts)",
+            [run["summary"]["vllm-ours-documents"]["vs_greedy_geomean"] for run in runs],
+            [run["summary"]["vllm-suffix"]["vs_greedy_geomean"] for run in runs],
+            [path for path in LONG_DOCUMENTS if path.is_file()])
     loaded = []  # ours and tuned suffix against greedy at 16 and 32 in flight, in the in-flight runs this page names
     for path in (INFLIGHT, FREQUENCY_INFLIGHT, INFLIGHT_SPARE, INFLIGHT_PEERS_REPEATS, SUFFIX_F3_INFLIGHT):
         if path.is_file():
