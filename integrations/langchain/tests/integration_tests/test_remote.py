@@ -75,6 +75,24 @@ def test_rag_chain_on_a_server_equals_greedy_and_sends_the_documents(remote_serv
 
 
 @pytest.mark.slow
+def test_a_cached_answer_reaches_the_server_as_answers(remote_server, retriever, items, greedy):
+    """The chain's earlier answer to the question passed back with ``answers=`` (a client's cached answer): the
+    same output, and most of its tokens accepted in the server's engine, where the passages alone got few
+    (no memory scope: only the call brings the answer; 26 and 6 of 32 when this test was written)."""
+    llm = ChatRagAccel(base_url=remote_server.base_url, model=MODEL, max_tokens=MAX_NEW)
+    q = items[2].query
+    cached = greedy[q]
+    accepted = []
+    for bound in (llm, llm.bind(answers=[cached])):
+        _, a0 = remote_server.spec_decode_counters()
+        again = rag_chain(retriever, bound, parser=None).invoke(q)
+        _, a1 = remote_server.spec_decode_counters()
+        assert again.content == cached.content
+        accepted.append(a1 - a0)
+    assert accepted[1] >= 0.6 * again.usage_metadata["output_tokens"] > accepted[0], accepted
+
+
+@pytest.mark.slow
 def test_stream_batch_async_and_stops_on_a_server(remote_server, retriever, items, greedy):
     llm = ChatRagAccel(base_url=remote_server.base_url, model=MODEL, max_tokens=MAX_NEW)
     chain = rag_chain(retriever, llm)
