@@ -7,10 +7,12 @@ Built from the bundled MS-MARCO sample, with the offline models:
 * cache-assisted: each question is answered once (its answer goes into a
   ResponseCache), then asked again reworded ("Could you tell me: <q>?"); the
   second answer is decoded with the retrieved passages as references, without
-  and with the cache's answers added.
+  the cache's answers, with them added to the references, and with them as
+  ``answers=`` (drafted as the memory of answers drafts).
 * multi-turn: a Conversation answers the question, then a follow-up ("Say that
   again in one short paragraph."); the follow-up is decoded with the passages
-  only, and with the earlier turns added as references.
+  only, with the earlier turns added as references (what ``Conversation`` does),
+  and with the earlier answers as ``answers=`` (the questions stay references).
 
 Every output is the model's own greedy output (checked against generate()).
 Tokens/step is reported for the plain drafter chain (whole drafts of up to 10
@@ -43,15 +45,18 @@ def greedy(dec, ids, n):
         return dec.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n)[0, len(ids):].tolist()
 
 
-def measure(dec, msgs, n, acc, scenario, base_refs, more_refs) -> int:
-    """Decode ``msgs`` with each config and both reference sets; add tokens/steps to ``acc``;
-    return how many outputs equal plain greedy."""
+SOURCES = ("passages only", "with extra references", "with extra answers=")
+
+
+def measure(dec, msgs, n, acc, scenario, base_refs, more_refs, answers) -> int:
+    """Decode ``msgs`` with each config and each of :data:`SOURCES` (``base_refs``; ``more_refs``;
+    ``base_refs`` and ``answers``); add tokens/steps to ``acc``; return how many outputs equal plain greedy."""
     want = greedy(dec, dec.encode_prompt(msgs), n)
     same = 0
     for cfg_name, cfg in CONFIGS.items():
-        for refs_name, refs in (("passages only", base_refs), ("with extra references", more_refs)):
-            out = dec.generate(msgs, references=refs, max_new_tokens=n, config=cfg)
-            a = acc[f"{scenario} / {cfg_name} / {refs_name}"]
+        for name, refs, given in zip(SOURCES, (base_refs, more_refs, base_refs), (None, None, answers)):
+            out = dec.generate(msgs, references=refs, answers=given, max_new_tokens=n, config=cfg)
+            a = acc[f"{scenario} / {cfg_name} / {name}"]
             a[0] += out.stats.new_tokens
             a[1] += out.stats.steps
             same += out.token_ids == want
@@ -71,7 +76,7 @@ def main() -> None:
     index.add([p for it in items for p in it.passages])
     n = args.max_new_tokens
     acc = {f"{scen} / {cfg} / {refs}": [0, 0] for scen in ("cache", "multi-turn") for cfg in CONFIGS
-           for refs in ("passages only", "with extra references")}
+           for refs in SOURCES}
     identical = total = 0
     for it in items:
         # cache-assisted
@@ -82,15 +87,18 @@ def main() -> None:
         again = f"Could you tell me: {it.query}?"
         passages2 = [h.text for h in index.search(again, 3)]
         msgs = rag_messages(again, passages2)
-        identical += measure(dec, msgs, n, acc, "cache", passages2, passages2 + cache.references(again))
-        total += 2 * len(CONFIGS)
+        cached = cache.references(again)
+        identical += measure(dec, msgs, n, acc, "cache", passages2, passages2 + cached, cached)
+        total += len(SOURCES) * len(CONFIGS)
         # multi-turn
         conv = Conversation(dec, index=index, k=3)
         conv.ask(it.query, max_new_tokens=n)
         passages3 = [h.text for h in index.search(FOLLOW_UP, 3)]
         msgs = conv.messages(FOLLOW_UP, passages3)
-        identical += measure(dec, msgs, n, acc, "multi-turn", passages3, conv.references(FOLLOW_UP, passages3))
-        total += 2 * len(CONFIGS)
+        earlier = [t.answer for t in conv.turns]
+        identical += measure(dec, msgs, n, acc, "multi-turn", passages3, conv.references(FOLLOW_UP, passages3),
+                             earlier)
+        total += len(SOURCES) * len(CONFIGS)
     rows = {k: v[0] / v[1] for k, v in acc.items()}
     lines = ["| scenario / decoder / references | tokens per step |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in rows.items()]

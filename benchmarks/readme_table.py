@@ -152,7 +152,7 @@ def cache_section(path: Path) -> str:
              f"{env['date']}; outputs identical to greedy {ok}/{total}; [json]({path.name}))", "",
              "| scenario / decoder / references | tokens per step |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in r["tokens_per_step"].items()]
-    lines += ["", f"Reproduce: `{r['command']}`"]
+    lines += [*(["", r["note"]] if r.get("note") else []), "", f"Reproduce: `{r['command']}`"]
     return "\n".join(lines)
 
 
