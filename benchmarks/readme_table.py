@@ -259,17 +259,16 @@ def suffix_section(peers: dict) -> str:
     row(f"per request, {peers['items']} new questions", vs(sm, "vllm-ours"), vs(sm, "vllm-suffix"), PEERS)
     row("the same, ours copying from earlier answers too, as suffix does", vs(sm, "vllm-ours-memory"),
         vs(sm, "vllm-suffix"), PEERS, "vllm-ours-memory")
-    reworded = REWORDED if REWORDED.is_file() else None
-    if reworded:  # the cached-answer case, every item reworded; suffix also on an engine that never saw the original
-        rr = json.loads(reworded.read_text())
+    if REWORDED.is_file():  # the cached-answer case, every item reworded; suffix also on an engine that never saw it
+        rr = json.loads(REWORDED.read_text())
         rw = rr["reworded_summary"]
         case = f"a question asked again, reworded ({rr['reworded']} items)"
-        row(case + ": the server's memory only", vs(rw, "vllm-ours-memory"), vs(rw, "vllm-suffix"), reworded,
+        row(case + ": the server's memory only", vs(rw, "vllm-ours-memory"), vs(rw, "vllm-suffix"), REWORDED,
             "vllm-ours-memory")
         row(case + ": the client passes its cached answer (`answers=`)", vs(rw, "vllm-ours"), vs(rw, "vllm-suffix"),
-            reworded)
+            REWORDED)
         row("the same, the reworded question served by another engine than the original (data parallel, a restart)",
-            vs(rw, "vllm-ours"), vs(rw, "vllm-suffix-elsewhere"), reworded)
+            vs(rw, "vllm-ours"), vs(rw, "vllm-suffix-elsewhere"), REWORDED)
     if INFLIGHT.is_file():
         fl = json.loads(INFLIGHT.read_text())["summary"]
         levels = sorted({v["in_flight"] for v in fl.values()})
