@@ -40,6 +40,9 @@ COLD, WARM = RESULTS / "bench_cpu_smollm2_last30x64_cold_r5.json", RESULTS / "be
 # the same items, vLLM engines, cold: median of 5 (the run of 3 before it stays on the results page)
 VLLM_COLD = RESULTS / "bench_vllm_cpu_smollm2_last30x64_cold_r5.json"
 VLLM_WARM = RESULTS / "bench_vllm_cpu_smollm2_last30x64_warm_r5.json"  # the same, one engine learning throughout
+GPU = (RESULTS / "bench_cuda_h100_smollm2_last30x64_f32.json",  # transformers on a lent H100: warm, peers
+       RESULTS / "bench_cuda_h100_smollm2_last30x64_f32_cold.json",  # the same items cold, one run each
+       RESULTS / "bench_cuda_h100_smollm2_last20x64_f32_cold_r3.json")  # cold, median of 3, the last 20 of them
 TRECDL_COLD = RESULTS / "bench_cpu_smollm2_trecdl30x64_cold.json"  # other queries and passages, cold
 MISLEADING = RESULTS / "misleading_refs_cpu_smollm2.json"  # every draft rejected
 # every peer in flight, each level on unseen items, twice on engines built afresh, the default chain of the frequency
@@ -416,6 +419,8 @@ def summary_section() -> str:
                       f"transformers, the sample's last {cold['items']} items (no default was tuned on them) x "
                       f"{cold['max_new_tokens']} tokens, median of {cold['repeats']} runs per item, "
                       f"{cold['environment']['date']}: " + "; ".join(said) + f"; {same:.0%} identical."]
+    if all(p.is_file() for p in GPU):
+        lines += ["", gpu_paragraph(*(json.loads(p.read_text()) for p in GPU))]
     if MISLEADING.is_file():
         ms = json.loads(MISLEADING.read_text())["summary"]["ours-ref"]
         lines += ["", f"Every draft rejected (references built to match the output and continue it wrongly, cold, "
@@ -483,6 +488,28 @@ def summary_section() -> str:
         lines += ["", f"![per-item speed-up and tokens per step](benchmarks/results/{png.name})"]
     lines += ["", f"Reproduce: `{r['command']}` (in the vLLM virtualenv)"]
     return "\n".join(lines)
+
+
+def gpu_paragraph(warm: dict, cold: dict, cold_r3: dict) -> str:
+    """The transformers methods on a GPU: warm with the peers, cold (one run each, then median of 3)."""
+    def link(r: dict) -> str:
+        return f"[run](benchmarks/results/{Path(r['command'].split('--out ')[1].split()[0]).name}.md)"
+
+    def said(r: dict, m: str, where: str = "") -> str:
+        v = r["summary"][m]
+        return f"{v['speedup_geomean']:.2f}x (worst item {v['speedup_worst']:.2f}x{'; ' + where if where else ''})"
+
+    env, names = warm["environment"], {"hf-pld": "Hugging Face prompt lookup"}
+    ours_first = sorted((m for m in warm["summary"] if m != "greedy"), key=lambda m: not m.startswith("ours"))
+    same = min(v["identical_rate"] for r in (warm, cold, cold_r3) for v in r["summary"].values())
+    return (f"On a GPU, transformers only (vLLM was not there), {env['device'].split(': ')[1]}, {env['dtype']}, the "
+            f"sample's last {warm['items']} items x {warm['max_new_tokens']} tokens, {env['date']}: warm, one run per "
+            f"item ({link(warm)}), " + ", ".join(f"{names.get(m, m)} {said(warm, m)}" for m in ours_first) + "; "
+            f"ours cold, one run per item, {said(cold, 'ours', link(cold))}, and cold, median of {cold_r3['repeats']} "
+            f"runs, on the last {cold_r3['items']} items {said(cold_r3, 'ours', link(cold_r3))}; {same:.0%} identical. "
+            "A verifying pass cost about what a one-token step did (most of it the host's Python for this 135M model), "
+            "so drafts pay more than on the CPU; step times varied 2x between items on that host, so single items of a "
+            "one-run table are noisy (the runs' notes).")
 
 
 def numba_clause(run: dict) -> str:
