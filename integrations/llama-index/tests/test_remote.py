@@ -10,10 +10,11 @@ import asyncio
 import pytest
 from llama_index.core import VectorStoreIndex
 from llama_index.core.embeddings import MockEmbedding
+from llama_index.core.llms import ChatMessage
 from llama_index.core.schema import TextNode
 from llama_index.llms.rag_accel import RagAccelLLM
 
-from rag_accel.data import load_msmarco_sample
+from rag_accel.data import load_msmarco_sample, rag_prompt
 from rag_accel.remote import RemoteDecoder
 
 MAX_NEW = 32
@@ -68,6 +69,28 @@ def test_stock_query_engine_on_a_server(remote_server, index, question):
     stats = out.additional_kwargs["rag_accel"]
     assert stats["drafted"] is None and stats["tokens_per_step"] is None  # the server does not tell
     assert out.raw["usage"]["completion_tokens"] == stats["new_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_a_cached_answer_reaches_the_server_as_answers(remote_server):
+    """An earlier ``ChatResponse`` passed back with ``answers=`` (a client's cached answer): the output equals the
+    server's without drafting, and most of its tokens are accepted in the server's engine, where the same call with
+    the passages alone got few (no memory scope: only the call brings the answer; 27 and 7 of 32 when this test was
+    written, and with ``answers=`` left out of the second call it failed, 11 of 32)."""
+    item = load_msmarco_sample(limit=3)[2]
+    messages = [ChatMessage(role="user", content=rag_prompt(item.query, item.passages))]
+    off = RagAccelLLM(base_url=remote_server.base_url, model_name=MODEL, max_new_tokens=MAX_NEW, accelerate=False)
+    greedy = off.chat(messages).message.content
+    llm = RagAccelLLM(base_url=remote_server.base_url, model_name=MODEL, max_new_tokens=MAX_NEW)
+    accepted, cached = [], None
+    for answers in (None, "cached"):
+        _, a0 = remote_server.spec_decode_counters()
+        res = llm.chat(messages, references=item.passages, **({"answers": [cached]} if answers else {}))
+        _, a1 = remote_server.spec_decode_counters()
+        assert res.message.content == greedy
+        accepted.append(a1 - a0)
+        cached = res
+    assert accepted[1] >= 0.6 * res.additional_kwargs["rag_accel"]["new_tokens"] > accepted[0], accepted
 
 
 def test_engine_options_are_checked():
