@@ -420,7 +420,7 @@ def summary_section() -> str:
                       f"{cold['max_new_tokens']} tokens, median of {cold['repeats']} runs per item, "
                       f"{cold['environment']['date']}: " + "; ".join(said) + f"; {same:.0%} identical."]
     if all(p.is_file() for p in GPU):
-        lines += ["", gpu_paragraph(*(json.loads(p.read_text()) for p in GPU))]
+        lines += ["", gpu_paragraph(*GPU)]
     if MISLEADING.is_file():
         ms = json.loads(MISLEADING.read_text())["summary"]["ours-ref"]
         lines += ["", f"Every draft rejected (references built to match the output and continue it wrongly, cold, "
@@ -490,26 +490,29 @@ def summary_section() -> str:
     return "\n".join(lines)
 
 
-def gpu_paragraph(warm: dict, cold: dict, cold_r3: dict) -> str:
+def gpu_paragraph(warm_path: Path, cold_path: Path, cold_r3_path: Path) -> str:
     """The transformers methods on a GPU: warm with the peers, cold (one run each, then median of 3)."""
-    def link(r: dict) -> str:
-        return f"[run](benchmarks/results/{Path(r['command'].split('--out ')[1].split()[0]).name}.md)"
+    warm, cold, cold_r3 = (json.loads(p.read_text()) for p in (warm_path, cold_path, cold_r3_path))
 
-    def said(r: dict, m: str, where: str = "") -> str:
-        v = r["summary"][m]
-        return f"{v['speedup_geomean']:.2f}x (worst item {v['speedup_worst']:.2f}x{'; ' + where if where else ''})"
+    def said(r: dict, m: str, path: Path | None = None) -> str:
+        v, where = r["summary"][m], f"; [run](benchmarks/results/{path.with_suffix('.md').name})" if path else ""
+        return f"{v['speedup_geomean']:.2f}x (worst item {v['speedup_worst']:.2f}x{where})"
 
     env, names = warm["environment"], {"hf-pld": "Hugging Face prompt lookup"}
     ours_first = sorted((m for m in warm["summary"] if m != "greedy"), key=lambda m: not m.startswith("ours"))
     same = min(v["identical_rate"] for r in (warm, cold, cold_r3) for v in r["summary"].values())
+    step_ms = {m: warm["summary"][m]["split"]["ms_per_later_step"] for m in ("greedy", "ours")}
+    greedy_ms = [1000 * r["seconds"] / r["steps"] for r in warm["runs"] if r["method"] == "greedy"]
     return (f"On a GPU, transformers only (vLLM was not there), {env['device'].split(': ')[1]}, {env['dtype']}, the "
             f"sample's last {warm['items']} items x {warm['max_new_tokens']} tokens, {env['date']}: warm, one run per "
-            f"item ({link(warm)}), " + ", ".join(f"{names.get(m, m)} {said(warm, m)}" for m in ours_first) + "; "
-            f"ours cold, one run per item, {said(cold, 'ours', link(cold))}, and cold, median of {cold_r3['repeats']} "
-            f"runs, on the last {cold_r3['items']} items {said(cold_r3, 'ours', link(cold_r3))}; {same:.0%} identical. "
-            "A verifying pass cost about what a one-token step did (most of it the host's Python for this 135M model), "
-            "so drafts pay more than on the CPU; step times varied 2x between items on that host, so single items of a "
-            "one-run table are noisy (the runs' notes).")
+            f"item ([run](benchmarks/results/{warm_path.with_suffix('.md').name})), "
+            + ", ".join(f"{names.get(m, m)} {said(warm, m)}" for m in ours_first) + "; "
+            f"ours cold, one run per item, {said(cold, 'ours', cold_path)}, and cold, median of {cold_r3['repeats']} "
+            f"runs, on the last {cold_r3['items']} items {said(cold_r3, 'ours', cold_r3_path)}; {same:.0%} identical. "
+            f"A verifying pass cost about what a one-token step did ({step_ms['ours']:.1f} against "
+            f"{step_ms['greedy']:.1f} ms a step after the prefill, most of it the host's Python for this 135M model), "
+            f"so drafts pay more than on the CPU; greedy's own step took {min(greedy_ms):.0f}-{max(greedy_ms):.0f} ms "
+            "from item to item on that host, so single items of a one-run table are noisy (the runs' notes).")
 
 
 def numba_clause(run: dict) -> str:
