@@ -84,9 +84,12 @@ class BatchStepCosts(StepCosts):
     ~``1 / (1 - decay)`` steps, pulled towards ``prior_slope`` (``b / a``) with the weight of
     ``prior_weight`` steps, and never below ``min_slope_frac`` of it: on a shared machine a
     step's time varies more than the draft tokens change it, and a fit that finds ``b = 0``
-    would make every draft free. The prior, 0.03, was measured on the 2-core CPU of
-    ``benchmarks/results/vllm_cpu_smollm2.md`` (SmolLM2-135M float32, ~700-token RAG prompts:
-    one row with 10 draft tokens took ~1.25x a plain step; four rows ~1.6x at 4 draft tokens each).
+    would make every draft free. That floor gives way only where ~1,000 steps' data place the
+    slope below it (:meth:`slope_floor`: a GPU, where a verify of a few more tokens costs about
+    a plain step; ``benchmarks/results/batch_costs_smollm2_last100.md``). The prior, 0.03, was
+    measured on the 2-core CPU of ``benchmarks/results/vllm_cpu_smollm2.md`` (SmolLM2-135M
+    float32, ~700-token RAG prompts: one row with 10 draft tokens took ~1.25x a plain step; four
+    rows ~1.6x at 4 draft tokens each).
     :meth:`set_batch` turns it into this step's :meth:`scale_at`: the cost of one draft token
     on one row in that row's plain steps, ``B b / t(T)`` (``B`` rows all wait for it).
 
@@ -107,11 +110,12 @@ class BatchStepCosts(StepCosts):
     CURVE_SLOPE = 0.05
 
     def __init__(self, decay: float = 0.98, prior_slope: float = 0.03, prior_weight: float = 16.0,
-                 min_slope_frac: float = 0.5) -> None:
+                 min_slope_frac: float = 0.5, floor_z: float | None = 4.0, floor_decay: float = 0.998) -> None:
         super().__init__()
         self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
-        self.min_slope_frac = min_slope_frac
+        self.min_slope_frac, self.floor_z, self.floor_decay = min_slope_frac, floor_z, floor_decay
         self._sums = [0.0] * 5  # weight, sum T, sum t, sum T^2, sum T t
+        self._long = [0.0] * 7  # the same over ~1 / (1 - floor_decay) steps, and sum t^2, sum weight^2
         self._learnt: dict[int, float] = {}  # bucket of T (bit length) -> learnt b / (mean t / mean T)
         self.slope = prior_slope  # cost of one draft token on one row, in that row's steps (s)
         self.batch_scale = prior_slope / self.CURVE_SLOPE
@@ -121,6 +125,10 @@ class BatchStepCosts(StepCosts):
         d = self.decay
         w, st, sy, stt, sty = (v * d for v in self._sums)
         self._sums = [w + 1, st + tokens, sy + seconds, stt + tokens * tokens, sty + tokens * seconds]
+        d = self.floor_decay
+        w, st, sy, stt, sty, syy, sww = self._long
+        self._long = [w * d + 1, st * d + tokens, sy * d + seconds, stt * d + tokens * tokens,
+                      sty * d + tokens * seconds, syy * d + seconds * seconds, sww * d * d + 1]
         self.step_s = seconds if self.step_s is None else 0.9 * self.step_s + 0.1 * seconds
 
     def line(self) -> tuple[float, float] | None:
@@ -136,11 +144,28 @@ class BatchStepCosts(StepCosts):
         learnt = self._learnt.get(bucket)
         prior_b = generic_b if learnt is None else learnt * my / mt
         k = self.prior_weight / w
-        b = max(self.min_slope_frac * generic_b, (cov + k * prior_b) / (var + k))
+        b = max(self.slope_floor(generic_b), (cov + k * prior_b) / (var + k))
         if var >= 4.0 * k and my > 0:  # the data outweigh the prior (4:1): remember what they say at this size
             rel = b * mt / my  # the marginal token's cost in average tokens' (1: fully compute-bound)
             self._learnt[bucket] = rel if learnt is None else 0.9 * learnt + 0.1 * rel
         return max(my - b * mt, 1e-6), b
+
+    def slope_floor(self, generic_b: float) -> float:
+        """The least ``b`` may be: ``min_slope_frac`` of the prior's, unless the long window's data place
+        the slope below that (a GPU, where a verify of a few more tokens costs about a plain step): then
+        their upper confidence bound, the fit's slope plus ``floor_z`` standard errors. Noise alone
+        cannot lower it: it widens the bound."""
+        floor = self.min_slope_frac * generic_b
+        w, st, sy, stt, sty, syy, sww = self._long
+        if self.floor_z is None or w <= 0 or w * w < 100.0 * sww:  # fewer than ~100 steps' worth of data
+            return floor
+        mt, my = st / w, sy / w
+        var, cov = stt / w - mt * mt, sty / w - mt * my
+        if var <= 1e-9:
+            return floor
+        resid = max(0.0, syy / w - my * my - cov * cov / var)
+        se = (resid * sww / (w * w * var)) ** 0.5  # the weighted fit's standard error of b
+        return min(floor, max(0.0, cov / var + self.floor_z * se))
 
     def set_batch(self, rows: int, tokens: int) -> float:
         """This step's per-draft-token cost for one row of ``rows``, the batch scheduling

@@ -99,6 +99,41 @@ def test_step_costs_noise_never_makes_drafts_free():
     assert costs.batch_scale * BatchStepCosts.CURVE_SLOPE == pytest.approx(costs.slope)
 
 
+def test_step_costs_floor_gives_way_where_the_data_place_the_slope_below_it():
+    """A GPU: a step costs 10 ms and each scheduled token 0.01 ms more (b / a = 0.001, a twentieth of
+    this CPU's), 5% noise. The CPU-measured floor (half the prior: 0.015) would price a draft token
+    15x its cost; after enough steps the long window's upper confidence bound replaces it, and it
+    stays above what the data say (never below the true slope here). With the bound off the floor
+    holds (``floor_z=None``: the behaviour before), and with noise alone it holds too (the test above)."""
+    def run(costs, steps):
+        rng = np.random.default_rng(2)
+        for _ in range(steps):
+            tokens = int(rng.integers(1, 12))
+            costs.observe(tokens, (0.010 + 0.00001 * tokens) * (1.0 + rng.normal(0.0, 0.05)))
+        costs.set_batch(1, 1)
+        return costs.slope
+
+    floor = 0.5 * BatchStepCosts().prior_slope
+    assert run(BatchStepCosts(floor_z=None), 2000) >= 0.9 * floor
+    few, many = run(BatchStepCosts(), 60), run(BatchStepCosts(), 2000)
+    assert few >= 0.9 * floor  # ~60 steps: too little data to lower the floor
+    assert 0.001 <= many < 0.4 * floor
+
+
+def test_step_costs_floor_holds_on_a_loaded_cpu():
+    """This CPU's slope (0.03) under +-50% noise for 3,000 steps: the bound never drops below the
+    floor, since the data show the slope itself."""
+    rng = np.random.default_rng(3)
+    costs = BatchStepCosts()
+    for _ in range(3000):
+        tokens = int(rng.integers(1, 12))
+        costs.observe(tokens, 0.1 * (1.0 + 0.03 * tokens) * (1.0 + rng.uniform(-0.5, 0.5)))
+    _, b = costs.line()
+    mt, my = costs._sums[1] / costs._sums[0], costs._sums[2] / costs._sums[0]
+    generic_b = costs.prior_slope * my / (1.0 + costs.prior_slope * mt)
+    assert costs.slope_floor(generic_b) == pytest.approx(costs.min_slope_frac * generic_b)
+
+
 def test_step_costs_remember_a_busy_batch_after_it_stops_drafting():
     """Sixteen compute-bound rows: every scheduled token costs its share (t = 20 ms x T). While
     drafts vary T the slope is learnt; when the rows stop drafting (T = 16 for hundreds of
