@@ -61,8 +61,6 @@ def make_costs(kind: str, true_slope: float) -> BatchStepCosts:
         return BatchStepCosts(min_slope_frac=0.0)
     if kind == "fixed floor":
         return BatchStepCosts(floor_z=None)
-    if kind.startswith("confidence floor, z = "):
-        return BatchStepCosts(floor_z=float(kind.rsplit(" ", 1)[1]))
     return BatchStepCosts()
 
 
@@ -138,8 +136,8 @@ def replay_batch(prepared: Sequence[tuple], rows: int, true_slope: float, noise:
         active = [r for r in active if len(r["ctx"]) - r["p"] < len(r["target"])]
         last_tokens, last_dt = (scheduled, dt) if not joined else (None, None)
     return {"tokens_per_step": tokens / max(1, row_steps), "sent_per_step": sent_total / max(1, row_steps),
-            "modelled_speedup": plain_time(list(prepared) * passes, rows, true_slope) / time, "median_price": sorted(prices)[len(prices) // 2],
-            "steps": steps, "steps_timed": observed}
+            "modelled_speedup": plain_time(list(prepared) * passes, rows, true_slope) / time,
+            "median_price": sorted(prices)[len(prices) // 2], "steps": steps, "steps_timed": observed}
 
 
 def floor_state(worker: Any) -> dict[str, Any] | None:
