@@ -153,19 +153,24 @@ class BatchStepCosts(StepCosts):
     def slope_floor(self, generic_b: float) -> float:
         """The least ``b`` may be: ``min_slope_frac`` of the prior's, unless the long window's data place
         the slope below that (a GPU, where a verify of a few more tokens costs about a plain step): then
-        their upper confidence bound, the fit's slope plus ``floor_z`` standard errors. Noise alone
-        cannot lower it: it widens the bound."""
+        their upper confidence bound (:meth:`slope_bound`). Noise alone cannot lower it: it widens the bound."""
         floor = self.min_slope_frac * generic_b
+        bound = self.slope_bound()
+        return floor if bound is None else min(floor, bound)
+
+    def slope_bound(self) -> float | None:
+        """The long window's fitted ``b`` plus ``floor_z`` standard errors (seconds per scheduled token);
+        ``None`` with ``floor_z=None``, fewer than ~100 steps' worth of data, or no spread in ``T``."""
         w, st, sy, stt, sty, syy, sww = self._long
-        if self.floor_z is None or w <= 0 or w * w < 100.0 * sww:  # fewer than ~100 steps' worth of data
-            return floor
+        if self.floor_z is None or w <= 0 or w * w < 100.0 * sww:
+            return None
         mt, my = st / w, sy / w
         var, cov = stt / w - mt * mt, sty / w - mt * my
         if var <= 1e-9:
-            return floor
+            return None
         resid = max(0.0, syy / w - my * my - cov * cov / var)
         se = (resid * sww / (w * w * var)) ** 0.5  # the weighted fit's standard error of b
-        return min(floor, max(0.0, cov / var + self.floor_z * se))
+        return max(0.0, cov / var + self.floor_z * se)
 
     def set_batch(self, rows: int, tokens: int) -> float:
         """This step's per-draft-token cost for one row of ``rows``, the batch scheduling
