@@ -149,15 +149,10 @@ def floor_state(worker: Any) -> dict[str, Any] | None:
     if not isinstance(proposer, RagProposer):
         return None
     costs = proposer.costs
-    w, st, sy = costs._sums[:3]
     a, b = costs.line()
-    mt, my = st / w, sy / w
-    generic_b = costs.prior_slope * my / (1.0 + costs.prior_slope * mt)
-    lw, lst, lsy, lstt, lsty = costs._long[:5]
-    lmt, lmy = lst / lw, lsy / lw
-    long_b = (lsty / lw - lmt * lmy) / max(1e-12, lstt / lw - lmt * lmt)
-    return {"steps_timed_weight": w, "slope": b / a, "fixed_floor": costs.min_slope_frac * generic_b / a,
-            "floor_now": costs.slope_floor(generic_b) / a, "long_window_fit": long_b / a}
+    fit = costs.long_fit()
+    return {"slope": b / a, "fixed_floor": costs.min_slope_frac * costs.generic_prior_b() / a,
+            "floor_now": costs.slope_floor() / a, "long_window_fit": None if fit is None else fit[0] / a}
 
 
 def probe_vllm(n_items: int) -> dict[str, Any]:
@@ -251,7 +246,7 @@ def probe_markdown(probe: dict[str, Any], name: str) -> str:
     for when in ("after one at a time", "after all at once"):
         for s in probe[when]:
             lines.append(f"| {when[6:]} | {s['slope']:.4f} | {s['fixed_floor']:.4f} | {s['floor_now']:.4f} | "
-                         f"{s['long_window_fit']:.4f} |")
+                         + ("-" if s["long_window_fit"] is None else f"{s['long_window_fit']:.4f}") + " |")
     same = all(abs(s["floor_now"] - s["fixed_floor"]) < 1e-12 for w in ("after one at a time", "after all at once")
                for s in probe[w])
     lines += ["", "The data's slope is far above the floor here, so the floor stays where it was and the proposer "

@@ -139,38 +139,54 @@ class BatchStepCosts(StepCosts):
         mt, my = st / w, sy / w
         var, cov = stt / w - mt * mt, sty / w - mt * my
         # Ridge towards the prior slope: with little spread in T the data cannot tell b.
-        generic_b = self.prior_slope * my / (1.0 + self.prior_slope * mt)
+        generic_b = self.generic_prior_b()
         bucket = max(1, int(round(mt))).bit_length()
         learnt = self._learnt.get(bucket)
         prior_b = generic_b if learnt is None else learnt * my / mt
         k = self.prior_weight / w
-        b = max(self.slope_floor(generic_b), (cov + k * prior_b) / (var + k))
+        b = max(self.slope_floor(), (cov + k * prior_b) / (var + k))
         if var >= 4.0 * k and my > 0:  # the data outweigh the prior (4:1): remember what they say at this size
             rel = b * mt / my  # the marginal token's cost in average tokens' (1: fully compute-bound)
             self._learnt[bucket] = rel if learnt is None else 0.9 * learnt + 0.1 * rel
         return max(my - b * mt, 1e-6), b
 
-    def slope_floor(self, generic_b: float) -> float:
-        """The least ``b`` may be: ``min_slope_frac`` of the prior's, unless the long window's data place
-        the slope below that (a GPU, where a verify of a few more tokens costs about a plain step): then
-        their upper confidence bound (:meth:`slope_bound`). Noise alone cannot lower it: it widens the bound."""
-        floor = self.min_slope_frac * generic_b
+    def generic_prior_b(self) -> float:
+        """``b`` as the prior slope puts it (``b / a = prior_slope``) at the recent steps' mean ``T`` and
+        time (0 before any step)."""
+        w, st, sy = self._sums[:3]
+        if w <= 0:
+            return 0.0
+        return self.prior_slope * (sy / w) / (1.0 + self.prior_slope * st / w)
+
+    def slope_floor(self) -> float:
+        """The least ``b`` may be: ``min_slope_frac`` of :meth:`generic_prior_b`, unless the long window's
+        data place the slope below that (a GPU, where a verify of a few more tokens costs about a plain
+        step): then their upper bound (:meth:`slope_bound`). Noise alone cannot lower it: it widens the bound."""
+        floor = self.min_slope_frac * self.generic_prior_b()
         bound = self.slope_bound()
         return floor if bound is None else min(floor, bound)
 
     def slope_bound(self) -> float | None:
-        """The long window's fitted ``b`` plus ``floor_z`` standard errors (seconds per scheduled token);
-        ``None`` with ``floor_z=None``, fewer than ~100 steps' worth of data, or no spread in ``T``."""
+        """The long window's fitted ``b`` plus ``floor_z`` standard errors (:meth:`long_fit`); ``None``
+        with ``floor_z=None`` or without a fit."""
+        fit = self.long_fit()
+        if self.floor_z is None or fit is None:
+            return None
+        b, se = fit
+        return max(0.0, b + self.floor_z * se)
+
+    def long_fit(self) -> tuple[float, float] | None:
+        """``(b, its standard error)`` fitted over the long window (seconds per scheduled token);
+        ``None`` with fewer than ~100 steps' worth of data or no spread in ``T``."""
         w, st, sy, stt, sty, syy, sww = self._long
-        if self.floor_z is None or w <= 0 or w * w < 100.0 * sww:
+        if w <= 0 or w * w < 100.0 * sww:
             return None
         mt, my = st / w, sy / w
         var, cov = stt / w - mt * mt, sty / w - mt * my
         if var <= 1e-9:
             return None
         resid = max(0.0, syy / w - my * my - cov * cov / var)
-        se = (resid * sww / (w * w * var)) ** 0.5  # the weighted fit's standard error of b
-        return max(0.0, cov / var + self.floor_z * se)
+        return cov / var, (resid * sww / (w * w * var)) ** 0.5  # the weighted fit's standard error of b
 
     def set_batch(self, rows: int, tokens: int) -> float:
         """This step's per-draft-token cost for one row of ``rows``, the batch scheduling

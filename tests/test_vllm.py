@@ -128,9 +128,7 @@ def test_step_costs_floor_holds_on_a_loaded_cpu(load):
     (steps twice as slow, 50 at a time, 30% of the time): the floor never gives way, since the data
     show the slope itself."""
     def check(costs):
-        w, st, sy = costs._sums[:3]
-        generic_b = costs.prior_slope * (sy / w) / (1.0 + costs.prior_slope * st / w)
-        assert costs.slope_floor(generic_b) == pytest.approx(costs.min_slope_frac * generic_b)
+        assert costs.slope_floor() == pytest.approx(costs.min_slope_frac * costs.generic_prior_b())
         bound = costs.slope_bound()
         assert bound is None or bound >= 0.1 * 0.03  # an upper bound: never below the true slope
 
