@@ -1,6 +1,6 @@
 """The parts of the benchmarks that a committed result rests on and that can be checked here, without the
 machine that timed it: the GPU step-cost benchmark's static step (it must be the model's own forward, or its
-timings price something else)."""
+timings price something else) and the replay's interpolation of the measured step times."""
 
 from __future__ import annotations
 
@@ -29,3 +29,31 @@ def test_gpu_step_costs_static_step_is_the_models_forward():
     errors = load("gpu_step_costs").check(atol=1e-4)
     assert set(errors) == {"whole", "tail"}
     assert max(errors.values()) <= 1e-4
+
+
+def shape(rows: int, per_row: int, ms: float) -> dict:
+    return {"rows": rows, "tokens_per_row": per_row, "tokens": rows * per_row, "ms_median": ms}
+
+
+def test_table_cost_interpolates_measured_steps():
+    bc = load("batch_costs")
+    table = bc.TableCost([shape(1, 1, 2.0), shape(1, 3, 3.0), shape(1, 5, 3.5),
+                          shape(4, 1, 2.4), shape(4, 3, 4.0)])
+    assert table(1, 1) == 1.0  # units of a one-row plain step
+    assert table(1, 3) == pytest.approx(1.5)
+    assert table(1, 2) == pytest.approx(1.25)  # between measured tokens: linear
+    assert table(1, 7) == pytest.approx(2.0)  # beyond the last: the last two points' line
+    assert table(4, 2) == pytest.approx(1.2)  # below a row count's first point: its plain step
+    assert table(4, 8) == pytest.approx(1.6)
+    assert table(2, 4) == pytest.approx((2 / 3) * 1.625 + (1 / 3) * 1.2)  # between row counts: linear in rows
+    assert table(64, 12) == pytest.approx(2.0)  # beyond the most rows measured: that row count's table
+    a, b = table.line(1)
+    assert (a, b) == pytest.approx((1.41667 - 3 * 0.1875, 0.1875), abs=1e-4)  # least squares over (1, 3, 5)
+    assert table.line(3) == table.line(4)  # the nearest measured row count
+
+
+def test_line_cost_is_the_modelled_line():
+    bc = load("batch_costs")
+    cost = bc.LineCost(0.03)
+    assert cost(1, 1) == pytest.approx(1.03) and cost(16, 40) == pytest.approx(2.2)
+    assert cost.line(7) == (1.0, 0.03)
