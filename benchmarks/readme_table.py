@@ -512,7 +512,30 @@ def gpu_paragraph(warm_path: Path, cold_path: Path, cold_r3_path: Path) -> str:
             f"A verifying pass cost about what a one-token step did ({step_ms['ours']:.1f} against "
             f"{step_ms['greedy']:.1f} ms a step after the prefill, most of it the host's Python for this 135M model), "
             f"so drafts pay more than on the CPU; greedy's own step took {min(greedy_ms):.0f}-{max(greedy_ms):.0f} ms "
-            "from item to item on that host, so single items of a one-run table are noisy (the runs' notes).")
+            "from item to item on that host, so single items of a one-run table are noisy (the runs' notes)."
+            + gpu_steps_clause())
+
+
+def gpu_steps_clause(path: Path = RESULTS / "gpu_step_costs_h200.json") -> str:
+    """`` A CUDA-graph step ...``: what a verify of 10 draft tokens cost against a plain step on the GPU, by the
+    step-cost run (bfloat16 shapes; one row and 32 rows), and where the proposer's replay at those times is."""
+    if not path.is_file():
+        return ""
+    data = json.loads(path.read_text())
+
+    def ratio(run: dict, rows: int) -> float:
+        times = {x["tokens_per_row"]: x["ms_median"] for x in run["modes"]["graph"]["shapes"] if x["rows"] == rows}
+        return times[11] / times[1]
+
+    bf16 = [r for r in data["runs"] if r["dtype"] == "bfloat16"]
+    one = sorted((ratio(r, 1), r["model"]) for r in bf16)
+    many = sorted(ratio(r, 32) for r in bf16)
+    size = {r: r.split("-")[-1].upper() for _, r in one}
+    return (f" A CUDA-graph step, as vLLM runs one, is not launch-bound: on an {data['device'].replace('NVIDIA ', '')}"
+            f" a verify of 10 draft tokens on one row cost {one[0][0]:.2f}x (the {size[one[0][1]]} shape, bfloat16) to "
+            f"{one[-1][0]:.2f}x ({size[one[-1][1]]}) a plain step, {many[0]:.1f}-{many[-1]:.1f}x at 32 rows "
+            f"([run](benchmarks/results/{path.with_suffix('.md').name}); replayed through the vLLM proposer's pricing: "
+            "[run](benchmarks/results/batch_costs_smollm2_last100_h200.md)).")
 
 
 def numba_clause(run: dict) -> str:

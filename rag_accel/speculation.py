@@ -85,8 +85,10 @@ class BatchStepCosts(StepCosts):
     ``prior_weight`` steps, and never below ``min_slope_frac`` of it: on a shared machine a
     step's time varies more than the draft tokens change it, and a fit that finds ``b = 0``
     would make every draft free. That floor gives way only where ~1,000 steps' data place the
-    slope below it (:meth:`slope_floor`: a GPU, where a verify of a few more tokens costs about
-    a plain step; ``benchmarks/results/batch_costs_smollm2_last100.md``). The prior, 0.03, was
+    slope below it (:meth:`slope_floor`: a GPU with a few requests in flight, where an H200's
+    CUDA-graph steps put a draft token at 0.2-0.4% of a step from 4 rows up, against ~1.3% at one
+    row; ``benchmarks/results/gpu_step_costs_h200.md``, replayed in
+    ``benchmarks/results/batch_costs_smollm2_last100_h200.md``). The prior, 0.03, was
     measured on the 2-core CPU of ``benchmarks/results/vllm_cpu_smollm2.md`` (SmolLM2-135M
     float32, ~700-token RAG prompts: one row with 10 draft tokens took ~1.25x a plain step; four
     rows ~1.6x at 4 draft tokens each).
