@@ -3,6 +3,8 @@
     python benchmarks/suffix_replay.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
         --out benchmarks/results/suffix_replay_smollm2_last100
     python benchmarks/suffix_replay.py --plot benchmarks/results/suffix_replay_smollm2_last100.json
+    python benchmarks/suffix_replay.py --measured benchmarks/results/gpu_step_costs_h200.json \\
+        --out benchmarks/results/suffix_replay_smollm2_last100_h200
 
 (the first in the vLLM virtualenv with arctic-inference installed, the second in one with matplotlib). The
 model's greedy answers are known (``--save-outputs`` of ``rag-accel bench --methods greedy``), so what each
@@ -26,7 +28,9 @@ from these rows is chosen there and judged on the last 100.
 
 Three cost curves: this CPU's (a draft token costs 0.025 of a step, vLLM at one request in flight), four
 times dearer (0.1: a busy batch) and nearly free draft tokens (0.002), where sending more pays: the question
-there is who gets the most tokens per step.
+there is who gets the most tokens per step. ``--measured``: instead, one row's step times measured on a GPU
+(``benchmarks/gpu_step_costs.py``'s CUDA-graph steps, one curve per model shape), where the first draft tokens
+of a step cost most.
 """
 
 from __future__ import annotations
@@ -213,6 +217,18 @@ CONFIGS = {
 }
 
 
+def measured_curves(path: Path) -> dict[str, list[float]]:
+    """One row's measured step time for ``L`` = 0..K draft tokens over a plain step's, per model shape."""
+    from batch_costs import TableCost
+
+    data = json.loads(path.read_text())
+    curves = {}
+    for run in data["runs"]:
+        table = TableCost(run["modes"]["graph"]["shapes"])
+        curves[f"{data['device']}, {run['model']} {run['dtype']}"] = [table(1, 1 + n) for n in range(K + 1)]
+    return curves
+
+
 def plot(path: Path) -> None:
     """Tokens per step and the modelled speed-up of each configuration, per cost curve, next to the JSON."""
     import matplotlib
@@ -229,15 +245,16 @@ def plot(path: Path) -> None:
         for i, curve in enumerate(run["results"]):
             values = [run["results"][curve][n][metric] for n in names]
             ax.barh([y + height * i for y in range(len(names))], values, height=height,
-                    label=f"{curve} draft tokens ({run['slopes'][curve]} of a step each)")
+                    label=f"{curve} draft tokens ({run['slopes'][curve]} of a step each)" if "slopes" in run else
+                    f"{curve}, measured")
         ax.set_yticks([y + 0.4 - height / 2 for y in range(len(names))], names, fontsize=8)
         ax.set_xlabel(label)
         ax.set_xlim(1.0, None)
     axes[0].invert_yaxis()
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(labels))
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=min(3, len(labels)))
     fig.suptitle(f"Suffix decoding and ours replayed on {run['items']} greedy answers (no timing)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.tight_layout(rect=(0, 0.03 * (1 + (len(labels) - 1) // 3) + 0.03, 1, 1))
     fig.savefig(path.with_suffix(".png"), dpi=110)
 
 
@@ -246,6 +263,8 @@ def main() -> None:
     ap.add_argument("--outputs", type=Path, default=Path("benchmarks/results/greedy_outputs_smollm2_last100x64.json"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/suffix_replay"))
     ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON, and nothing else")
+    ap.add_argument("--measured", type=Path, default=None, metavar="JSON",
+                    help="cost curves: one row's CUDA-graph steps of benchmarks/gpu_step_costs.py's run")
     args = ap.parse_args()
     if args.plot is not None:
         plot(args.plot)
@@ -259,22 +278,28 @@ def main() -> None:
     dec = ReferenceDecoder.from_pretrained(model, calibrate=False)
     items = {it.id: it for it in load_msmarco_sample(with_answers=True)}
     prepared = prepare(args.outputs, dec, items)
-    results = {curve: {name: run(prepared, [1.0 + slope * n for n in range(K + 1)]) for name, run in CONFIGS.items()}
-               for curve, slope in SLOPES.items()}
-    command = f"python benchmarks/suffix_replay.py --outputs {args.outputs} --out {args.out}"
+    curves = measured_curves(args.measured) if args.measured is not None else {
+        curve: [1.0 + slope * n for n in range(K + 1)] for curve, slope in SLOPES.items()}
+    results = {curve: {name: run(prepared, costs) for name, run in CONFIGS.items()} for curve, costs in curves.items()}
+    command = f"python benchmarks/suffix_replay.py --outputs {args.outputs} --out {args.out}" + (
+        f" --measured {args.measured}" if args.measured is not None else "")
     from importlib.metadata import version
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "items": len(prepared), "k": K, "slopes": SLOPES,
+        {"command": command, "items": len(prepared), "k": K, "curves": curves,
+         **({"slopes": SLOPES} if args.measured is None else {"measured": str(args.measured)}),
          "arctic_inference": version("arctic-inference"), "results": results}, indent=1))
     lines = [f"# vLLM's suffix decoding and our drafting replayed on {len(prepared)} greedy answers (no timing)", "",
              f"- command: `{command}`; the plot: `python benchmarks/suffix_replay.py --plot {args.out}.json`",
              f"- answers: `{args.outputs}` (SmolLM2-135M-Instruct float32, greedy); at most {K} draft tokens a step; "
              f"suffix decoding: arctic-inference, max_tree_depth {MAX_TREE_DEPTH}, min_token_prob {MIN_TOKEN_PROB}",
              ""]
-    for curve, slope in SLOPES.items():
-        lines += [f"A verify of L draft tokens costing 1 + {slope} L plain steps ({curve} draft tokens):", "",
+    for curve, costs in curves.items():
+        said = (f"1 + {SLOPES[curve]} L plain steps ({curve} draft tokens)" if args.measured is None else
+                f"what one row's step of {curve} cost ({', '.join(f'{c:.2f}' for c in costs)} plain steps for L = "
+                f"0..{K})")
+        lines += [f"A verify of L draft tokens costing {said}:", "",
                   "| configuration | tokens/step | draft tokens sent/step | modelled speed-up of the decoding steps "
                   "(geo-mean) |", "|---|---|---|---|"]
         lines += [f"| {name} | {v['tokens_per_step']:.3f} | {v['sent_per_step']:.2f} | "
