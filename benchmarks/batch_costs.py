@@ -270,6 +270,7 @@ def main() -> None:
     ap.add_argument("--measured", type=Path, default=None, metavar="JSON",
                     help="instead of the modelled lines: step times measured by benchmarks/gpu_step_costs.py "
                          "(its CUDA-graph steps, one machine per model), noise 5%%")
+    ap.add_argument("--k", type=int, default=10, help="at most this many draft tokens a row (num_speculative_tokens)")
     ap.add_argument("--probe-vllm", type=int, default=0, metavar="N",
                     help="instead: N items through a real vLLM engine (its virtualenv), then its slope floor")
     args = ap.parse_args()
@@ -315,17 +316,18 @@ def main() -> None:
         for rows in rows_list:
             for kind in kinds + (("curve known",) if args.measured is not None and rows == 1 else ()):
                 results[f"{machine}|{rows}|{kind}"] = r = replay_batch(prepared, rows, cost, noise, kind,
-                                                                       passes=max(1, rows // 4))
+                                                                       passes=max(1, rows // 4), k=args.k)
                 print(machine, rows, kind, {k: round(v, 4) for k, v in r.items()}, flush=True)
     command = f"python benchmarks/batch_costs.py --outputs {args.outputs} --out {args.out}" + (
-        f" --measured {args.measured}" if args.measured is not None else "")
+        f" --measured {args.measured}" if args.measured is not None else "") + (
+        f" --k {args.k}" if args.k != 10 else "")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     date = datetime.now(timezone.utc).isoformat(timespec="seconds")
     args.out.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "date": date, "items": len(prepared), "machines": machines, "kinds": kinds,
+        {"command": command, "date": date, "items": len(prepared), "k": args.k, "machines": machines, "kinds": kinds,
          "results": results}, indent=1))
     text = markdown(results, machines, kinds, rows_list, command, date, len(prepared),
-                    None if args.measured is None else measured)
+                    None if args.measured is None else measured, args.k)
     plot(results, machines, kinds, rows_list, args.out.with_suffix(".png"), date)
     probe = args.out.with_name(args.out.name + "_vllm_probe.json")
     if probe.is_file():
@@ -380,7 +382,7 @@ def probe_markdown(probe: dict[str, Any], name: str) -> str:
 
 
 def markdown(results: dict, machines: dict, kinds: Sequence[str], rows_list: Sequence[int], command: str,
-             date: str, n_items: int, measured: dict[str, Any] | None = None) -> str:
+             date: str, n_items: int, measured: dict[str, Any] | None = None, k: int = 10) -> str:
     names = {"fixed floor": "floor fixed at half the CPU prior (before)",
              "confidence floor": "floor giving way to the data's upper bound (now)",
              "no floor": "no floor", "known": "the true line known (bound)" if measured is None else
@@ -397,7 +399,8 @@ def markdown(results: dict, machines: dict, kinds: Sequence[str], rows_list: Seq
                  "this folder measured a verify step at 1.02x a plain one (transformers, 64-token answers).", ""]
     else:
         lines = [f"# The vLLM proposer's learnt step costs at step times measured on a GPU ({measured['device']}): "
-                 f"{n_items} items' greedy answers replayed, {date[:10]}", "", f"- command: `{command}`",
+                 f"{n_items} items' greedy answers replayed, {date[:10]}", "",
+                 f"- command: `{command}` (at most {k} draft tokens a row)",
                  f"- step times: `{measured['command']}` ({measured['date'][:10]}, "
                  "[gpu_step_costs_h200.md](gpu_step_costs_h200.md))", "",
                  f"Modelled speed-up over plain decoding of the same requests at the same number in flight ({served})"

@@ -209,7 +209,7 @@ CONFIGS = {
     "ours + arctic's frequency tree of earlier answers": _ours(FrequencyTreeMemory),
     "our policy over arctic's per-request tree (factor 3), no other drafter": _ours(tree_factor=3.0),
     "the same + memory of earlier answers": _ours(OneScopeMemory, tree_factor=3.0),
-    "suffix decoding (vLLM's defaults, 10 tokens)": _suffix(1.0),
+    "suffix decoding (vLLM's defaults)": _suffix(1.0),
     "suffix decoding without its tree of earlier answers": _suffix(1.0, global_tree=False),
     "suffix decoding without its tree of earlier answers, max_spec_factor 3": _suffix(3.0, global_tree=False),
     "suffix decoding, max_spec_factor 2": _suffix(2.0),
@@ -259,16 +259,19 @@ def plot(path: Path) -> None:
 
 
 def main() -> None:
+    global K  # --k: read by every configuration's run (one run per process)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--outputs", type=Path, default=Path("benchmarks/results/greedy_outputs_smollm2_last100x64.json"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/suffix_replay"))
     ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON, and nothing else")
+    ap.add_argument("--k", type=int, default=K, help="at most this many draft tokens a step, for every configuration")
     ap.add_argument("--measured", type=Path, default=None, metavar="JSON",
                     help="cost curves: one row's CUDA-graph steps of benchmarks/gpu_step_costs.py's run")
     args = ap.parse_args()
     if args.plot is not None:
         plot(args.plot)
         return
+    K = args.k
     from match_choice import prepare
 
     from rag_accel import ReferenceDecoder
@@ -282,7 +285,7 @@ def main() -> None:
         curve: [1.0 + slope * n for n in range(K + 1)] for curve, slope in SLOPES.items()}
     results = {curve: {name: run(prepared, costs) for name, run in CONFIGS.items()} for curve, costs in curves.items()}
     command = f"python benchmarks/suffix_replay.py --outputs {args.outputs} --out {args.out}" + (
-        f" --measured {args.measured}" if args.measured is not None else "")
+        f" --measured {args.measured}" if args.measured is not None else "") + (f" --k {K}" if K != 10 else "")
     from importlib.metadata import version
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
