@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rag_accel import DecoderConfig  # noqa: E402
 from rag_accel.policy import AcceptanceStats, leading_matches  # noqa: E402
 from rag_accel.speculation import BatchStepCosts, RequestDrafting  # noqa: E402
+from gpu_step_costs import least_squares  # noqa: E402 - (torch only inside its functions)
 
 CURVE_SLOPE = BatchStepCosts.CURVE_SLOPE
 
@@ -67,7 +68,7 @@ class TableCost:
         unit = next(x["ms_median"] for x in shapes if x["rows"] == 1 and x["tokens_per_row"] == 1)
         self.points = {r: sorted((x["tokens"], x["ms_median"] / unit) for x in shapes if x["rows"] == r)
                        for r in sorted({x["rows"] for x in shapes})}
-        self.lines = {r: fit_line(p) for r, p in self.points.items()}
+        self.lines = {r: least_squares(p) for r, p in self.points.items()}
 
     def _along(self, rows: int, tokens: float) -> float:
         pts = self.points[rows]
@@ -96,14 +97,6 @@ class TableCost:
         """The least-squares line of the measured steps of the nearest measured number of rows."""
         lo, hi, w = self._bracket(rows)
         return self.lines[hi if w >= 0.5 else lo]
-
-
-def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    n = len(points)
-    mt, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
-    var = sum((p[0] - mt) ** 2 for p in points)
-    b = sum((p[0] - mt) * (p[1] - my) for p in points) / var if var > 0 else 0.0
-    return my - b * mt, b
 
 
 class KnownCosts(BatchStepCosts):
@@ -327,7 +320,7 @@ def main() -> None:
         {"command": command, "date": date, "items": len(prepared), "k": args.k, "machines": machines, "kinds": kinds,
          "results": results}, indent=1))
     text = markdown(results, machines, kinds, rows_list, command, date, len(prepared),
-                    None if args.measured is None else measured, args.k)
+                    None if args.measured is None else measured, args.k, str(args.measured))
     plot(results, machines, kinds, rows_list, args.out.with_suffix(".png"), date)
     probe = args.out.with_name(args.out.name + "_vllm_probe.json")
     if probe.is_file():
@@ -382,7 +375,8 @@ def probe_markdown(probe: dict[str, Any], name: str) -> str:
 
 
 def markdown(results: dict, machines: dict, kinds: Sequence[str], rows_list: Sequence[int], command: str,
-             date: str, n_items: int, measured: dict[str, Any] | None = None, k: int = 10) -> str:
+             date: str, n_items: int, measured: dict[str, Any] | None = None, k: int = 10,
+             measured_name: str = "") -> str:
     names = {"fixed floor": "floor fixed at half the CPU prior (before)",
              "confidence floor": "floor giving way to the data's upper bound (now)",
              "no floor": "no floor", "known": "the true line known (bound)" if measured is None else
@@ -398,16 +392,19 @@ def markdown(results: dict, machines: dict, kinds: Sequence[str], rows_list: Seq
                  "0.03 is this CPU's (vLLM, SmolLM2-135M); 0.004 and 0.001 stand for a GPU, where the H100 run in "
                  "this folder measured a verify step at 1.02x a plain one (transformers, 64-token answers).", ""]
     else:
+        big = max(measured["runs"], key=lambda r: (r["dtype"] == "bfloat16", r["params"]))
+        one_row = TableCost(big["modes"]["graph"]["shapes"])
+        page = Path(measured_name).with_suffix(".md").name
         lines = [f"# The vLLM proposer's learnt step costs at step times measured on a GPU ({measured['device']}): "
                  f"{n_items} items' greedy answers replayed, {date[:10]}", "",
                  f"- command: `{command}` (at most {k} draft tokens a row)",
-                 f"- step times: `{measured['command']}` ({measured['date'][:10]}, "
-                 "[gpu_step_costs_h200.md](gpu_step_costs_h200.md))", "",
+                 f"- step times: `{measured['command']}` ({measured['date'][:10]}, [{page}]({page}))", "",
                  f"Modelled speed-up over plain decoding of the same requests at the same number in flight ({served})"
                  ". A step costs what a CUDA-graph step of that many rows and tokens measured on the GPU (interpolated;"
-                 " random weights of each model's shape, 768 tokens of context a row), noise 5% fed to the learner "
-                 "only. That table is not a line: the first draft tokens of a step cost most (at one row, 1 draft "
-                 "token 1.11x a plain step and 10 tokens 1.23x for the 8B shape in bfloat16), so 'the measured "
+                 f" random weights of each model's shape, {big['context']} tokens of context a row), noise 5% fed to "
+                 "the learner only. That table is not a line: the first draft tokens of a step cost most (at one row, "
+                 f"1 draft token {one_row(1, 2):.2f}x a plain step and 10 tokens {one_row(1, 11):.2f}x for the "
+                 f"{big['model']} shape in {big['dtype']}), so 'the measured "
                  "steps' line known' is the least-squares line of the steps measured at that number of rows, not a "
                  "bound, and at one request in flight 'the measured curve known' prices each draft length by the "
                  "measured step itself. In brackets, the median price of a draft token on one row that the proposer "

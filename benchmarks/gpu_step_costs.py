@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -246,14 +247,18 @@ def warm_gpu(seconds: float) -> None:
         torch.cuda.synchronize()
 
 
-def fit_line(points: list[tuple[int, float]]) -> dict[str, float]:
-    """Least squares ``t = a + b T`` over ``(T, ms)`` points; ``b / a`` is a draft token's price."""
+def least_squares(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(a, b)`` of the least-squares line ``t = a + b T`` through ``(T, t)`` points."""
     n = len(points)
-    mt = sum(p[0] for p in points) / n
-    my = sum(p[1] for p in points) / n
+    mt, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
     var = sum((p[0] - mt) ** 2 for p in points)
     b = sum((p[0] - mt) * (p[1] - my) for p in points) / var if var > 0 else 0.0
-    a = my - b * mt
+    return my - b * mt, b
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """:func:`least_squares` over ``(T, ms)`` points, with ``b / a``: a draft token's price."""
+    a, b = least_squares(points)
     return {"a_ms": a, "b_ms": b, "b_over_a": b / a if a > 0 else float("nan")}
 
 

@@ -162,8 +162,9 @@ class BatchStepCosts(StepCosts):
 
     def slope_floor(self) -> float:
         """The least ``b`` may be: ``min_slope_frac`` of :meth:`generic_prior_b`, unless the long window's
-        data place the slope below that (a GPU, where a verify of a few more tokens costs about a plain
-        step): then their upper bound (:meth:`slope_bound`). Noise alone cannot lower it: it widens the bound."""
+        data place the slope below that (a GPU with several rows in a step, where a draft token costs a
+        fraction of a percent of it): then their upper bound (:meth:`slope_bound`). Noise alone cannot lower
+        it: it widens the bound."""
         floor = self.min_slope_frac * self.generic_prior_b()
         bound = self.slope_bound()
         return floor if bound is None else min(floor, bound)
