@@ -75,6 +75,57 @@ def continuation(source: np.ndarray, start: int) -> list[int]:
     return out[:out.index(SEPARATOR)] if SEPARATOR in out else out
 
 
+def longest_copy(source: np.ndarray, context: np.ndarray, truth: Sequence[int], k: int, min_match: int = 1) -> int:
+    """The most of ``truth``'s first ``k`` tokens that a copy from ``source`` gets right, over every place the
+    context's last ``min_match`` tokens occur there (a match of any length from ``min_match`` on, since a longer
+    one is also a shorter one): what an oracle that copies from the best place would get accepted. A
+    continuation ends at a :data:`SEPARATOR` or at the end of ``source``.
+
+    Example:
+        >>> source = np.array([7, 1, 2, 3, 7, 1, 2, 9])
+        >>> longest_copy(source, np.array([5, 7]), [1, 2, 9, 4], 10), longest_copy(source, np.array([2, 7]), [2], 10, 2)
+        (3, 0)
+    """
+    alive = np.nonzero(source[:-1] == context[-1])[0] + 1
+    for j in range(1, min_match):
+        alive = alive[alive - 1 - j >= 0] if j < len(context) else alive[:0]
+        alive = alive[source[alive - 1 - j] == context[-1 - j]]
+    got = 0
+    for j in range(min(k, len(truth))):
+        alive = alive[alive + j < len(source)]
+        alive = alive[source[alive + j] == truth[j]]
+        if not len(alive):
+            break
+        got = j + 1
+    return got
+
+
+def copy_ceiling(prepared: Sequence[tuple], k: int, earlier_answers: bool = False,
+                 min_match: int = 1) -> list[list[int]]:
+    """Per item, the draft tokens accepted at each decoding step by an oracle that copies from the best place:
+    each step takes the :func:`longest_copy` of at most ``k`` tokens from the references, the prompt and the
+    answer so far (and with ``earlier_answers`` the answers of the items before it, as suffix decoding's tree
+    and our memory hold them), sends just that many and adds the model's own next token. Taking the most each
+    step gives the fewest steps of any drafter copying at most ``k`` tokens from those sources (ours, prompt
+    lookup, n-grams, suffix decoding): a copy that reaches position ``q`` from ``p`` reaches it from ``p + 1``
+    too, so a shorter step never gets further later. So its tokens per step bound theirs; each step sent at
+    exactly its accepted length is the cheapest step that accepts it."""
+    out, earlier = [], []
+    for _, prompt, refs, target in prepared:
+        sources = [concat_with_separators(refs)] + ([concat_with_separators(earlier)] if earlier else [])
+        context, steps = list(prompt) + [target[0]], []
+        while (n := len(context) - len(prompt)) < len(target):
+            ctx, truth = np.asarray(context, dtype=np.int64), target[n:]
+            # at most all but the last token: the model's own next token ends the answer
+            best = max(longest_copy(src, ctx, truth[:-1], k, min_match) for src in (*sources, ctx))
+            steps.append(best)
+            context.extend(truth[:best + 1])
+        out.append(steps)
+        if earlier_answers:
+            earlier.append(list(target))
+    return out
+
+
 def bucket(length: int) -> str:
     return "1" if length == 1 else "2" if length == 2 else "3-4" if length <= 4 else "5-8" if length <= 8 else "9+"
 

@@ -18,6 +18,12 @@ one engine learning across them, as in the vLLM benchmarks' per-request loop:
   scope) or without, or with arctic-inference's frequency tree of earlier answers in the memory's place;
   and our policy over arctic-inference's per-request tree alone (:class:`RequestTreeDrafter`), which asks
   whether our policy or suffix decoding's own rule sends the better share of the same drafts;
+* the ceiling of copying (``match_choice.copy_ceiling``): an oracle that knows the answer takes, each step,
+  the most tokens any copy of at most ``K`` tokens after a match in the references, the prompt or the answer so
+  far (and, in its second row, earlier answers) gets accepted, and sends just those: no drafter that copies from
+  those sources takes fewer steps; then the same after matches of at least 2 tokens only (a 1-token match,
+  where the last token occurs in many places, leaves the oracle a choice no drafter can make without the
+  answer);
 * suffix decoding: arctic-inference's ``SuffixDecodingCache`` called as vLLM's suffix proposer calls it (a
   tree of the prompt and the answer so far, a global tree of earlier answers, the pattern the context's last
   ``max_tree_depth`` tokens), vLLM's defaults but 10 tokens as in the benchmarks; also without the global tree,
@@ -199,6 +205,25 @@ def _suffix(factor: float, global_tree: bool = True):
     return lambda prepared, curve: suffix_replay(prepared, curve, factor=factor, global_tree=global_tree)
 
 
+def _ceiling(earlier_answers: bool, min_match: int = 1):
+    """``match_choice.copy_ceiling``: the oracle's steps do not depend on the cost curve, so they are found once."""
+    found: dict[tuple, list[list[int]]] = {}
+
+    def run(prepared: Sequence[tuple], curve: Sequence[float]) -> dict[str, float]:
+        from match_choice import copy_ceiling
+
+        if (key := (id(prepared), K)) not in found:
+            found[key] = copy_ceiling(prepared, K, earlier_answers, min_match)
+        steps = found[key]
+        speedups = [(len(target) - 1) / sum(curve[a] for a in got) if got else 1.0
+                    for (*_, target), got in zip(prepared, steps)]
+        n_steps = sum(1 + len(got) for got in steps)
+        return {"tokens_per_step": sum(len(item[3]) for item in prepared) / n_steps,
+                "sent_per_step": sum(map(sum, steps)) / n_steps,
+                "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
+    return run
+
+
 # name -> run(prepared answers, cost curve). "ours": the chain before the frequency drafter (reference, prompt
 # lookup, n-grams), as the first runs of this benchmark had it; "ours, the default chain": references, frequency.
 CONFIGS = {
@@ -214,6 +239,10 @@ CONFIGS = {
     "suffix decoding without its tree of earlier answers, max_spec_factor 3": _suffix(3.0, global_tree=False),
     "suffix decoding, max_spec_factor 2": _suffix(2.0),
     "suffix decoding, max_spec_factor 3": _suffix(3.0),
+    "ceiling: an oracle copying from the best place (references, prompt, answer so far)": _ceiling(False),
+    "ceiling: the same, earlier answers too": _ceiling(True),
+    "ceiling: the oracle after matches of 2+ tokens only": _ceiling(False, 2),
+    "ceiling: the oracle after matches of 2+ tokens only, earlier answers too": _ceiling(True, 2),
 }
 
 

@@ -57,3 +57,41 @@ def test_line_cost_is_the_modelled_line():
     cost = bc.LineCost(0.03)
     assert cost(1, 1) == pytest.approx(1.03) and cost(16, 40) == pytest.approx(2.2)
     assert cost.line(7) == (1.0, 0.03)
+
+
+def test_longest_copy_takes_the_best_place_and_stops_where_a_source_does():
+    mc = load("match_choice")
+    np = pytest.importorskip("numpy")
+    source = np.array([7, 1, 2, 3, 7, 1, 2, 9])
+    assert mc.longest_copy(source, np.array([5, 7]), [1, 2, 9, 4], 10) == 3  # the second 7, not the first
+    assert mc.longest_copy(source, np.array([5, 7]), [1, 2, 9, 4], 2) == 2  # at most k
+    assert mc.longest_copy(source, np.array([5, 8]), [1, 2], 10) == 0  # no match
+    assert mc.longest_copy(np.array([7, 1, -1, 2]), np.array([7]), [1, 2], 10) == 1  # a separator ends it
+    assert mc.longest_copy(np.array([3, 7, 1]), np.array([7]), [1, 2], 10) == 1  # so does the source's end
+
+
+def test_copy_ceiling_takes_the_fewest_steps_of_any_copying():
+    """Its greedy steps against every schedule of shorter copies (a search over positions), on small random
+    answers: the claim that makes it a ceiling. With earlier answers as a source, the same answer asked again is
+    copied whole."""
+    mc = load("match_choice")
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        prompt = rng.integers(0, 4, 8).tolist()
+        refs = [rng.integers(0, 4, 6).tolist(), rng.integers(0, 4, 5).tolist()]
+        target = rng.integers(0, 4, 20).tolist()
+        prepared = [("a", prompt, refs, target)]
+        (steps,) = mc.copy_ceiling(prepared, 3)
+        assert sum(a + 1 for a in steps) == len(target) - 1
+        fewest = {len(target): 0}
+        for n in range(len(target) - 1, 0, -1):  # n tokens of the answer known
+            ctx = np.asarray(prompt + target[:n])
+            best = max(mc.longest_copy(src, ctx, target[n:-1], 3)
+                       for src in (mc.concat_with_separators(refs), ctx))
+            fewest[n] = 1 + min(fewest[n + a + 1] for a in range(best + 1))
+        assert len(steps) == fewest[1]
+        again = [("a", prompt, refs, target), ("b", prompt, refs, target)]
+        first, second = mc.copy_ceiling(again, 3, earlier_answers=True)
+        assert first == steps
+        assert len(second) == -(-(len(target) - 1) // 4)  # the answer itself, remembered: 3 drafts a step
