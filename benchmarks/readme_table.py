@@ -326,7 +326,8 @@ def suffix_section(peers: dict) -> str:
         "decoding's tree (like our memory) holds only what its own engine answered since it started; a memory "
         "scoped per tenant; drafts cut to what the batch can afford. On these items the model answers from its prompt, where suffix decoding's tree finds as much "
         "as our drafters do; no match choice tried here (a learned score, suffix's own tree, counts over the "
-        "references) moved real timing by more than ~1% ([benchmarks/results](benchmarks/results/README.md))."])
+        "references) moved real timing by more than ~1% ([benchmarks/results](benchmarks/results/README.md))."
+        + copy_ceiling_clause()])
 
 
 def summary_section() -> str:
@@ -536,6 +537,24 @@ def gpu_steps_clause(path: Path = RESULTS / "gpu_step_costs_h200.json") -> str:
             f"{one[-1][0]:.2f}x ({size[one[-1][1]]}) a plain step, {many[0]:.1f}-{many[-1]:.1f}x at 32 rows "
             f"([run](benchmarks/results/{path.with_suffix('.md').name}); replayed through the vLLM proposer's pricing: "
             "[run](benchmarks/results/batch_costs_smollm2_last100_h200.md)).")
+
+
+def copy_ceiling_clause(path: Path = RESULTS / "suffix_replay_smollm2_last100.json") -> str:
+    """`` What copying has left ...``: the suffix replay's ceiling of copying after matches of 2+ tokens (with
+    earlier answers) against suffix decoding's defaults and ours with the memory, at this CPU's costs."""
+    if not path.is_file():
+        return ""
+    run = json.loads(path.read_text())
+    res = run["results"]["cpu"]
+    oracle = res["ceiling: the oracle after matches of 2+ tokens only, earlier answers too"]
+    suffix, ours = res["suffix decoding (vLLM's defaults)"], res["the default chain + memory of earlier answers"]
+    return (" What copying has left is bounded: an oracle that copies, after every match of 2+ tokens in the "
+            "references, prompt, answer so far and earlier answers, just what gets accepted models "
+            f"{oracle['modelled_speedup_decoding'] / suffix['modelled_speedup_decoding']:.2f}x suffix's defaults "
+            f"({oracle['tokens_per_step']:.2f} tokens/step; ours with the memory {ours['tokens_per_step']:.2f}) on the "
+            f"sample's last {run['items']} answers at this CPU's costs; the rest lies after 1-token matches, where only "
+            "the answer says which of many places continues "
+            f"([replay](benchmarks/results/{path.with_suffix('.md').name})).")
 
 
 def numba_clause(run: dict) -> str:
