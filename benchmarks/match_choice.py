@@ -106,8 +106,8 @@ def copy_ceiling(prepared: Sequence[tuple], k: int, earlier_answers: bool = Fals
     each step takes the :func:`longest_copy` of at most ``k`` tokens from the references, the prompt and the
     answer so far (and with ``earlier_answers`` the answers of the items before it, as suffix decoding's tree
     and our memory hold them), sends just that many and adds the model's own next token. Taking the most each
-    step gives the fewest steps of any drafter copying at most ``k`` tokens from those sources (ours, prompt
-    lookup, n-grams, suffix decoding): a copy that reaches position ``q`` from ``p`` reaches it from ``p + 1``
+    step gives the fewest steps of any drafter copying at most ``k`` tokens from those sources after matches of
+    ``min_match`` tokens or more (ours, prompt lookup, n-grams, suffix decoding: at ``min_match`` 1): a copy that reaches position ``q`` from ``p`` reaches it from ``p + 1``
     too, so a shorter step never gets further later. So its tokens per step bound theirs; each step sent at
     exactly its accepted length is the cheapest step that accepts it."""
     out, earlier = [], []
