@@ -102,14 +102,14 @@ def longest_copy(source: np.ndarray, context: np.ndarray, truth: Sequence[int], 
 
 def copy_ceiling(prepared: Sequence[tuple], k: int, earlier_answers: bool = False,
                  min_match: int = 1) -> list[list[int]]:
-    """Per item, the draft tokens accepted at each decoding step by an oracle that copies from the best place:
-    each step takes the :func:`longest_copy` of at most ``k`` tokens from the references, the prompt and the
-    answer so far (and with ``earlier_answers`` the answers of the items before it, as suffix decoding's tree
-    and our memory hold them), sends just that many and adds the model's own next token. Taking the most each
-    step gives the fewest steps of any drafter copying at most ``k`` tokens from those sources after matches of
-    ``min_match`` tokens or more (ours, prompt lookup, n-grams, suffix decoding: at ``min_match`` 1): a copy that reaches position ``q`` from ``p`` reaches it from ``p + 1``
-    too, so a shorter step never gets further later. So its tokens per step bound theirs; each step sent at
-    exactly its accepted length is the cheapest step that accepts it."""
+    """Per item, the draft tokens accepted at each decoding step by an oracle that copies from the best place: each
+    step takes the :func:`longest_copy` of at most ``k`` tokens from the references, the prompt and the answer so
+    far (and with ``earlier_answers`` the answers of the items before it, as suffix decoding's tree and our memory
+    hold them), sends just that many and adds the model's own next token. Taking the most each step gives the fewest
+    steps of any drafter copying at most ``k`` tokens from those sources after matches of ``min_match`` tokens or
+    more (ours, prompt lookup, n-grams, suffix decoding: at ``min_match`` 1): a copy that reaches position ``q``
+    from ``p`` reaches it from ``p + 1`` too, so a shorter step never gets further later. So its tokens per step
+    bound theirs; each step sent at exactly its accepted length is the cheapest step that accepts it."""
     out, earlier = [], []
     for _, prompt, refs, target in prepared:
         sources = [concat_with_separators(refs)] + ([concat_with_separators(earlier)] if earlier else [])
@@ -337,17 +337,20 @@ def always_send(prepared: Sequence[tuple], choice: str, weights: np.ndarray | No
 
 
 def replay_request(drafting: RequestDrafting, context: list[int], prompt_len: int, target: Sequence[int],
-                   curve: Sequence[float]) -> tuple[float, int, int]:
+                   curve: Sequence[float], exact_lengths: bool = False) -> tuple[float, int, int]:
     """One request decoded on its known answer ``target`` from ``context`` (the prompt, which grows): each step
     keeps the draft's tokens up to the first wrong one plus the model's own next token and costs ``curve[L]``
-    for ``L`` draft tokens sent. Returns (cost of the steps after the first token, steps with the first, draft
-    tokens sent)."""
+    for ``L`` draft tokens sent. ``exact_lengths``: the policy's length is replaced by an oracle's, the number
+    of the draft's tokens (of at most ``len(curve) - 1``) that get accepted. Returns (cost of the steps after
+    the first token, steps with the first, draft tokens sent)."""
     cost, n_steps, sent_tokens, new = 0.0, 1, 0, [target[0]]
     context.append(target[0])
     while len(context) - prompt_len < len(target):
         drafting.learn(context, new)
         n = len(context) - prompt_len
         draft, n_send = drafting.choose(context, n, 1 << 30)
+        if exact_lengths:
+            n_send = leading_matches(draft.tokens[:len(curve) - 1], target[n:len(target) - 1])
         sent = draft.tokens[:n_send]
         accepted = leading_matches(sent, target[n:n + n_send + 1])
         new = sent[:accepted] + target[n + accepted:n + accepted + 1]
@@ -362,7 +365,8 @@ def replay_request(drafting: RequestDrafting, context: list[int], prompt_len: in
 def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
            curve: Sequence[float] | None = None, weights: np.ndarray | None = None,
            memory: Any = None, make_chain: Any = None,
-           drafters: Sequence[str] = ("reference", "prompt_lookup", "ngram")) -> dict[str, float]:
+           drafters: Sequence[str] = ("reference", "prompt_lookup", "ngram"),
+           exact_lengths: bool = False) -> dict[str, float]:
     """Part 2: the real drafting, one engine learning across the items, a verify of ``L`` draft tokens costing
     ``curve[L]`` plain steps (default ``1 + SLOPE L``); ``weights``: part 3's learned choice in the reference
     drafter's place. ``memory``: earlier answers as a source (``benchmarks/suffix_replay.py``), an object with
@@ -370,7 +374,8 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
     reference drafter as in the vLLM proposer (after the first drafter in a chain without one), and ``add(item id, answer)``, called after each item.
     ``make_chain(prompt, references, chain)``: the drafters to use instead of ``chain`` (the config's).
     ``drafters``: the config's chain (default: the copy drafters before the frequency drafter, as this
-    benchmark's committed results ran)."""
+    benchmark's committed results ran). ``exact_lengths``: every draft sent at just its accepted length (an
+    oracle: what the policy's choice of lengths leaves)."""
     cfg = DecoderConfig(drafters=tuple(drafters), max_draft_tokens=k)
     curve = [1.0 + SLOPE * n for n in range(k + 1)] if curve is None else list(curve[:k + 1])
     acceptance, costs = AcceptanceStats(), StepCosts()
@@ -394,7 +399,7 @@ def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
             chain = chain[:at] + [remembered] + chain[at:]
         drafting = RequestDrafting.from_config(cfg, context, refs, curve, acceptance, costs, drafters=chain)
         drafting.prefill_steps = 0.03 * len(prompt)
-        cost, n_steps, n_sent = replay_request(drafting, context, len(prompt), target, curve)
+        cost, n_steps, n_sent = replay_request(drafting, context, len(prompt), target, curve, exact_lengths)
         sent_tokens += n_sent
         if memory is not None:
             memory.add(item_id, target)

@@ -18,6 +18,8 @@ one engine learning across them, as in the vLLM benchmarks' per-request loop:
   scope) or without, or with arctic-inference's frequency tree of earlier answers in the memory's place;
   and our policy over arctic-inference's per-request tree alone (:class:`RequestTreeDrafter`), which asks
   whether our policy or suffix decoding's own rule sends the better share of the same drafts;
+* what our choice of draft lengths leaves: the default chain's drafts, each sent at just the length that
+  gets accepted (an oracle; the drafts, and so the tokens per step, are ours);
 * the ceiling of copying (``match_choice.copy_ceiling``): an oracle that knows the answer takes, each step,
   the most tokens any copy of at most ``K`` tokens after a match in the references, the prompt or the answer so
   far (and, in its second row, earlier answers) gets accepted, and sends just those: no drafter that copies from
@@ -190,14 +192,14 @@ def suffix_replay(prepared: Sequence[tuple], curve: Sequence[float], *, factor: 
 
 
 def _ours(memory: Any = None, tree_factor: float | None = None,
-          drafters: Sequence[str] = ("reference", "prompt_lookup", "ngram")):
+          drafters: Sequence[str] = ("reference", "prompt_lookup", "ngram"), exact_lengths: bool = False):
     from match_choice import replay
 
     def run(prepared: Sequence[tuple], curve: Sequence[float]) -> dict[str, float]:
         make_chain = None if tree_factor is None else (
             lambda prompt, refs, chain: [RequestTreeDrafter(prompt, tree_factor)])
         return replay(prepared, K, False, curve, memory=memory() if memory else None, make_chain=make_chain,
-                      drafters=drafters)
+                      drafters=drafters, exact_lengths=exact_lengths)
     return run
 
 
@@ -239,6 +241,10 @@ CONFIGS = {
     "suffix decoding without its tree of earlier answers, max_spec_factor 3": _suffix(3.0, global_tree=False),
     "suffix decoding, max_spec_factor 2": _suffix(2.0),
     "suffix decoding, max_spec_factor 3": _suffix(3.0),
+    "the default chain, each draft sent at just its accepted length (an oracle)":
+        _ours(drafters=DEFAULT_COPY_DRAFTERS, exact_lengths=True),
+    "the default chain + memory, each draft sent at just its accepted length (an oracle)":
+        _ours(OneScopeMemory, drafters=DEFAULT_COPY_DRAFTERS, exact_lengths=True),
     "ceiling: an oracle copying from the best place (references, prompt, answer so far)": _ceiling(False),
     "ceiling: the same, earlier answers too": _ceiling(True),
     "ceiling: the oracle after matches of 2+ tokens only": _ceiling(False, 2),

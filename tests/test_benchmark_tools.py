@@ -95,3 +95,20 @@ def test_copy_ceiling_takes_the_fewest_steps_of_any_copying():
         first, second = mc.copy_ceiling(again, 3, earlier_answers=True)
         assert first == steps
         assert len(second) == -(-(len(target) - 1) // 4)  # the answer itself, remembered: 3 drafts a step
+
+
+def test_replay_at_exact_lengths_sends_only_what_is_accepted():
+    """The length oracle of the suffix replay: the same drafts, each cut to what gets accepted, so every draft
+    token sent is accepted (sent per step = tokens per step - 1), where the policy sends some that are not."""
+    mc = load("match_choice")
+    np = pytest.importorskip("numpy")
+    rng = np.random.default_rng(1)
+    prepared = []
+    for i in range(6):
+        doc = rng.integers(5, 40, 60).tolist()
+        target = doc[10:30] + rng.integers(5, 40, 8).tolist() + doc[40:55]
+        prepared.append((str(i), rng.integers(5, 40, 12).tolist() + doc[:5], [doc], target))
+    policy = mc.replay(prepared, 10, False)
+    exact = mc.replay(prepared, 10, False, exact_lengths=True)
+    assert exact["sent_per_step"] == pytest.approx(exact["tokens_per_step"] - 1)
+    assert policy["sent_per_step"] > exact["sent_per_step"] > 0
