@@ -548,12 +548,16 @@ def copy_ceiling_clause(path: Path = RESULTS / "suffix_replay_smollm2_last100.js
     res = run["results"]["cpu"]
     oracle = res["ceiling: the oracle after matches of 2+ tokens only, earlier answers too"]
     suffix, ours = res["suffix decoding (vLLM's defaults)"], res["the default chain + memory of earlier answers"]
+    exact = res["the default chain + memory, each draft sent at just its accepted length (an oracle)"]
+
+    def vs_suffix(row: dict) -> str:
+        return f"{row['modelled_speedup_decoding'] / suffix['modelled_speedup_decoding']:.2f}x"
     return (" What copying has left is bounded: an oracle that copies, after every match of 2+ tokens in the "
             "references, prompt, answer so far and earlier answers, just what gets accepted models "
-            f"{oracle['modelled_speedup_decoding'] / suffix['modelled_speedup_decoding']:.2f}x suffix's defaults "
-            f"({oracle['tokens_per_step']:.2f} tokens/step; ours with the memory {ours['tokens_per_step']:.2f}) on the "
-            f"sample's last {run['items']} answers at this CPU's costs; the rest lies after 1-token matches, where only "
-            "the answer says which of many places continues "
+            f"{vs_suffix(oracle)} suffix's defaults ({oracle['tokens_per_step']:.2f} tokens/step; ours with the memory "
+            f"{ours['tokens_per_step']:.2f}, {vs_suffix(ours)}, and {vs_suffix(exact)} were each of its drafts sent at "
+            f"just its accepted length) on the sample's last {run['items']} answers at this CPU's costs; the rest lies "
+            "after 1-token matches, where only the answer says which of many places continues "
             f"([replay](benchmarks/results/{path.with_suffix('.md').name})).")
 
 
