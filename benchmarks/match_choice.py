@@ -87,9 +87,11 @@ def longest_copy(source: np.ndarray, context: np.ndarray, truth: Sequence[int], 
         (3, 0)
     """
     alive = np.nonzero(source[:-1] == context[-1])[0] + 1
-    for j in range(1, min_match):
-        alive = alive[alive - 1 - j >= 0] if j < len(context) else alive[:0]
+    for j in range(1, min(min_match, len(context))):
+        alive = alive[alive - 1 - j >= 0]
         alive = alive[source[alive - 1 - j] == context[-1 - j]]
+    if len(context) < min_match:
+        alive = alive[:0]
     got = 0
     for j in range(min(k, len(truth))):
         alive = alive[alive + j < len(source)]

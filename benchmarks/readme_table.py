@@ -541,7 +541,8 @@ def gpu_steps_clause(path: Path = RESULTS / "gpu_step_costs_h200.json") -> str:
 
 def copy_ceiling_clause(path: Path = RESULTS / "suffix_replay_smollm2_last100.json") -> str:
     """`` What copying has left ...``: the suffix replay's ceiling of copying after matches of 2+ tokens (with
-    earlier answers) against suffix decoding's defaults and ours with the memory, at this CPU's costs."""
+    earlier answers) and its length oracle (our drafts, each sent at its accepted length) against suffix
+    decoding's defaults and ours with the memory, at this CPU's costs."""
     if not path.is_file():
         return ""
     run = json.loads(path.read_text())

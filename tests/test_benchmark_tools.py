@@ -68,6 +68,10 @@ def test_longest_copy_takes_the_best_place_and_stops_where_a_source_does():
     assert mc.longest_copy(source, np.array([5, 8]), [1, 2], 10) == 0  # no match
     assert mc.longest_copy(np.array([7, 1, -1, 2]), np.array([7]), [1, 2], 10) == 1  # a separator ends it
     assert mc.longest_copy(np.array([3, 7, 1]), np.array([7]), [1, 2], 10) == 1  # so does the source's end
+    two = np.array([4, 7, 1, 2, -1, 3, 7, 1, 9])
+    assert mc.longest_copy(two, np.array([3, 7]), [1, 2], 10) == 2  # any 7
+    assert mc.longest_copy(two, np.array([3, 7]), [1, 2], 10, min_match=2) == 1  # only the 7 after a 3
+    assert mc.longest_copy(two, np.array([7]), [1, 2], 10, min_match=2) == 0  # a context too short to match
 
 
 def test_copy_ceiling_takes_the_fewest_steps_of_any_copying():
@@ -82,15 +86,17 @@ def test_copy_ceiling_takes_the_fewest_steps_of_any_copying():
         refs = [rng.integers(0, 4, 6).tolist(), rng.integers(0, 4, 5).tolist()]
         target = rng.integers(0, 4, 20).tolist()
         prepared = [("a", prompt, refs, target)]
+        for min_match in (1, 2):
+            (steps,) = mc.copy_ceiling(prepared, 3, min_match=min_match)
+            assert sum(a + 1 for a in steps) == len(target) - 1
+            fewest = {len(target): 0}
+            for n in range(len(target) - 1, 0, -1):  # n tokens of the answer known
+                ctx = np.asarray(prompt + target[:n])
+                best = max(mc.longest_copy(src, ctx, target[n:-1], 3, min_match)
+                           for src in (mc.concat_with_separators(refs), ctx))
+                fewest[n] = 1 + min(fewest[n + a + 1] for a in range(best + 1))
+            assert len(steps) == fewest[1]
         (steps,) = mc.copy_ceiling(prepared, 3)
-        assert sum(a + 1 for a in steps) == len(target) - 1
-        fewest = {len(target): 0}
-        for n in range(len(target) - 1, 0, -1):  # n tokens of the answer known
-            ctx = np.asarray(prompt + target[:n])
-            best = max(mc.longest_copy(src, ctx, target[n:-1], 3)
-                       for src in (mc.concat_with_separators(refs), ctx))
-            fewest[n] = 1 + min(fewest[n + a + 1] for a in range(best + 1))
-        assert len(steps) == fewest[1]
         again = [("a", prompt, refs, target), ("b", prompt, refs, target)]
         first, second = mc.copy_ceiling(again, 3, earlier_answers=True)
         assert first == steps
