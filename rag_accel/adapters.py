@@ -10,11 +10,13 @@ third top-level package; an adapter takes any decoder object with ``generate`` a
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from .config import DecoderConfig
+from .prediction import as_prediction
 
 __all__ = [
     "BACKENDS",
@@ -200,6 +202,13 @@ def start_generation(decoder: Any, prompt: Any, references: list[Any], *, config
                             "does not have")
         out = greedy(prompt, **options)
         return iter([out.text] if out.text else []), lambda: out, lambda: None
+    remote = sys.modules.get("rag_accel.remote")  # (not imported: the decoder is not a RemoteDecoder)
+    if remote is not None and isinstance(decoder, remote.RemoteDecoder) and options.get("prediction") is None:
+        # to a server, the documents travel as OpenAI's prediction, one text part each (token ids as references)
+        texts = [r for r in references if isinstance(r, str)]
+        if texts:
+            references = [r for r in references if not isinstance(r, str)]
+            options["prediction"] = as_prediction(texts)
     stream = decoder.stream(prompt, references, config=config, **options)
     return iter(stream), lambda: stream.output, stream.close
 

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .prediction import REFERENCE_SOURCE
+
 _short = reprlib.Repr()
 _short.maxstring = 80  # text in a repr: its start and end
 _short.maxlist = 8
@@ -34,6 +36,10 @@ class GenerationStats:
     calibration_s: float = 0.0  # one-off measurement of the cost curve, if this call did it
     setup_s: float | None = 0.0  # per-request set-up: tokenising the references, building the drafters
     setup_wait_s: float | None = 0.0  # what of it outlasted the prefill it runs beside (delayed the first token)
+    # OpenAI's Predicted Outputs counts (rag_accel.prediction): draft tokens copied from the request's
+    # references (its prediction's parts and references given beside them) that verification kept / threw away.
+    accepted_prediction_tokens: int | None = 0
+    rejected_prediction_tokens: int | None = 0
     # Per forward pass: (drafter whose draft was verified, "" for none; tokens that step produced:
     # accepted draft tokens + the model's own next one). The last entry may exceed what a stop kept.
     trace: list[tuple[str, int]] = field(default_factory=list)
@@ -50,6 +56,9 @@ class GenerationStats:
             row["steps"] += 1
             row["drafted"] += drafted
             row["accepted"] += accepted
+            if source == REFERENCE_SOURCE:
+                self.accepted_prediction_tokens += accepted
+                self.rejected_prediction_tokens += drafted - accepted
 
     @property
     def tokens_per_step(self) -> float | None:

@@ -28,28 +28,33 @@ from .vllm.requests import REQUEST_FIELDS, request_config  # (no vLLM import)
 
 SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
 # The per-call options of generate / stream / generate_batch, and their defaults, on every decoder.
-# ``answers``: earlier answers to copy from (in generate_batch one entry per prompt, as references: batch_arguments).
+# ``answers``: earlier answers to copy from; ``prediction``: OpenAI's Predicted Outputs (rag_accel.prediction), its
+# parts references of the call. In generate_batch each holds one entry per prompt, as references (batch_arguments).
 CALL_OPTIONS: dict[str, Any] = dict(max_new_tokens=256, stop=None, config=None, speculate=True, do_sample=False,
-                                    temperature=None, top_k=None, top_p=None, seed=None, answers=None)
+                                    temperature=None, top_k=None, top_p=None, seed=None, answers=None,
+                                    prediction=None)
+PER_PROMPT = ("answers", "prediction")
 
 
 @runtime_checkable
 class Decoder(Protocol):
     """The surface of every rag_accel decoder. ``prompt``: text, chat messages or token ids;
-    ``references``: the documents to copy from (strings or token-id lists); ``speculate=False``:
-    no drafting for that call (the engine's plain decoding behind the same surface)."""
+    ``references``: the documents to copy from (strings or token-id lists); ``answers``: earlier answers to
+    copy from; ``prediction``: OpenAI's Predicted Outputs shape, each text part one more reference
+    (:mod:`rag_accel.prediction`); ``speculate=False``: no drafting for that call (the engine's plain
+    decoding behind the same surface)."""
 
     def generate(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
                  stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
                  speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None) -> GenerationOutput: ...
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 answers: Any = None, prediction: Any = None) -> GenerationOutput: ...
 
     def stream(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
                stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
                speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None,
-               seed: int | None = None) -> Iterator[str]: ...
+               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+               answers: Any = None, prediction: Any = None) -> Iterator[str]: ...
 
     def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
                        **options: Any) -> list[GenerationOutput]: ...
@@ -65,9 +70,9 @@ class Decoder(Protocol):
 def batch_arguments(prompts: Sequence[Any], references: Sequence[Any] | None,
                     options: Mapping[str, Any]) -> tuple[list[Any], list[Any], list[dict[str, Any]]]:
     """``generate_batch``'s arguments checked: (prompts, one references entry per prompt, one dict of
-    options per prompt, with their defaults). Options are the same for every prompt but ``answers``,
-    which, like ``references``, holds one entry per prompt. Unknown options are a ``TypeError``, as in
-    ``generate``.
+    options per prompt, with their defaults). Options are the same for every prompt but ``answers`` and
+    ``prediction``, which, like ``references``, hold one entry per prompt. Unknown options are a
+    ``TypeError``, as in ``generate``.
 
     Example:
         >>> _, refs, opts = batch_arguments(["a", "b"], None, {"max_new_tokens": 8, "answers": [["x"], None]})
@@ -82,12 +87,16 @@ def batch_arguments(prompts: Sequence[Any], references: Sequence[Any] | None,
     unknown = sorted(set(options) - set(CALL_OPTIONS))
     if unknown:
         raise TypeError(f"unexpected keyword arguments {unknown}")
-    answers = options.get("answers")
-    if answers is None:
-        answers = [None] * len(prompts)
-    elif isinstance(answers, str) or not isinstance(answers, Sequence) or len(answers) != len(prompts):
-        raise ValueError(f"answers in generate_batch: one entry per prompt ({len(prompts)}), as references")
-    return list(prompts), refs, [{**CALL_OPTIONS, **options, "answers": a} for a in answers]
+    per_prompt = {}
+    for name in PER_PROMPT:
+        given = options.get(name)
+        if given is None:
+            given = [None] * len(prompts)
+        elif isinstance(given, (str, Mapping)) or not isinstance(given, Sequence) or len(given) != len(prompts):
+            raise ValueError(f"{name} in generate_batch: one entry per prompt ({len(prompts)}), as references")
+        per_prompt[name] = list(given)
+    return list(prompts), refs, [{**CALL_OPTIONS, **options, **{n: per_prompt[n][i] for n in PER_PROMPT}}
+                                 for i in range(len(prompts))]
 
 
 def sampling_request(do_sample: bool, temperature: Any = None, top_k: Any = None, top_p: Any = None,

@@ -16,7 +16,9 @@ first stop string, the token ids with the token that completed it).
 What the server cannot tell is ``None`` in the stats, never invented: an OpenAI response has
 no per-request steps or draft counts, so ``steps``, ``drafted``, ``accepted``,
 ``tokens_per_step``, ``acceptance_rate``, ``prefill_s`` and ``draft_s`` are ``None`` and
-``by_drafter`` / ``trace`` are empty. The server's totals over all requests are on its
+``by_drafter`` / ``trace`` are empty. A call that sends a ``prediction`` (OpenAI's Predicted Outputs)
+gets the server's counts of it, ``usage.completion_tokens_details``, as ``accepted_prediction_tokens`` /
+``rejected_prediction_tokens`` (``None`` otherwise). The server's totals over all requests are on its
 ``/metrics`` page (``vllm:spec_decode_num_draft_tokens_total``,
 ``vllm:spec_decode_num_accepted_tokens_total``). ``time_s`` is the call's wall time here.
 
@@ -38,6 +40,7 @@ from .config import DecoderConfig
 from .inputs import check_chat, check_lengths, check_reference, check_stops, check_text, is_chat, token_ids
 from .memory import check_scope
 from .outputs import GenerationOutput, GenerationStats, GenerationStream
+from .prediction import prediction_parts
 from .protocol import CALL_OPTIONS, batch_arguments, config_changes, sampling_request
 
 __all__ = ["AsyncGenerationStream", "RemoteDecoder", "RemoteError"]
@@ -68,7 +71,7 @@ def _finish(reason: str | None, stop_reason: Any) -> str:
 class _Call:
     """One request ready to send: which endpoint and its arguments; the answer accumulated."""
 
-    __slots__ = ("chat", "kwargs", "ids", "parts", "finish", "prompt_tokens", "t0")
+    __slots__ = ("chat", "kwargs", "ids", "parts", "finish", "prompt_tokens", "t0", "predicted")
 
     def __init__(self, chat: bool, kwargs: dict[str, Any]) -> None:
         self.chat, self.kwargs = chat, kwargs
@@ -77,6 +80,7 @@ class _Call:
         self.finish = ""
         self.prompt_tokens = 0
         self.t0 = time.perf_counter()
+        self.predicted: tuple[int | None, int | None] = (None, None)  # the server's prediction counts
 
     def take(self, response: Any) -> str:
         """Fold one response (or stream chunk) in; returns its text."""
@@ -86,6 +90,9 @@ class _Call:
         usage = getattr(response, "usage", None)
         if usage is not None and usage.prompt_tokens is not None:
             self.prompt_tokens = usage.prompt_tokens
+        details = getattr(usage, "completion_tokens_details", None) if usage is not None else None
+        if details is not None and getattr(details, "accepted_prediction_tokens", None) is not None:
+            self.predicted = (details.accepted_prediction_tokens, details.rejected_prediction_tokens)
         text = ""
         for choice in response.choices or ():
             if self.chat:
@@ -104,7 +111,8 @@ class _Call:
         stats = GenerationStats(prompt_tokens=self.prompt_tokens, new_tokens=len(self.ids), steps=None,
                                 drafted=None, accepted=None, finish_reason=self.finish,
                                 time_s=time.perf_counter() - self.t0, prefill_s=None, draft_s=None,
-                                setup_s=None, setup_wait_s=None)
+                                setup_s=None, setup_wait_s=None, accepted_prediction_tokens=self.predicted[0],
+                                rejected_prediction_tokens=self.predicted[1])
         return GenerationOutput(text="".join(self.parts), token_ids=list(self.ids), stats=stats)
 
 
@@ -223,7 +231,8 @@ class RemoteDecoder:
 
     # ------------------------------------------------------------ inputs
     def _call(self, prompt: Any, references: Any, max_new_tokens: int, stop: Any, config: Any, speculate: bool,
-              do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any, answers: Any = None) -> _Call:
+              do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any, answers: Any = None,
+              prediction: Any = None) -> _Call:
         """Check one request and build its arguments (nothing is sent)."""
         stops = check_stops(stop)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -243,6 +252,9 @@ class RemoteDecoder:
         if changes:
             xargs["rag_accel"] = json.dumps(changes)
         body: dict[str, Any] = {"vllm_xargs": xargs, "return_token_ids": True}
+        if prediction is not None:  # OpenAI's field, as any client sends it (rag_accel.vllm.predictions)
+            prediction_parts(prediction)  # (checked here, before anything is sent)
+            body["prediction"] = prediction
         kwargs: dict[str, Any] = dict(max_tokens=max_new_tokens)
         if stops:
             kwargs["stop"] = stops
@@ -331,7 +343,7 @@ class RemoteDecoder:
                stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
                speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               answers: Any = None) -> GenerationStream:
+               answers: Any = None, prediction: Any = None) -> GenerationStream:
         """Stream the output as text pieces (``.output`` once the iteration ends), as
         :meth:`ReferenceDecoder.stream` does.
 
@@ -340,6 +352,9 @@ class RemoteDecoder:
             references: documents to copy drafts from: strings or token-id lists.
             answers: earlier answers to copy from (a cached answer; ``vllm_xargs`` ``answers`` /
                 ``answer_ids``), drafted as the server's memory of answers drafts.
+            prediction: OpenAI's Predicted Outputs (``{"type": "content", "content": ...}``), sent as
+                the request body's ``prediction``; the server's counts of it land in
+                ``stats.accepted_prediction_tokens`` / ``rejected_prediction_tokens``.
             max_new_tokens / stop: as there.
             config: DecoderConfig changes for this request (a dict, or a :class:`DecoderConfig`:
                 its drafting fields that differ from the defaults).
@@ -353,7 +368,7 @@ class RemoteDecoder:
         server aborts that request and serves on.
         """
         call = self._call(prompt, references, max_new_tokens, stop, config, speculate, do_sample, temperature,
-                          top_k, top_p, seed, answers)
+                          top_k, top_p, seed, answers, prediction)
         try:
             response = self._create(self.client, call, stream=True)
         except self._openai.BadRequestError as e:

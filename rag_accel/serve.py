@@ -10,7 +10,11 @@ so every vLLM option (``--tensor-parallel-size``, ``--data-parallel-size``, ...)
 after ``--``. The process then *becomes* that server (``exec``): signals (Ctrl-C, SIGTERM from a
 supervisor) reach vLLM directly, with no wrapper in between to forward them.
 
-A request's documents travel in the request body's ``vllm_xargs``::
+plus ``--middleware rag_accel.vllm.predictions.PredictedOutputs``: OpenAI's Predicted Outputs
+(``prediction={"type": "content", "content": ...}``, each text part a reference of that request; its counts
+in ``usage.completion_tokens_details``).
+
+A request's documents travel as a prediction, or in the request body's ``vllm_xargs``::
 
     client.chat.completions.create(model=..., messages=..., extra_body={"vllm_xargs": {
         "references": ["passage one", "passage two"],   # strings
@@ -158,8 +162,9 @@ def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtyp
 
     Example:
         >>> cmd = serve_command("/models/x", port=8001, dtype="float32", speculation="off", extra=["--seed", "1"])
-        >>> cmd[cmd.index("serve"):]
-        ['serve', '/models/x', '--host', '127.0.0.1', '--port', '8001', '--dtype', 'float32', '--seed', '1']
+        >>> cmd[cmd.index("serve"):]  # doctest: +NORMALIZE_WHITESPACE
+        ['serve', '/models/x', '--host', '127.0.0.1', '--port', '8001', '--dtype', 'float32',
+         '--middleware', 'rag_accel.vllm.predictions.PredictedOutputs', '--seed', '1']
     """
     if not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port!r}")
@@ -178,6 +183,11 @@ def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtyp
     if served_model_name and not _given(extra, "--served-model-name"):
         cmd += ["--served-model-name", served_model_name]
     cmd += speculative_options(speculation, num_speculative_tokens)
+    # OpenAI's Predicted Outputs (rag_accel.vllm.predictions), in every mode: with another mode than ours a
+    # prediction is refused (HTTP 400), never silently ignored
+    from .vllm.requests import MIDDLEWARE_PATH  # (no vLLM import)
+
+    cmd += ["--middleware", MIDDLEWARE_PATH]
     cmd += list(extra)
     return cmd
 

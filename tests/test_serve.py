@@ -428,6 +428,142 @@ def test_remote_calls_from_threads_run_together(server, baseline):
         assert ids == baseline.ids[i % N_ITEMS] and text == baseline.texts[i % N_ITEMS]
 
 
+# --------------------------------------------------------------------------- OpenAI's Predicted Outputs (issue 54)
+def _prediction(*texts):
+    return {"type": "content", "content": texts[0] if len(texts) == 1 else [{"type": "text", "text": t}
+                                                                            for t in texts]}
+
+
+def _settled_counters(server, before, timeout=10.0):
+    """/metrics after a request: vLLM records a step's spec-decode counts beside its outputs, so read again
+    until two reads agree (or ``timeout``)."""
+    last = server.spec_decode_counters()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = server.spec_decode_counters()
+        if now == last and now != before:
+            break
+        last = now
+    return last
+
+
+@pytest.mark.slow
+def test_predicted_outputs_with_the_openai_sdk_sync_async_and_streamed(server, client, baseline, items):
+    """The openai SDK's own `prediction=` (no rag_accel on the client): the output is vLLM's greedy whatever
+    the prediction says; a right one is mostly accepted; its counts arrive in usage, streamed or not."""
+    right = client.chat.completions.create(model=MODEL, messages=baseline.msgs[0], max_tokens=MAX_NEW, temperature=0,
+                                           prediction=_prediction(baseline.texts[0]),
+                                           extra_body={"return_token_ids": True})
+    details = right.usage.completion_tokens_details
+    assert right.choices[0].token_ids == baseline.ids[0] and right.choices[0].message.content == baseline.texts[0]
+    assert details.accepted_prediction_tokens >= 0.5 * MAX_NEW, details
+    wrong = client.chat.completions.create(model=MODEL, messages=baseline.msgs[0], max_tokens=MAX_NEW, temperature=0,
+                                           prediction=_prediction(baseline.texts[1], "No. " * 40),
+                                           extra_body={"return_token_ids": True})
+    assert wrong.choices[0].token_ids == baseline.ids[0]
+    stream = client.chat.completions.create(model=MODEL, messages=baseline.msgs[1], max_tokens=MAX_NEW, temperature=0,
+                                            prediction=_prediction(*items[1].passages, baseline.texts[1]),
+                                            stream=True, stream_options={"include_usage": True})
+    text, usage = "", None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+    assert text == baseline.texts[1] and usage.completion_tokens_details.accepted_prediction_tokens > 0
+
+    async def asynchronous():
+        aclient = openai.AsyncOpenAI(base_url=server.base_url, api_key="EMPTY", timeout=600, max_retries=0)
+        try:
+            return await aclient.chat.completions.create(model=MODEL, messages=baseline.msgs[2], max_tokens=MAX_NEW,
+                                                         temperature=0, prediction=_prediction(baseline.texts[2]))
+        finally:
+            await aclient.close()
+
+    a = asyncio.run(asynchronous())
+    assert a.choices[0].message.content == baseline.texts[2]
+    assert a.usage.completion_tokens_details.accepted_prediction_tokens >= 0.5 * MAX_NEW
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                           temperature=0, extra_body={"prediction": _prediction(baseline.text_prompt.text)})
+    assert completion.choices[0].text == baseline.text_prompt.text
+    assert completion.usage.completion_tokens_details.accepted_prediction_tokens is not None
+
+
+@pytest.mark.slow
+def test_prediction_counts_equal_the_servers_own_statistics(server, client, baseline):
+    """With the reference drafter alone, every draft token of the request is a prediction token: its usage
+    counts are exactly the server's own spec-decode totals over that request (/metrics)."""
+    for i, text in ((0, baseline.texts[0]), (1, baseline.texts[1][: len(baseline.texts[1]) // 2] + " No.")):
+        before = server.spec_decode_counters()
+        r = client.chat.completions.create(model=MODEL, messages=baseline.msgs[i], max_tokens=MAX_NEW, temperature=0,
+                                           prediction=_prediction(text), extra_body={
+                                               "return_token_ids": True,
+                                               "vllm_xargs": {"rag_accel": json.dumps({"drafters": ["reference"]})}})
+        after = _settled_counters(server, before)
+        d = r.usage.completion_tokens_details
+        assert r.choices[0].token_ids == baseline.ids[i]
+        assert d.accepted_prediction_tokens > 0
+        assert (d.accepted_prediction_tokens, d.accepted_prediction_tokens + d.rejected_prediction_tokens) == (
+            after[1] - before[1], after[0] - before[0]), (d, before, after)
+
+
+@pytest.mark.slow
+def test_malformed_predictions_get_400_while_other_requests_are_served(server, client, baseline, items):
+    long = {}
+
+    def good():
+        long["out"] = _chat(client, baseline.msgs[1], {"references": items[1].passages})
+
+    worker = threading.Thread(target=good)
+    worker.start()
+    bad = [("text", "prediction must be an object"), ({"type": "content", "content": 5}, "prediction.content must"),
+           ({"type": "image", "content": "x"}, "prediction.type must be 'content'"),
+           ({"type": "content", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "must be text"),
+           (_prediction("word " * (10 * MAX_REF)), "holds over")]
+    for prediction, words in bad:
+        with pytest.raises(openai.BadRequestError, match=words) as e:
+            client.chat.completions.create(model=MODEL, messages=baseline.msgs[0], max_tokens=MAX_NEW, temperature=0,
+                                           prediction=prediction)
+        assert e.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="nothing would draft from it"):
+        _chat(client, baseline.msgs[0], {"speculate": False}, prediction=_prediction("x"))
+    worker.join()
+    assert long["out"].token_ids == baseline.ids[1]
+    assert _chat(client, baseline.msgs[0], prediction=_prediction(baseline.texts[0])).token_ids == baseline.ids[0]
+    assert server.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_a_prediction_with_options_openai_refuses_stays_exact(server, client, baseline):
+    """OpenAI refuses a prediction with n > 1, logprobs or penalties; verification keeps them exact here: each
+    answer is the same request's answer with drafting off (speculate false), on the same engine."""
+    def both(**kw):
+        with_ = client.chat.completions.create(model=MODEL, messages=baseline.msgs[2], max_tokens=MAX_NEW,
+                                               prediction=_prediction(baseline.texts[2]), **kw)
+        off = client.chat.completions.create(model=MODEL, messages=baseline.msgs[2], max_tokens=MAX_NEW,
+                                             extra_body={"vllm_xargs": {"speculate": False}}, **kw)
+        return with_, off
+
+    with_, off = both(temperature=0, presence_penalty=0.8, frequency_penalty=0.5)
+    assert with_.choices[0].message.content == off.choices[0].message.content
+    with_, off = both(temperature=0, logprobs=True, top_logprobs=2)
+    assert [t.token for t in with_.choices[0].logprobs.content] == [t.token for t in off.choices[0].logprobs.content]
+    for a, b in zip(with_.choices[0].logprobs.content, off.choices[0].logprobs.content):
+        assert abs(a.logprob - b.logprob) < 1e-3
+    with_, _ = both(temperature=1.0, n=2, seed=7)
+    assert len(with_.choices) == 2 and with_.usage.completion_tokens_details.accepted_prediction_tokens >= 0
+
+
+@pytest.mark.slow
+def test_remote_decoder_sends_a_prediction_and_reads_its_counts(server, baseline):
+    dec = RemoteDecoder(server.base_url)
+    out = dec.generate(baseline.msgs[0], max_new_tokens=MAX_NEW, prediction=_prediction(baseline.texts[0]))
+    assert out.token_ids == baseline.ids[0] and out.stats.accepted_prediction_tokens >= 0.5 * MAX_NEW
+    stream = dec.stream(baseline.msgs[0], max_new_tokens=MAX_NEW, prediction=_prediction(baseline.texts[0]))
+    assert "".join(stream) == baseline.texts[0] and stream.output.stats.rejected_prediction_tokens is not None
+    plain = dec.generate(baseline.msgs[0], max_new_tokens=MAX_NEW)
+    assert plain.stats.accepted_prediction_tokens is None  # no prediction: the server does not tell
+
+
 @pytest.mark.slow
 def test_the_server_logs_to_its_own_temporary_file(server):
     """(Its clean shutdown is checked when the module's server fixture stops it.)"""

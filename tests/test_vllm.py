@@ -548,6 +548,51 @@ def test_a_cached_answer_passed_as_answers_drafts_as_the_memory_and_stays_exact(
 
 
 @pytest.mark.slow
+def test_a_prediction_drafts_as_references_exactly_and_is_counted(dec, items, baseline):
+    """OpenAI's prediction on VllmDecoder (issue 54): right, wrong and per-prompt in generate_batch, every
+    output vLLM greedy's; the counts are the reference drafter's, and vLLM's own counters agree."""
+    msgs = [rag_messages(it.query, it.passages) for it in items[:2]]
+    right = {"type": "content", "content": [{"type": "text", "text": baseline.texts[0]}]}
+    d0, a0 = _spec_counters(dec.llm)
+    out = dec.generate(msgs[0], prediction=right, max_new_tokens=MAX_NEW, config={"drafters": ("reference",)})
+    d1, a1 = _spec_counters(dec.llm)
+    st = out.stats
+    assert out.token_ids == baseline.alone[0]
+    assert st.accepted_prediction_tokens >= 0.8 * MAX_NEW / 2 and st.rejected_prediction_tokens >= 0
+    assert (st.accepted_prediction_tokens, st.accepted_prediction_tokens + st.rejected_prediction_tokens) == (
+        a1 - a0, d1 - d0)
+    wrong = {"type": "content", "content": "The quick brown fox jumps over the lazy dog. " * 8}
+    outs = dec.generate_batch(msgs, prediction=[wrong, {"type": "content", "content": baseline.texts[1]}],
+                              max_new_tokens=MAX_NEW)
+    assert [o.token_ids for o in outs] == baseline.alone[:2] and outs[1].stats.accepted_prediction_tokens > 0
+    with pytest.raises(TypeError, match="prediction must be an object"):
+        dec.generate(msgs[0], prediction=baseline.texts[0])
+
+
+def test_rows_of_one_request_add_up_their_stats():
+    """Several rows under one key (n > 1, a /v1/completions call with several prompts, a preempted request
+    back in a new row): popped once, their counts added up."""
+    proposer = RagProposer(_fake_config())
+    tracker = RowTracker(_fake_config())
+    proposer.tracker = tracker
+    params = SamplingParams(temperature=0, max_tokens=20, extra_args={"references": [[5, 6, 7, 8, 9, 10]],
+                                                                      "rag_accel_id": "req-1"})
+    tokens = np.zeros((2, 64), dtype=np.int64)
+    tokens[:, :3] = [1, 5, 6]
+    tracker.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
+                                     added=[(0, params, [1, 5], []), (1, params, [1, 5], [])]))
+    drafts = proposer.propose([[6], [6]], np.array([3, 3]), tokens)
+    assert drafts[0][:2] == drafts[1][:2] == [7, 8]
+    n = len(drafts[0])
+    tokens[:, 3:5] = [7, 8]
+    proposer.propose([[7, 8], [7, 8]], np.array([5, 5]), tokens)  # each row: 1 draft token kept, then its own
+    (stats,) = proposer.pop_stats(["req-1"])
+    assert stats["steps"] == 4 and stats["drafted"] == 2 * n and stats["accepted"] == 2
+    assert (stats["accepted_prediction_tokens"], stats["rejected_prediction_tokens"]) == (2, 2 * n - 2)
+    assert proposer.pop_stats(["req-1"]) == [None]
+
+
+@pytest.mark.slow
 def test_a_reset_engine_drafts_from_its_first_request(dec, items, baseline):
     """reset_learning reaches the drafting worker (the stats RPC with forget=True); a proposer that
     has learnt nothing still drafts on strong matches (the cold rates) and stays exact."""

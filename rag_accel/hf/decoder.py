@@ -26,6 +26,7 @@ from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
 from ..memory import answers_drafter
+from ..prediction import with_prediction
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..policy import AcceptanceStats, leading_matches
 from ..protocol import batch_arguments, sampling_request
@@ -281,6 +282,7 @@ class ReferenceDecoder:
         stop: str | Sequence[str] | None = None,
         config: DecoderConfig | Mapping[str, Any] | None = None,
         answers: Any = None,
+        prediction: Any = None,
         drafters: Sequence[Drafter] | None = None,
         speculate: bool = True,
         do_sample: bool = False,
@@ -304,6 +306,9 @@ class ReferenceDecoder:
                 strings or token-id lists: drafted as the memory of answers drafts, where the same
                 text among ``references`` drafts as a passage does. References and answers
                 together count against ``max_reference_tokens``.
+            prediction: OpenAI's Predicted Outputs shape (``{"type": "content", "content": text or
+                [{"type": "text", "text": ...}, ...]}``); each text part is one more reference
+                (:mod:`rag_accel.prediction`), counted in ``stats.accepted_prediction_tokens``.
             drafters: use these drafters instead of the configured chain.
             speculate: ``False``: no drafting for this call (plain steps of the same loop; the
                 output is the same, as every decoder's ``speculate=False``).
@@ -334,7 +339,8 @@ class ReferenceDecoder:
         prompt_ids = self.encode_prompt(prompt)
         self._check_lengths(len(prompt_ids), max_new_tokens)
         t0 = self.clock()
-        refs = check_references(self.tokenizer, references, self.vocab_size, cfg.max_reference_tokens)
+        refs = check_references(self.tokenizer, with_prediction(references, prediction), self.vocab_size,
+                                cfg.max_reference_tokens)
         given = check_references(self.tokenizer, answers, self.vocab_size, cfg.max_reference_tokens, "answers")
         if may_exceed([*refs, *given], cfg.max_reference_tokens):  # only tokenising tells: refuse now
             ids = tokenize_references(self.tokenizer, [*refs, *given], cfg.max_reference_tokens,

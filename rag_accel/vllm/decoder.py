@@ -14,7 +14,8 @@ from ..config import COPY_DRAFTERS, DEFAULT_COPY_DRAFTERS, DecoderConfig
 from ..inputs import (check_lengths, check_references, check_stops, encode_prompt, encode_references,
                       tokenize_references)
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
-from ..protocol import batch_arguments, config_changes, sampling_request
+from ..prediction import with_prediction
+from ..protocol import PER_PROMPT, batch_arguments, config_changes, sampling_request
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
 from .requests import PROPOSER_PATH, TRACKER_PATH, check_layout, request_config, request_scope, speculative_config
@@ -118,7 +119,7 @@ class VllmDecoder:
 
     def _request(self, prompt: Any, references: Any, max_new_tokens: int, stop: Any, config: Any,
                  speculate: bool, do_sample: bool, temperature: Any, top_k: Any, top_p: Any,
-                 seed: Any, answers: Any = None) -> tuple[list[int], list[str], Any]:
+                 seed: Any, answers: Any = None, prediction: Any = None) -> tuple[list[int], list[str], Any]:
         """Check and encode one request: (prompt ids, stop strings, SamplingParams)."""
         from vllm import SamplingParams
 
@@ -130,7 +131,7 @@ class VllmDecoder:
         changes = config_changes(config, self.config)
         cfg = request_config(self.config, changes)
         limit = cfg.max_reference_tokens  # (references and answers together, as in the worker)
-        refs = check_references(self.tokenizer, references, self.vocab_size, limit)
+        refs = check_references(self.tokenizer, with_prediction(references, prediction), self.vocab_size, limit)
         given = check_references(self.tokenizer, answers, self.vocab_size, limit, "answers")
         ids = tokenize_references(self.tokenizer, [*refs, *given], limit)
         refs, given = ids[:len(refs)], ids[len(refs):]
@@ -156,15 +157,16 @@ class VllmDecoder:
     # ------------------------------------------------------------ public
     def generate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
         """Greedy output for ``prompt``, drafting from ``references``. See :meth:`stream` for arguments."""
-        if "answers" in kwargs:  # (generate_batch takes one entry per prompt)
-            kwargs["answers"] = [kwargs["answers"]]
+        for name in PER_PROMPT:  # (generate_batch takes one entry per prompt)
+            if name in kwargs:
+                kwargs[name] = [kwargs[name]]
         return self.generate_batch([prompt], [references], **kwargs)[0]
 
     def stream(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
                stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
                speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               answers: Any = None) -> GenerationStream:
+               answers: Any = None, prediction: Any = None) -> GenerationStream:
         """Stream the output as text pieces, as :meth:`ReferenceDecoder.stream` does.
 
         Args:
@@ -172,6 +174,8 @@ class VllmDecoder:
             references: documents to copy from: strings or token-id lists.
             answers: earlier answers to copy from (a cached answer), drafted as the memory of
                 answers drafts (:meth:`ReferenceDecoder.stream`).
+            prediction: OpenAI's Predicted Outputs shape; each text part is one more reference
+                (:mod:`rag_accel.prediction`), counted in ``stats.accepted_prediction_tokens``.
             max_new_tokens / stop: as there (stops: the text ends before the first stop
                 string; the token ids end with the token that completed it).
             config: a :class:`DecoderConfig` or a dict of changes, for this request.
@@ -182,7 +186,7 @@ class VllmDecoder:
         Inputs are checked here, before any iteration.
         """
         req = self._request(prompt, references, max_new_tokens, stop, config, speculate, do_sample,
-                            temperature, top_k, top_p, seed, answers)
+                            temperature, top_k, top_p, seed, answers, prediction)
 
         def pieces() -> Iterator[str]:
             outputs: list[GenerationOutput | None] = [None]
@@ -301,6 +305,8 @@ class VllmDecoder:
             stats.steps = st["steps"]
             stats.drafted, stats.accepted = st["drafted"], st["accepted"]
             stats.by_drafter = st["by_drafter"]
+            stats.accepted_prediction_tokens = st["accepted_prediction_tokens"]
+            stats.rejected_prediction_tokens = st["rejected_prediction_tokens"]
             stats.trace = [(a, b) for a, b in st["trace"]]
         else:  # no proposer of ours: the engine steps that gave this request tokens (drafts unknown: 0)
             stats.steps = s["steps"]

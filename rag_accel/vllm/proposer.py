@@ -45,7 +45,7 @@ try:  # the module imports without vLLM (docs, doctests); using it needs vLLM
 except ImportError:  # pragma: no cover - exercised only without vLLM
     _LogitsProcessor = object  # type: ignore[assignment,misc]
 
-__all__ = ["RagProposer", "RowTracker"]
+__all__ = ["RagProposer", "RowTracker", "merged_stats"]
 
 log = logging.getLogger("rag_accel.vllm")
 
@@ -103,7 +103,7 @@ class RowTracker(_LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
         """vLLM's admission check (the server answers HTTP 400 with the message): the types,
-        the size limit, and token ids within the served model's vocabulary."""
+        the size limit, token ids within the served model's vocabulary, and a prediction's shape."""
         check_extra_args(sampling_params.extra_args, admission_vocab_size())
 
     def is_argmax_invariant(self) -> bool:
@@ -161,7 +161,7 @@ class RagProposer:
         self.costs = BatchStepCosts()
         self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}  # greedy, sampled
         self.memory = AnswerMemory(answer_memory_tokens())  # earlier answers, per memory scope
-        self.stats: OrderedDict[str, GenerationStats] = OrderedDict()
+        self.stats: OrderedDict[str, list[GenerationStats]] = OrderedDict()
         self.tracker: RowTracker | None = None
         self._tokenizer: Any = None
         self._tokenizer_name = vllm_config.model_config.tokenizer
@@ -266,15 +266,23 @@ class RagProposer:
                 self._refs_pool = ThreadPoolExecutor(1, thread_name_prefix="rag-accel-references")
             row.pending = self._refs_pool.submit(self._prepare, row.refs, row.answers, row.config)
         if row.key is not None:
-            self.stats[row.key] = row.stats
-            while len(self.stats) > 10_000:  # nobody collected them
-                self.stats.popitem(last=False)
+            self._keep_stats(row)
+
+    def _keep_stats(self, row: _Row) -> None:
+        """Keep the row's stats under its request's key for :meth:`pop_stats`. Several rows may share a key:
+        the choices of one request (``n > 1``), the prompts of one ``/v1/completions`` call, a preempted
+        request back in a new row; their stats are added up when popped."""
+        rows = self.stats.setdefault(row.key, [])
+        if not any(s is row.stats for s in rows):
+            rows.append(row.stats)
+        while len(self.stats) > 10_000:  # nobody collected them
+            self.stats.popitem(last=False)
 
     def _step(self, row: _Row, new: list[int], n: int, token_ids_cpu: Any, i: int, dt: float | None) -> list[int]:
         stats = row.stats
         if row.drafting is None and not row.context:
             if row.key is not None and not row.speculate:
-                self.stats[row.key] = stats
+                self._keep_stats(row)
             self._start(row, token_ids_cpu[i, :n].tolist())
             stats.record_step("", 0, len(new) - 1)  # the prefill step
             stats.new_tokens = len(new)
@@ -367,12 +375,40 @@ class RagProposer:
         self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}
 
     def pop_stats(self, keys: Sequence[str]) -> list[dict[str, Any] | None]:
-        """The stats of these requests as dicts (``None``: unknown), forgotten here."""
+        """The stats of these requests as dicts (``None``: unknown), forgotten here; the rows of one key
+        added up (:func:`merged_stats`)."""
         out = []
         for key in keys:
-            s = self.stats.pop(key, None)
-            out.append(None if s is None else {**dataclasses.asdict(s), "trace": [list(t) for t in s.trace]})
+            rows = self.stats.pop(key, None)
+            out.append(None if not rows else merged_stats(rows))
         return out
+
+
+_SUMMED = ("steps", "drafted", "accepted", "new_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
+
+
+def merged_stats(rows: Sequence[GenerationStats]) -> dict[str, Any]:
+    """One request's stats as a dict, its rows' counts added up (one row: its stats as they are).
+
+    Example:
+        >>> a, b = GenerationStats(), GenerationStats()
+        >>> a.record_step("reference", 4, 3); b.record_step("reference", 2, 0); b.record_step("", 0, 0)
+        >>> d = merged_stats([a, b])
+        >>> d["steps"], d["drafted"], d["by_drafter"]["reference"], d["rejected_prediction_tokens"]
+        (3, 6, {'steps': 2, 'drafted': 6, 'accepted': 3}, 3)
+    """
+    first = dataclasses.asdict(rows[0])
+    for other in rows[1:]:
+        more = dataclasses.asdict(other)
+        for name in _SUMMED:
+            first[name] += more[name]
+        first["trace"] += more["trace"]
+        for source, counts in more["by_drafter"].items():
+            mine = first["by_drafter"].setdefault(source, dict.fromkeys(counts, 0))
+            for k, v in counts.items():
+                mine[k] = mine.get(k, 0) + v
+    first["trace"] = [list(t) for t in first["trace"]]
+    return first
 
 
 def pop_stats_rpc(worker: Any, keys: list[str], forget: bool = False) -> dict[str, Any]:

@@ -15,13 +15,14 @@ from typing import Any
 from ..config import COPY_DRAFTERS, DecoderConfig
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
 
-__all__ = ["PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION", "TRACKER_PATH",
-           "PIPELINE_REFUSED", "admission_vocab_size", "answer_memory_tokens", "check_extra_args", "check_layout",
-           "max_reference_tokens", "request_answers", "request_config", "request_inputs", "request_scope",
-           "speculative_config"]
+__all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION",
+           "TRACKER_PATH", "PIPELINE_REFUSED", "admission_vocab_size", "answer_memory_tokens",
+           "check_extra_args", "check_layout", "max_reference_tokens", "request_answers", "request_config",
+           "request_inputs", "request_scope", "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
+MIDDLEWARE_PATH = "rag_accel.vllm.predictions.PredictedOutputs"  # vllm serve --middleware ... (Predicted Outputs)
 # How an engine speculates: our proposer, vLLM's own n-gram lookup (the peer users would pick), vLLM's suffix
 # decoding (needs arctic-inference; a suffix tree over the prompt and the engine's earlier outputs), or not at all.
 SPECULATION = ("ours", "ngram", "suffix", "off")
@@ -146,6 +147,8 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
       (``"[[1, 2, 3], [4, 5]]"``), or one flat list of ids (one reference);
     - ``answers`` / ``answer_ids``: the same for earlier answers the request brings (a cached
       answer to a similar question): :func:`request_answers` reads them;
+    - ``prediction``: a prediction's text parts (OpenAI's ``prediction`` on the server:
+      :mod:`rag_accel.vllm.predictions`), references of the request after ``references``;
     - ``speculate``: ``True``/``False`` or ``1``/``0``;
     - ``rag_accel``: DecoderConfig changes, a dict or a JSON string of one.
 
@@ -164,11 +167,20 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
         return [], True, None
     if not isinstance(extra_args, Mapping):
         raise ValueError(f"extra_args must be a dict, got {type(extra_args).__name__}")
+    if extra_args.get("prediction_error") is not None:  # (rag_accel.vllm.predictions: a malformed prediction)
+        raise ValueError(str(extra_args["prediction_error"]))
     limit = max_reference_tokens()
     refs, total = _sources(extra_args, "references", "reference_ids", vocab_size, limit)
     answers, answer_total = _sources(extra_args, "answers", "answer_ids", vocab_size, limit)
     if total > limit:
         raise ValueError(f"extra_args['references'] hold over {limit} tokens")
+    parts = _prediction(extra_args)
+    if parts:
+        refs.extend(parts)
+        total += sum(len(p) // 8 for p in parts)
+        if total > limit:
+            raise ValueError(f"prediction (with extra_args['references']) holds over {limit} tokens, the most a "
+                             "request's references may hold here")
     if total + answer_total > limit:
         raise ValueError(f"extra_args['references'] and extra_args['answers'] hold over {limit} tokens")
     spec = extra_args.get("speculate", True)
@@ -176,6 +188,8 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
         spec = bool(spec)  # JSON true/false through vllm_xargs
     if not isinstance(spec, bool):
         raise ValueError(f"extra_args['speculate'] must be true or false, got {spec!r}")
+    if parts and not spec:
+        raise ValueError("prediction given with speculate false: nothing would draft from it")
     changes = extra_args.get("rag_accel")
     if isinstance(changes, str):
         try:
@@ -183,6 +197,19 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
         except ValueError as e:
             raise ValueError(f"extra_args['rag_accel'] is not valid JSON: {e}") from None
     return refs, spec, changes
+
+
+def _prediction(extra_args: Mapping[str, Any]) -> list[str]:
+    """``extra_args["prediction"]``: a request's prediction, its text parts (put there from the body's
+    ``prediction`` by :mod:`rag_accel.vllm.predictions`, or given in ``vllm_xargs`` as a list of strings)."""
+    parts = extra_args.get("prediction")
+    if parts is None:
+        return []
+    if isinstance(parts, str):
+        parts = [parts]
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, str) for p in parts):
+        raise ValueError("extra_args['prediction'] must be a list of strings (a prediction's text parts)")
+    return [p for p in parts if p]
 
 
 def request_answers(extra_args: Any, vocab_size: int | None = None) -> list[str | list[int]]:

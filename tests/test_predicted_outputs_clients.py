@@ -1,0 +1,61 @@
+"""Stock clients send OpenAI's Predicted Outputs to `rag-accel serve` unchanged (issue 54).
+
+A real server on loopback (the adapters' shared test server: SmolLM2-135M-Instruct, float32, our
+proposer), called by LangChain's `ChatOpenAI` and LlamaIndex's `OpenAILike` as their users call them,
+with no rag_accel import on the client side: each answer equals the same server's answer without a
+prediction, and the prediction's counts come back where each framework puts the usage. (The openai
+SDK itself, sync, async and streamed, against vLLM's greedy in process: tests/test_serve.py.)
+
+Skipped without a Python with vLLM (RAG_ACCEL_VLLM_PYTHON), as the adapters' remote tests are.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rag_accel.server_process import shared_test_server
+
+MODEL = "smollm2-135m-instruct"
+MAX_NEW = 32
+QUESTION = ("Copy this sentence exactly: The Eiffel Tower is 330 metres tall and stands on the Champ de Mars "
+            "in Paris.")
+PREDICTION = {"type": "content", "content": "The Eiffel Tower is 330 metres tall and stands on the Champ de Mars "
+                                            "in Paris."}
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server():
+    return shared_test_server()
+
+
+def test_langchain_chat_openai_sends_a_prediction(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=server.base_url, api_key="EMPTY", temperature=0,
+                                      max_tokens=MAX_NEW, max_retries=0)
+    plain = llm.invoke(QUESTION)
+    predicted = llm.invoke(QUESTION, prediction=PREDICTION)
+    assert predicted.content == plain.content and predicted.content
+    details = predicted.response_metadata["token_usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0, details
+    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] >= 1
+    streamed = list(llm.bind(prediction=PREDICTION).stream(QUESTION))
+    assert "".join(c.content for c in streamed) == plain.content
+
+
+def test_llamaindex_openai_like_sends_a_prediction(server):
+    openai_like = pytest.importorskip("llama_index.llms.openai_like")
+    from llama_index.core.llms import ChatMessage
+
+    def llm(**extra):
+        return openai_like.OpenAILike(model=MODEL, api_base=server.base_url, api_key="EMPTY", temperature=0,
+                                      max_tokens=MAX_NEW, is_chat_model=True, context_window=2048, max_retries=0,
+                                      additional_kwargs=extra)
+
+    msgs = [ChatMessage(role="user", content=QUESTION)]
+    plain = llm().chat(msgs)
+    predicted = llm(prediction=PREDICTION).chat(msgs)
+    assert predicted.message.content == plain.message.content and plain.message.content
+    usage = predicted.raw.usage
+    assert usage.completion_tokens_details.accepted_prediction_tokens > 0, usage
