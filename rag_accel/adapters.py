@@ -317,7 +317,8 @@ def sampling_options(temperature: Any, top_p: Any, top_k: Any, seed: Any, accele
 
 def stats_metadata(stats: Any) -> dict[str, Any]:
     """The acceleration stats a framework message carries (JSON-friendly). ``None``: the engine
-    cannot tell (a remote server reports no per-request steps or draft counts)."""
+    cannot tell (a remote server reports no per-request steps or draft counts; it reports the
+    prediction counts of a call that sent its documents as a prediction)."""
     tokens_per_step = stats.tokens_per_step
     return {
         "steps": stats.steps,
@@ -326,6 +327,8 @@ def stats_metadata(stats: Any) -> dict[str, Any]:
         "drafted": stats.drafted,
         "accepted": stats.accepted,
         "by_drafter": {k: dict(v) for k, v in stats.by_drafter.items()},
+        "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+        "rejected_prediction_tokens": stats.rejected_prediction_tokens,
         "time_s": round(stats.time_s, 4),
     }
 

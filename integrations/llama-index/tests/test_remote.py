@@ -15,6 +15,7 @@ from llama_index.core.schema import TextNode
 from llama_index.llms.rag_accel import RagAccelLLM
 
 from rag_accel.data import load_msmarco_sample, rag_prompt
+from rag_accel.prediction import prediction_parts
 from rag_accel.remote import RemoteDecoder
 
 MAX_NEW = 32
@@ -29,7 +30,8 @@ class SeenReferences(RemoteDecoder):
         self.seen = []
 
     def stream(self, prompt, references=None, **kwargs):
-        self.seen.append(list(references or []))
+        # the documents travel as the request's prediction (OpenAI's Predicted Outputs), one text part each
+        self.seen.append(list(references or []) + prediction_parts(kwargs.get("prediction")))
         return super().stream(prompt, references, **kwargs)
 
 
@@ -57,7 +59,7 @@ def test_stock_query_engine_on_a_server(remote_server, index, question):
     res = engine.query(question)
     assert str(res) == str(greedy) and len(str(res)) > 0
     retrieved = [n.node.get_content() for n in res.source_nodes]
-    assert dec.seen and all(seen == retrieved for seen in dec.seen)  # the query's own nodes, as references
+    assert dec.seen and all(seen == retrieved for seen in dec.seen)  # the query's own nodes, as the prediction
     streamed = index.as_query_engine(llm=llm, similarity_top_k=3, streaming=True).query(question)
     assert "".join(streamed.response_gen) == str(greedy)
     assert dec.seen[-1] == retrieved
@@ -68,6 +70,7 @@ def test_stock_query_engine_on_a_server(remote_server, index, question):
     assert out.text == off.complete("The capital of France is", max_new_tokens=8).text
     stats = out.additional_kwargs["rag_accel"]
     assert stats["drafted"] is None and stats["tokens_per_step"] is None  # the server does not tell
+    assert stats["accepted_prediction_tokens"] is None  # (no documents: no prediction sent)
     assert out.raw["usage"]["completion_tokens"] == stats["new_tokens"] > 0
 
 
