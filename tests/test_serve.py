@@ -33,6 +33,7 @@ from rag_accel import serve  # noqa: E402
 from rag_accel.data import load_msmarco_sample, rag_messages  # noqa: E402
 from rag_accel.remote import RemoteDecoder, RemoteError  # noqa: E402
 from rag_accel.server_process import Server, group_processes  # noqa: E402
+from rag_accel.vllm.requests import MIDDLEWARE_PATH  # noqa: E402
 from rag_accel.vllm import (  # noqa: E402
     PROPOSER_PATH,
     TRACKER_PATH,
@@ -70,6 +71,8 @@ def test_serve_command_per_speculation_mode():
     assert "--logits-processors" not in ngram
     off = serve.serve_command("/m", speculation="off")
     assert "--speculative-config" not in off and "--logits-processors" not in off
+    for cmd in (ours, ngram, off):  # Predicted Outputs in every mode (refused where nothing drafts from them)
+        assert cmd[cmd.index("--middleware") + 1] == MIDDLEWARE_PATH
     with pytest.raises(ValueError, match="--speculation"):
         serve.serve_command("/m", extra=["--speculative-config", "{}"])
     with pytest.raises(ValueError, match="speculation"):
