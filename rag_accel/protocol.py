@@ -12,7 +12,8 @@ The rules below are the one copy each decoder applies:
   engine that runs the model: transformers' generation config in process, vLLM's default sampling
   parameters (read from the same file) in process or on the server.
 * :func:`config_changes`: the :class:`~rag_accel.config.DecoderConfig` changes a request asks for,
-  checked as the vLLM worker checks them (:func:`rag_accel.vllm.requests.request_config`).
+  checked by :func:`request_config`, as a server's worker checks them; a vLLM worker's rows start from
+  :data:`WORKER_BASE`.
 
 No engine is imported here.
 """
@@ -22,9 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from .config import DecoderConfig
+from .config import COPY_DRAFTERS, DEFAULT_COPY_DRAFTERS, DecoderConfig
 from .outputs import GenerationOutput
-from .vllm.requests import REQUEST_FIELDS, request_config  # (no vLLM import)
 
 SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
 # The per-call options of generate / stream / generate_batch, and their defaults, on every decoder.
@@ -34,6 +34,14 @@ CALL_OPTIONS: dict[str, Any] = dict(max_new_tokens=256, stop=None, config=None, 
                                     temperature=None, top_k=None, top_p=None, seed=None, answers=None,
                                     prediction=None)
 PER_PROMPT = ("answers", "prediction")
+# DecoderConfig fields one request may change (a vLLM worker reads them from extra_args["rag_accel"]).
+REQUEST_FIELDS = frozenset({"drafters", "adaptive", "reference_choice", "reference_min_match",
+                             "reference_max_match", "prompt_lookup_min_ngram", "prompt_lookup_max_ngram",
+                             "ngram_min_n", "ngram_max_n", "max_loss", "min_gain", "max_reference_tokens",
+                             "pool_misses", "max_draft_tokens", "frequency_factor", "frequency_min_prob"})
+# The config every row of a vLLM engine starts from; a request's changes are relative to it, so a client's
+# decoder-level config travels as its differences from this (VllmDecoder, RemoteDecoder).
+WORKER_BASE = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS)
 
 
 @runtime_checkable
@@ -84,9 +92,7 @@ def batch_arguments(prompts: Sequence[Any], references: Sequence[Any] | None,
     refs = list(references) if references is not None else [None] * len(prompts)
     if len(refs) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(refs)} reference lists")
-    unknown = sorted(set(options) - set(CALL_OPTIONS))
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments {unknown}")
+    check_options(options)
     per_prompt = {}
     for name in PER_PROMPT:
         given = options.get(name)
@@ -97,6 +103,27 @@ def batch_arguments(prompts: Sequence[Any], references: Sequence[Any] | None,
         per_prompt[name] = list(given)
     return list(prompts), refs, [{**CALL_OPTIONS, **options, **{n: per_prompt[n][i] for n in PER_PROMPT}}
                                  for i in range(len(prompts))]
+
+
+# Names other APIs use for a call option, and ours (a hint where one is passed).
+_ALIASES = {"max_tokens": "max_new_tokens", "stop_sequences": "stop", "stop_strings": "stop",
+            "documents": "references"}
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Refuse keyword arguments no decoder call takes, naming ours where another API's name was used.
+
+    Example:
+        >>> check_options({"max_new_tokens": 8})
+        >>> check_options({"max_tokens": 8})
+        Traceback (most recent call last):
+        ...
+        TypeError: unexpected keyword arguments ['max_tokens'] (max_tokens: this call's name is max_new_tokens)
+    """
+    unknown = sorted(set(options) - set(CALL_OPTIONS))
+    if unknown:
+        hints = [f"{k}: this call's name is {_ALIASES[k]}" for k in unknown if k in _ALIASES]
+        raise TypeError(f"unexpected keyword arguments {unknown}" + (f" ({'; '.join(hints)})" if hints else ""))
 
 
 def sampling_request(do_sample: bool, temperature: Any = None, top_k: Any = None, top_p: Any = None,
@@ -137,3 +164,29 @@ def config_changes(config: DecoderConfig | Mapping[str, Any] | None, base: Decod
     if "drafters" in changes:
         changes["drafters"] = list(changes["drafters"])
     return changes
+
+
+def request_config(base: DecoderConfig, changes: Any) -> DecoderConfig:
+    """``base`` with one request's changes (a dict of :data:`REQUEST_FIELDS`), checked; ``ValueError``
+    naming what is wrong (a server answers it with HTTP 400).
+
+    Example:
+        >>> request_config(WORKER_BASE, {"max_loss": 0.1}).max_loss
+        0.1
+    """
+    if changes is None:
+        return base
+    if not isinstance(changes, Mapping):
+        raise ValueError(f"extra_args['rag_accel'] must be a dict of DecoderConfig changes, "
+                         f"got {type(changes).__name__}")
+    unknown = sorted(set(changes) - REQUEST_FIELDS)
+    if unknown:
+        raise ValueError(f"extra_args['rag_accel'] has keys {unknown} a request cannot change; "
+                         f"choose from {sorted(REQUEST_FIELDS)}")
+    if "draft_model" in (changes.get("drafters") or ()):
+        raise ValueError(f"the vLLM proposer has no draft model: drafters may be "
+                         f"{', '.join(map(repr, COPY_DRAFTERS))}")
+    try:
+        return base.replace(**changes)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"extra_args['rag_accel']: {e}") from e

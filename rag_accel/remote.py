@@ -41,7 +41,7 @@ from .inputs import check_chat, check_lengths, check_reference, check_stops, che
 from .memory import check_scope
 from .outputs import GenerationOutput, GenerationStats, GenerationStream
 from .prediction import prediction_parts
-from .protocol import CALL_OPTIONS, batch_arguments, config_changes, sampling_request
+from .protocol import CALL_OPTIONS, WORKER_BASE, batch_arguments, check_options, config_changes, sampling_request
 
 __all__ = ["AsyncGenerationStream", "RemoteDecoder", "RemoteError"]
 
@@ -248,7 +248,7 @@ class RemoteDecoder:
                 xargs[f"{key}s"] = texts
             if ids:
                 xargs[f"{key}_ids"] = json.dumps(ids, separators=(",", ":"))
-        changes = config_changes(config, DecoderConfig())
+        changes = config_changes(config, WORKER_BASE)  # (the server's rows start from it)
         if changes:
             xargs["rag_accel"] = json.dumps(changes)
         body: dict[str, Any] = {"vllm_xargs": xargs, "return_token_ids": True}
@@ -454,7 +454,5 @@ class RemoteDecoder:
 
 
 def _options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments {unknown}")
+    check_options(kwargs)
     return {**CALL_OPTIONS, **kwargs}

@@ -63,3 +63,58 @@ def test_matplotlib_is_the_bench_extra_not_a_core_dependency():
     assert "matplotlib" not in names(project["dependencies"])
     extras = project["optional-dependencies"]
     assert names(extras["bench"]) == {"matplotlib"} and "matplotlib" in names(extras["dev"])
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """rag_accel's modules and the rag_accel modules each imports, at the top or inside a function (an import
+    inside a function is a circle all the same: it only defers it)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): f
+             for f in (root / "rag_accel").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(max(0, node.level - 1)):
+                    base = base.rpartition(".")[0]
+                module = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in files else module for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t not in files and "." in t:
+                    t = t.rpartition(".")[0]
+                if t in files and t != name:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_circle_in_rag_accel():
+    """Issue 55: no module of rag_accel reaches itself through its imports (vllm/patches.py and
+    vllm/proposer.py imported each other; protocol.py, the engine-free core, imported vllm/requests.py)."""
+    graph = _import_graph()
+    assert graph["rag_accel.vllm.proposer"] >= {"rag_accel.vllm.patches"}
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+        return seen
+
+    circles = sorted(m for m in graph if m in reaches(m))
+    assert circles == [], f"modules that import themselves through others: {circles}"
+    for core in ("rag_accel.protocol", "rag_accel.remote", "rag_accel.prediction", "rag_accel.outputs"):
+        engines = {m for m in reaches(core) if m.startswith(("rag_accel.vllm", "rag_accel.hf"))}
+        assert not engines, f"{core} reaches {sorted(engines)}"

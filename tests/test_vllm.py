@@ -593,6 +593,37 @@ def test_rows_of_one_request_add_up_their_stats():
 
 
 @pytest.mark.slow
+def test_a_decoder_level_config_reaches_the_workers_rows(dec, items, baseline):
+    """Issue 55's dropped setting: a config given to the decoder (not per call) changes the drafting in the
+    worker. Reference drafts only, a repetitive prompt and no references: nothing is drafted; the engine's
+    default config drafts it with the frequency drafter. Both outputs are vLLM greedy's."""
+    from rag_accel import DecoderConfig
+
+    prompt = [{"role": "user", "content": "Repeat after me five times: the cat sat on the mat. " * 3}]
+    only_refs = VllmDecoder(dec.llm, DecoderConfig(drafters=("reference",)))
+    plain = baseline.plain.generate(prompt, max_new_tokens=MAX_NEW).token_ids
+    out = only_refs.generate(prompt, max_new_tokens=MAX_NEW)
+    default = dec.generate(prompt, max_new_tokens=MAX_NEW)
+    assert out.token_ids == default.token_ids == plain
+    assert out.stats.drafted == 0 and out.stats.by_drafter == {}, out.stats
+    assert default.stats.by_drafter.get("frequency", {}).get("accepted", 0) > 0, default.stats
+
+
+def test_rows_start_from_the_workers_base_plus_the_requests_changes():
+    from rag_accel import DecoderConfig
+    from rag_accel.protocol import config_changes
+    from rag_accel.vllm.requests import WORKER_BASE
+
+    tracker = RowTracker(_fake_config())
+    wire = config_changes(DecoderConfig(drafters=("reference",), max_loss=0.2), WORKER_BASE)
+    params = SamplingParams(temperature=0, max_tokens=20, extra_args={"rag_accel": wire})
+    tracker.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
+                                     added=[(0, params, [1, 5], []), (1, SamplingParams(max_tokens=5), [1], [])]))
+    assert tracker.rows[0].config == WORKER_BASE.replace(drafters=("reference",), max_loss=0.2)
+    assert tracker.rows[1].config == WORKER_BASE
+
+
+@pytest.mark.slow
 def test_a_reset_engine_drafts_from_its_first_request(dec, items, baseline):
     """reset_learning reaches the drafting worker (the stats RPC with forget=True); a proposer that
     has learnt nothing still drafts on strong matches (the cold rates) and stays exact."""

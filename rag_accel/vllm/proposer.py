@@ -7,7 +7,7 @@
 
 A row's text references are tokenised and indexed on a background thread
 (:meth:`RagProposer._prepare`), never in the engine's step loop: until its index is ready the
-row drafts from its prompt and output (prompt lookup, n-grams), and one big reference never
+row drafts from its prompt and output (the frequency drafter), and one big reference never
 stalls the other requests of the batch.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
+from ..config import DecoderConfig
 from ..drafters import Drafter, chain_order, reference_drafter
 from ..inputs import check_ids
 from ..memory import AnswerMemory, answers_drafter
@@ -38,6 +38,7 @@ from .requests import (
     request_answers,
     request_inputs,
     request_scope,
+    WORKER_BASE,
 )
 
 try:  # the module imports without vLLM (docs, doctests); using it needs vLLM
@@ -93,7 +94,7 @@ class RowTracker(_LogitsProcessor):
         self.step_start: float | None = None  # when the runner began this step (update_state)
         self.added = False  # a request joined this step (its prefill is in the step)
         self.finished: list[_Row] | None = None  # rows that left the batch, when the proposer collects them
-        self.base = DecoderConfig()
+        self.base = WORKER_BASE  # every row's config before its request's changes
         self.vocab_size = None
         try:
             self.vocab_size = int(vllm_config.model_config.get_vocab_size())
@@ -134,7 +135,7 @@ class RowTracker(_LogitsProcessor):
 
 
 class RagProposer:
-    """vLLM ``custom_class`` proposer: reference copy, prompt lookup and n-gram drafts per
+    """vLLM ``custom_class`` proposer: reference copy and frequency drafts (prompt lookup, n-grams: opt-in) per
     request, their length chosen by :class:`~rag_accel.policy.DraftLengthPolicy` at the cost
     of a verify step at the current batch size.
 
@@ -156,7 +157,6 @@ class RagProposer:
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
-        self.base = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS, max_draft_tokens=self.k)
         self.curve = tuple(1.0 + BatchStepCosts.CURVE_SLOPE * n for n in range(self.k + 1))  # scaled per step
         self.costs = BatchStepCosts()
         self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}  # greedy, sampled
@@ -171,6 +171,11 @@ class RagProposer:
         self.draft_s = 0.0  # host time spent in propose, all rows
         patches.apply_worker_patches()
         patches.expect_tracker(vllm_config, self)
+
+    @staticmethod
+    def make_tracker(vllm_config: Any, device: Any, is_pin_memory: bool) -> RowTracker:
+        """The batch view the declared ``build_logitsprocs`` patch builds for this proposer's runner."""
+        return RowTracker(vllm_config, device, is_pin_memory)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model to load. vLLM's runners call this once their batch is built, so it is where a
@@ -409,16 +414,3 @@ def merged_stats(rows: Sequence[GenerationStats]) -> dict[str, Any]:
                 mine[k] = mine.get(k, 0) + v
     first["trace"] = [list(t) for t in first["trace"]]
     return first
-
-
-def pop_stats_rpc(worker: Any, keys: list[str], forget: bool = False) -> dict[str, Any]:
-    """Runs in each worker (``LLM.collective_rpc("rag_accel_pop_stats", ...)``, added by
-    :mod:`~rag_accel.vllm.patches`): whether this rank drafts with a :class:`RagProposer`, and its
-    stats for ``keys`` (pipeline stages before the last build no proposer). ``forget``: first
-    forget what earlier requests taught (:meth:`RagProposer.reset_learning`)."""
-    proposer = getattr(getattr(worker, "model_runner", None), "drafter", None)
-    if not isinstance(proposer, RagProposer):
-        return {"proposer": False, "stats": [None] * len(keys)}
-    if forget:
-        proposer.reset_learning()
-    return {"proposer": True, "stats": proposer.pop_stats(keys)}

@@ -12,11 +12,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import COPY_DRAFTERS, DecoderConfig
+from ..config import DecoderConfig
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
+from ..protocol import REQUEST_FIELDS, WORKER_BASE, request_config  # (re-exported: the worker's names for them)
 
 __all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION",
-           "TRACKER_PATH", "PIPELINE_REFUSED", "admission_vocab_size", "answer_memory_tokens",
+           "TRACKER_PATH", "PIPELINE_REFUSED", "WORKER_BASE", "admission_vocab_size", "answer_memory_tokens",
            "check_extra_args", "check_layout", "max_reference_tokens", "request_answers", "request_config",
            "request_inputs", "request_scope", "speculative_config"]
 
@@ -77,12 +78,8 @@ def check_layout(pipeline_parallel_size: Any, version: str = "0.32-0.33") -> Non
         raise ValueError(PIPELINE_REFUSED.format(version=version))
 
 
-# DecoderConfig fields a request may change through extra_args["rag_accel"].
-REQUEST_FIELDS = frozenset({"drafters", "adaptive", "reference_choice", "reference_min_match",
-                             "reference_max_match", "prompt_lookup_min_ngram", "prompt_lookup_max_ngram",
-                             "ngram_min_n", "ngram_max_n", "max_loss", "min_gain", "max_reference_tokens",
-                             "pool_misses", "max_draft_tokens", "frequency_factor", "frequency_min_prob"})
 _MAX_REFERENCE_TOKENS = DecoderConfig().max_reference_tokens
+
 # rag-accel serve's default: RAG documents are thousands of tokens; an untrusted client gets no more than this.
 SERVE_MAX_REFERENCE_TOKENS = 32_768
 
@@ -289,22 +286,3 @@ def check_extra_args(extra_args: Any, vocab_size: int | None = None) -> None:
     request_scope(extra_args)
     if changes is not None:
         request_config(DecoderConfig(), changes)
-
-
-def request_config(base: DecoderConfig, changes: Any) -> DecoderConfig:
-    if changes is None:
-        return base
-    if not isinstance(changes, Mapping):
-        raise ValueError(f"extra_args['rag_accel'] must be a dict of DecoderConfig changes, "
-                         f"got {type(changes).__name__}")
-    unknown = sorted(set(changes) - REQUEST_FIELDS)
-    if unknown:
-        raise ValueError(f"extra_args['rag_accel'] has keys {unknown} a request cannot change; "
-                         f"choose from {sorted(REQUEST_FIELDS)}")
-    if "draft_model" in (changes.get("drafters") or ()):
-        raise ValueError(f"the vLLM proposer has no draft model: drafters may be "
-                         f"{', '.join(map(repr, COPY_DRAFTERS))}")
-    try:
-        return base.replace(**changes)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"extra_args['rag_accel']: {e}") from e
