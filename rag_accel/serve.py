@@ -22,7 +22,7 @@ A request's documents travel as a prediction, or in the request body's ``vllm_xa
         "answers": ["a cached answer"],                 # earlier answers ("answer_ids" for ids)
         "speculate": False}})                           # this request: no drafting
 
-Without references a request drafts from its prompt and its own output (prompt lookup, n-grams).
+Without references a request drafts from its prompt and its own output (the frequency drafter).
 Bad ``vllm_xargs`` (wrong types, references and answers over ``--max-reference-tokens``) are refused for that
 request with HTTP 400 (:meth:`rag_accel.vllm.RowTracker.validate_params`); the server serves on.
 

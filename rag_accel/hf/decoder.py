@@ -29,7 +29,7 @@ from ..memory import answers_drafter
 from ..prediction import with_prediction
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..policy import AcceptanceStats, leading_matches
-from ..protocol import batch_arguments, sampling_request
+from ..protocol import batch_arguments, check_options, sampling_request
 from ..sampling import GumbelNoise, Sampling, gumbel_argmax, warp
 from ..speculation import RequestDrafting, StepCosts
 from ..stopping import OutputText
@@ -86,8 +86,8 @@ def resolve_device(device: Any = None) -> torch.device:
 
 class ReferenceDecoder:
     """Greedy decoding of a Hugging Face causal LM, accelerated by copying drafts
-    from reference documents (LLMA), the prompt (prompt lookup) and n-gram tables
-    (ANPD), verified losslessly.
+    from reference documents (LLMA) and from the prompt and output so far (the frequency drafter; prompt
+    lookup, ANPD's n-gram tables and a draft model on request), verified losslessly.
 
     Example:
         >>> dec = ReferenceDecoder.from_pretrained("smollm2-135m-instruct")  # doctest: +SKIP
@@ -267,6 +267,7 @@ class ReferenceDecoder:
     # ----------------------------------------------------------------- public
     def generate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
         """Greedy output for ``prompt``, drafting from ``references``. See :meth:`stream` for arguments."""
+        check_options({k: v for k, v in kwargs.items() if k != "drafters"})
         stream = self.stream(prompt, references, **kwargs)
         for _ in stream:
             pass
@@ -296,7 +297,7 @@ class ReferenceDecoder:
         Args:
             prompt: string, chat messages, or token ids.
             references: documents to copy from: strings or token-id lists
-                (``None`` or empty: prompt lookup and n-grams only).
+                (``None`` or empty: the drafters over the prompt and output only).
             max_new_tokens: most tokens to generate.
             stop: stop string(s); the text ends before the first one (the
                 token ids end with the token that completed it).
