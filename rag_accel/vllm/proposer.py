@@ -179,8 +179,24 @@ class RagProposer:
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model to load. vLLM's runners call this once their batch is built, so it is where a
-        proposer without a batch view refuses to start (:func:`patches.require_tracker`)."""
+        proposer without a batch view refuses to start (:func:`patches.require_tracker`). The tokenizer
+        for text references starts loading here, on the references' thread: loaded on the first request
+        instead, it kept that request's references (a prediction's parts) from drafting until the answer
+        was nearly done."""
         patches.require_tracker(self)
+        self._pool().submit(self._ensure_tokenizer)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._refs_pool is None:
+            self._refs_pool = ThreadPoolExecutor(1, thread_name_prefix="rag-accel-references")
+        return self._refs_pool
+
+    def _ensure_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_name)
+        return self._tokenizer
 
     # ---------------------------------------------------------------- references, off the step loop
     def _prepare(self, refs: Sequence[Any], answers: Sequence[Any], config: DecoderConfig) -> list[Drafter]:
@@ -201,11 +217,7 @@ class RagProposer:
         ids = []
         for r in texts:
             if isinstance(r, str):
-                if self._tokenizer is None:
-                    from transformers import AutoTokenizer
-
-                    self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_name)
-                ids.append(self._tokenizer(r, add_special_tokens=False)["input_ids"] if r else [])
+                ids.append(self._ensure_tokenizer()(r, add_special_tokens=False)["input_ids"] if r else [])
             else:
                 check_ids(r, what, self.vocab_size)
                 ids.append(list(r))
@@ -267,9 +279,7 @@ class RagProposer:
             for drafter in self._prepare(row.refs, row.answers, row.config):
                 self._insert(row, drafter)
         elif given:
-            if self._refs_pool is None:
-                self._refs_pool = ThreadPoolExecutor(1, thread_name_prefix="rag-accel-references")
-            row.pending = self._refs_pool.submit(self._prepare, row.refs, row.answers, row.config)
+            row.pending = self._pool().submit(self._prepare, row.refs, row.answers, row.config)
         if row.key is not None:
             self._keep_stats(row)
 
