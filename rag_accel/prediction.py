@@ -25,11 +25,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PREDICTION_SHAPE", "as_prediction", "prediction_counts", "prediction_parts", "with_prediction"]
+__all__ = ["PREDICTION_SHAPE", "REFERENCE_SOURCE", "as_prediction", "prediction_parts", "with_prediction"]
 
 PREDICTION_SHAPE = ('{"type": "content", "content": "<text>"} or {"type": "content", "content": '
                     '[{"type": "text", "text": "<text>"}, ...]}')
-# The drafter whose drafts copy from a request's references (rag_accel.drafters.reference_drafter).
+# The drafter whose drafts copy from a request's references (rag_accel.drafters.reference_drafter): its
+# drafts are what GenerationStats counts as prediction tokens.
 REFERENCE_SOURCE = "reference"
 
 
@@ -88,23 +89,6 @@ def _text(value: Any, where: str) -> str:
 
     check_text(value, where)
     return value
-
-
-def prediction_counts(by_drafter: Mapping[str, Mapping[str, int]]) -> tuple[int, int]:
-    """``(accepted_prediction_tokens, rejected_prediction_tokens)`` from a request's per-drafter stats
-    (:attr:`~rag_accel.outputs.GenerationStats.by_drafter`): its reference drafter's draft tokens kept
-    and thrown away.
-
-    Example:
-        >>> prediction_counts({"reference": {"steps": 3, "drafted": 20, "accepted": 14},
-        ...                    "frequency": {"steps": 2, "drafted": 6, "accepted": 5}})
-        (14, 6)
-        >>> prediction_counts({})
-        (0, 0)
-    """
-    row = by_drafter.get(REFERENCE_SOURCE) or {}
-    accepted, drafted = int(row.get("accepted", 0)), int(row.get("drafted", 0))
-    return accepted, drafted - accepted
 
 
 def with_prediction(references: Any, prediction: Any) -> Any:

@@ -39,7 +39,7 @@ def test_langchain_chat_openai_sends_a_prediction(server):
     assert predicted.content == plain.content and predicted.content
     details = predicted.response_metadata["token_usage"]["completion_tokens_details"]
     assert details["accepted_prediction_tokens"] > 0, details
-    assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] >= 1
+    assert isinstance(details["rejected_prediction_tokens"], int)
     streamed = list(llm.bind(prediction=PREDICTION).stream(QUESTION))
     assert "".join(c.content for c in streamed) == plain.content
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rag_accel.prediction import as_prediction, prediction_counts, prediction_parts, with_prediction
+from rag_accel.prediction import as_prediction, prediction_parts, with_prediction
 from rag_accel.protocol import batch_arguments
 from rag_accel.vllm.predictions import PredictedOutputs, prediction_xargs, usage_with_counts
 from rag_accel.vllm.requests import PROPOSER_PATH, check_extra_args, request_inputs
@@ -45,7 +45,6 @@ def test_parts_join_the_references_after_them():
     assert with_prediction(["r", [1, 2]], doc) == ["r", [1, 2], "p1", "p2"]
     assert with_prediction(["r"], None) == ["r"] and with_prediction(None, None) is None
     assert as_prediction(["p1", "p2"]) == doc
-    assert prediction_counts({"reference": {"steps": 1, "drafted": 5, "accepted": 2}}) == (2, 3)
 
 
 def test_generate_batch_takes_one_prediction_per_prompt():

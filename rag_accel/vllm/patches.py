@@ -106,6 +106,8 @@ INTERNALS = (
              "VllmDecoder.close: the engine processes (its .processes) it stops, then waits for"),
     Internal("vllm.v1.engine.async_llm:AsyncLLM.collective_rpc", ("self", "method", "timeout", "args"),
              "the server's prediction counts: a request's stats from the worker that drafts (pop_request_stats)"),
+    Internal("vllm.v1.engine.core:EngineCore.collective_rpc", ("self", "method", "timeout", "args", "kwargs"),
+             "the utility pop_request_stats calls on every engine, with these arguments in this order"),
     Internal("vllm.v1.engine.core_client:AsyncMPClient.call_utility_all_async", ("self", "method"),
              "with data parallelism, every engine's answer (AsyncLLM.collective_rpc returns the first engine's)"),
     Internal("vllm.entrypoints.launchers.api_server.app_state:init_app_state", None,

@@ -107,7 +107,8 @@ class PredictedOutputs:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in _PATHS:
             return await self.app(scope, receive, send)
         raw, more = await _read_body(receive)
-        body = _json_object(raw) if not more else None
+        # (vLLM parses the body itself: parse it here only where a prediction may be in it)
+        body = _json_object(raw) if not more and b'"prediction"' in raw else None
         key = prediction_xargs(body) if body is not None else None
         if key is None:  # no prediction: the request as it came
             return await self.app(scope, _replay(raw, more, receive), send)
