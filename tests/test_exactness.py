@@ -241,7 +241,7 @@ def test_large_references_never_delay_the_first_token(tiny, monkeypatch):
     """References over WAITED_REFERENCE_SIZE are indexed off the loop and never waited for: with
     their tokenising held until the request is over, the request still completes, exactly greedy's,
     drafting from the prompt meanwhile (a loop that waited would block here for 60 s and fail)."""
-    from rag_accel.hf.decoder import WAITED_REFERENCE_SIZE
+    from rag_accel.inputs import WAITED_REFERENCE_SIZE
 
     release, calls = _held_tokenizing(monkeypatch)
     prompt = _prompts(1, tiny.vocab_size, seed=14)[0]
@@ -260,7 +260,7 @@ def test_large_references_never_delay_the_first_token(tiny, monkeypatch):
 def test_large_references_join_the_request_when_ready(tiny, monkeypatch):
     """Held until the first token is out, then indexed: the reference drafter joins the request
     mid-way and its drafts (the answer itself) are accepted; the output stays greedy's."""
-    from rag_accel.hf.decoder import WAITED_REFERENCE_SIZE
+    from rag_accel.inputs import WAITED_REFERENCE_SIZE
 
     release, _ = _held_tokenizing(monkeypatch)
     prompt = _prompts(1, tiny.vocab_size, seed=15)[0]

@@ -17,10 +17,14 @@ from rag_accel.server_process import shared_test_server
 
 MODEL = "smollm2-135m-instruct"
 MAX_NEW = 32
-QUESTION = ("Copy this sentence exactly: The Eiffel Tower is 330 metres tall and stands on the Champ de Mars "
-            "in Paris.")
-PREDICTION = {"type": "content", "content": "The Eiffel Tower is 330 metres tall and stands on the Champ de Mars "
-                                            "in Paris."}
+# The prediction is the answer itself (an earlier answer to the same question, as a client caching answers
+# would send it), never in the prompt: only the prediction's reference can draft it, so its counts show.
+QUESTION = "Where is the Eiffel Tower, and how tall is it? Answer in one sentence."
+
+
+def prediction(text: str) -> dict:
+    return {"type": "content", "content": text}
+
 
 pytestmark = pytest.mark.slow
 
@@ -35,12 +39,12 @@ def test_langchain_chat_openai_sends_a_prediction(server):
     llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=server.base_url, api_key="EMPTY", temperature=0,
                                       max_tokens=MAX_NEW, max_retries=0)
     plain = llm.invoke(QUESTION)
-    predicted = llm.invoke(QUESTION, prediction=PREDICTION)
+    predicted = llm.invoke(QUESTION, prediction=prediction(plain.content))
     assert predicted.content == plain.content and predicted.content
     details = predicted.response_metadata["token_usage"]["completion_tokens_details"]
     assert details["accepted_prediction_tokens"] > 0, details
     assert isinstance(details["rejected_prediction_tokens"], int)
-    streamed = list(llm.bind(prediction=PREDICTION).stream(QUESTION))
+    streamed = list(llm.bind(prediction=prediction(plain.content)).stream(QUESTION))
     assert "".join(c.content for c in streamed) == plain.content
 
 
@@ -55,7 +59,7 @@ def test_llamaindex_openai_like_sends_a_prediction(server):
 
     msgs = [ChatMessage(role="user", content=QUESTION)]
     plain = llm().chat(msgs)
-    predicted = llm(prediction=PREDICTION).chat(msgs)
+    predicted = llm(prediction=prediction(plain.message.content)).chat(msgs)
     assert predicted.message.content == plain.message.content and plain.message.content
     usage = predicted.raw.usage
     assert usage.completion_tokens_details.accepted_prediction_tokens > 0, usage

@@ -279,13 +279,17 @@ class _SlowTokenizer:
         return {"input_ids": [int(w) for w in text.split()]}
 
 
-def test_text_references_are_indexed_off_the_step_loop():
-    """A text reference is tokenised and indexed on a background thread: the row's steps go on
-    (drafting from its prompt) while it is, and its reference drafts start once it is ready."""
+def test_large_text_references_are_indexed_off_the_step_loop():
+    """Text references over WAITED_REFERENCE_SIZE characters are tokenised and indexed on a background
+    thread: the row's steps go on (drafting from its prompt) while they are, and their reference drafts
+    start once they are ready."""
+    from rag_accel.inputs import WAITED_REFERENCE_SIZE
+
     proposer = RagProposer(_fake_config(vocab=100))
     proposer.tracker = tracker = RowTracker(_fake_config())
     proposer._tokenizer = tok = _SlowTokenizer()
-    params = SamplingParams(temperature=0, max_tokens=30, extra_args={"references": ["9 5 6 40 41 42 43 44"]})
+    big = "9 5 6 40 41 42 43 44" + " 1" * (WAITED_REFERENCE_SIZE // 2)
+    params = SamplingParams(temperature=0, max_tokens=30, extra_args={"references": [big]})
     tokens = np.zeros((1, 64), dtype=np.int64)
     tokens[0, :4] = [3, 5, 6, 3]  # prompt [3, 5, 6], first token 3
     tracker.update_state(BatchUpdate(batch_size=1, removed=[], moved=[], added=[(0, params, [3, 5, 6], [])]))
@@ -301,6 +305,25 @@ def test_text_references_are_indexed_off_the_step_loop():
     drafts = proposer.propose([new], np.array([n + 3]), tokens)
     assert row.pending is None and [d.name for d in row.drafting.chain.drafters][0] == "reference"
     assert drafts[0][:3] == [41, 42, 43]  # the reference's "5 6 40" continues "41 42 43"
+
+
+def test_small_text_references_draft_from_the_first_step():
+    """A prediction's few hundred characters are tokenised in the step that starts the row (the tokenizer is
+    loaded at engine start): its first draft copies them, whatever else the machine is doing. (Indexed on the
+    background thread, a short answer on a busy server could end before they were ready: issue 54's CI.)"""
+    proposer = RagProposer(_fake_config(vocab=100))
+    proposer.tracker = tracker = RowTracker(_fake_config())
+    tok = _SlowTokenizer()
+    tok.go.set()
+    proposer._tokenizer = tok
+    params = SamplingParams(temperature=0, max_tokens=30, extra_args={"references": ["5 6 3 40 41 42 43 44"]})
+    tokens = np.zeros((1, 64), dtype=np.int64)
+    tokens[0, :4] = [3, 5, 6, 3]  # prompt [3, 5, 6], first token 3
+    tracker.update_state(BatchUpdate(batch_size=1, removed=[], moved=[], added=[(0, params, [3, 5, 6], [])]))
+    first = proposer.propose([[3]], np.array([4]), tokens)
+    row = tracker.rows[0]
+    assert row.pending is None and [d.name for d in row.drafting.chain.drafters][0] == "reference"
+    assert first[0][:3] == [40, 41, 42]  # the reference's "5 6 3" continues "40 41 42", not the prompt's "5 6"
 
 
 # --------------------------------------------------------------------------- real engines

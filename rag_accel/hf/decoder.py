@@ -20,8 +20,8 @@ from .attention import install as install_packed_gqa
 from .attention import packed_gqa
 from ..config import DecoderConfig
 from ..drafters import Draft, Drafter, chain_order, reference_drafter
-from ..inputs import (TokenCache, check_lengths, check_references, check_stops, encode_prompt, encode_references,
-                      may_exceed, tokenize_references)
+from ..inputs import (WAITED_REFERENCE_SIZE, TokenCache, check_lengths, check_references, check_stops, encode_prompt,
+                      encode_references, may_exceed, tokenize_references)
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
@@ -36,11 +36,6 @@ from ..stopping import OutputText
 
 __all__ = ["GenerationOutput", "GenerationStats", "GenerationStream", "ReferenceDecoder", "context_window",
            "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
-
-#: References of up to this many characters of text or token ids in all are indexed before the first step
-#: (a few milliseconds, mostly within the prefill); larger ones join the request's drafting when they
-#: are ready, so that the first token never waits for them (:meth:`ReferenceDecoder._decode`).
-WAITED_REFERENCE_SIZE = 8192
 
 # Generation-config settings that change greedy outputs and that this decoder
 # does not apply (yet): refuse rather than silently differ from generate().

@@ -5,10 +5,11 @@
 - :class:`RagProposer`: one :class:`~rag_accel.speculation.RequestDrafting` per row, driven
   through the same verbs as the HF decoder (``account``, ``learn``, ``choose``).
 
-A row's text references are tokenised and indexed on a background thread
-(:meth:`RagProposer._prepare`), never in the engine's step loop: until its index is ready the
-row drafts from its prompt and output (the frequency drafter), and one big reference never
-stalls the other requests of the batch.
+A row's references of up to :data:`~rag_accel.inputs.WAITED_REFERENCE_SIZE` characters or ids
+in all are indexed in the step that starts it (about a millisecond), so a short prediction drafts
+from the first step; larger ones on a background thread (:meth:`RagProposer._prepare`), never in
+the engine's step loop: until their index is ready the row drafts from its prompt and output
+(the frequency drafter), and one big reference never stalls the other requests of the batch.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..config import DecoderConfig
 from ..drafters import Drafter, chain_order, reference_drafter
-from ..inputs import check_ids
+from ..inputs import WAITED_REFERENCE_SIZE, check_ids
 from ..memory import AnswerMemory, answers_drafter
 from ..outputs import GenerationStats
 from ..policy import AcceptanceStats
@@ -49,10 +50,6 @@ except ImportError:  # pragma: no cover - exercised only without vLLM
 __all__ = ["RagProposer", "RowTracker", "merged_stats"]
 
 log = logging.getLogger("rag_accel.vllm")
-
-# References up to this many token ids are indexed in the step itself (~1 ms); text, or more ids, on the
-# background thread.
-_INLINE_REFERENCE_TOKENS = 4096
 
 
 class _Row:
@@ -227,8 +224,11 @@ class RagProposer:
         """The row's reference and answers drafters are ready (or failed): put them in their place in
         the row's chain."""
         future, row.pending = row.pending, None
+        self._add_prepared(row, future.result)
+
+    def _add_prepared(self, row: _Row, prepared: Callable[[], list[Drafter]]) -> None:
         try:
-            drafters = future.result()
+            drafters = prepared()
         except Exception as e:  # noqa: BLE001 - bad references cost this request its reference drafts only
             log.warning("rag_accel: references of a request not used: %s", e)
             return
@@ -274,10 +274,9 @@ class RagProposer:
         row.drafting.prefill_steps = self.costs.prefill_steps(row.prompt_len)
         self._insert_memory(row)  # (before the references: they go in front of it)
         given = [*row.refs, *row.answers]
-        small = all(not isinstance(r, str) for r in given) and sum(len(r) for r in given) <= _INLINE_REFERENCE_TOKENS
-        if given and small:
-            for drafter in self._prepare(row.refs, row.answers, row.config):
-                self._insert(row, drafter)
+        tokenizer_ready = self._tokenizer is not None or all(not isinstance(r, str) for r in given)
+        if given and tokenizer_ready and sum(len(r) for r in given) <= WAITED_REFERENCE_SIZE:
+            self._add_prepared(row, lambda: self._prepare(row.refs, row.answers, row.config))
         elif given:
             row.pending = self._pool().submit(self._prepare, row.refs, row.answers, row.config)
         if row.key is not None:
