@@ -89,8 +89,8 @@ def demo(
     Each answer is streamed, then timed against the model's own greedy decoding of the same prompt
     (median of --repeats interleaved runs each); the two outputs are compared token for token."""
     from .bench.timing import ForwardTimes, median_run, where_the_time_went
-    from .data import load_msmarco_sample, rag_messages, sample_path
-    from .models import DEFAULT_MODEL, cache_home, default_model_cached
+    from .data import load_msmarco_sample, rag_input, sample_path
+    from .models import DEFAULT_MODEL, OFFLINE_MODELS, cache_home, offline_model_cached
     from .retrieval import cached_index, embedder_cached, index_cache_path
 
     try:
@@ -101,8 +101,8 @@ def demo(
         index_path = index_cache_path(items, embedder, corpus_path)
         n_passages = sum(len(it.passages) for it in items)
         first = [what for what, todo in (
-            (f"de-quantises {DEFAULT_MODEL} to float32 (about 30 s)",
-             model == DEFAULT_MODEL and not default_model_cached()),
+            (f"de-quantises {model} to float32 (about 30 s)",
+             model in OFFLINE_MODELS and not offline_model_cached(model)),
             (f"converts the {embedder} embedder (about 10 s)", not embedder_cached(embedder)),
             (f"embeds {n_passages} passages into a FAISS index (about {max(1, round(n_passages / 400))} "
              "min on a 2-core CPU, longer when it is busy)", not index_path.is_file())) if todo]
@@ -129,11 +129,11 @@ def demo(
     totals = {"ours": [0.0, 0, 0], "greedy": [0.0, 0, 0]}  # seconds, tokens, forward passes
     all_identical = True
     try:
-        dec.generate_greedy(rag_messages(answered[0].query, [], DEMO_SYSTEM), max_new_tokens=8)  # warm-up
+        dec.generate_greedy(rag_input(dec.tokenizer, answered[0].query, [], DEMO_SYSTEM), max_new_tokens=8)  # warm-up
         for it in answered:
             hits = index.search(it.query, k)
             texts = [h.text for h in hits]
-            messages = rag_messages(it.query, texts, DEMO_SYSTEM)
+            messages = rag_input(dec.tokenizer, it.query, texts, DEMO_SYSTEM)
             typer.secho(f"\nQ: {it.query}", bold=True)
             typer.echo("   retrieved: " + ", ".join(f"{h.doc_id} ({h.score:.3f})" for h in hits))
             typer.echo("A: ", nl=False)

@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 SYSTEM_PROMPT = "You are a helpful assistant. Answer the question using the passages."
 
@@ -63,6 +64,21 @@ def rag_prompt(question: str, passages: list[str]) -> str:
         return question
     context = "\n\n".join(f"Passage {i}: {p}" for i, p in enumerate(passages, 1))
     return f"{context}\n\nQuestion: {question}"
+
+
+def rag_completion(question: str, passages: list[str]) -> str:
+    """A RAG prompt for a base model (one without a chat template, e.g. ``gemma-3-270m``): numbered
+    passages, the question, then ``Answer:`` for the model to continue."""
+    return f"{rag_prompt(question, passages)}\nAnswer:"
+
+
+def rag_input(tokenizer: Any, query: str, passages: list[str],
+              system: str = SYSTEM_PROMPT) -> list[dict[str, str]] | str:
+    """What to ask ``tokenizer``'s model: :func:`rag_messages` where it has a chat template (an instruct
+    model), :func:`rag_completion` where it has none (a base model, e.g. ``gemma-3-270m``)."""
+    if getattr(tokenizer, "chat_template", None):
+        return rag_messages(query, passages, system)
+    return rag_completion(query, passages)
 
 
 def rag_messages(query: str, passages: list[str], system: str = SYSTEM_PROMPT) -> list[dict[str, str]]:

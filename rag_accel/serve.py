@@ -50,13 +50,13 @@ DEFAULT_K = 10
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:
-    """(what vLLM loads, the name clients use or ``None`` for vLLM's default): the offline default
-    ``smollm2-135m-instruct`` becomes its local float32 folder (converted on first use), served
-    under that short name; anything else (a Hugging Face name, a folder) goes to vLLM as is."""
-    from .models import DEFAULT_MODEL, default_model_path
+    """(what vLLM loads, the name clients use or ``None`` for vLLM's default): an offline model
+    (``smollm2-135m-instruct``, ``gemma-3-270m``) becomes its local float32 folder (converted on first
+    use), served under that short name; anything else (a Hugging Face name, a folder) goes to vLLM as is."""
+    from .models import OFFLINE_MODELS, local_model
 
-    if model == DEFAULT_MODEL:
-        return str(default_model_path()), DEFAULT_MODEL
+    if model in OFFLINE_MODELS:
+        return local_model(model), model
     return model, None
 
 

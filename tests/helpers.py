@@ -22,6 +22,13 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0, eos_token_id=None):
                           num_key_value_heads=2, max_position_embeddings=1024, use_sliding_window=False, **common)
     elif arch == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **common)
+    elif arch == "gemma3":  # sliding-window attention (an 8-token window) beside full attention, as Gemma 3's
+        from transformers import Gemma3TextConfig
+
+        cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=1, head_dim=16, sliding_window=8, max_position_embeddings=1024,
+                               layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+                               **common)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -107,3 +114,17 @@ def trained_bpe_tokenizer(texts, vocab_size=600):
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
+
+
+def rag_completion_ids(tokenizer, lengths=(480, 600), n_items=20):
+    """Completion-style RAG prompts (for a base model) as token ids, one per length: the first MS-MARCO
+    sample item long enough, cut from the front (after its first token, <bos>) to that many tokens."""
+    from rag_accel.data import load_msmarco_sample, rag_completion
+
+    prompts = [tokenizer(rag_completion(it.query, it.passages))["input_ids"]
+               for it in load_msmarco_sample(limit=n_items)]
+    out = []
+    for length in lengths:
+        ids = next(p for p in prompts if len(p) > length)
+        out.append(ids[:1] + ids[len(ids) - length + 1:])
+    return out

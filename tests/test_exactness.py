@@ -17,7 +17,7 @@ import rag_accel.speculation as speculation
 from rag_accel import DecoderConfig, Draft, ReferenceDecoder
 from rag_accel.policy import DraftLengthPolicy
 
-ARCHS = ["llama", "qwen2", "gpt2"]
+ARCHS = ["llama", "qwen2", "gpt2", "gemma3"]  # gemma3: an 8-token sliding window, crossed by every prompt
 N_PROMPTS = 6
 MAX_NEW = 40
 

@@ -14,7 +14,7 @@ from packaging.version import Version
 
 from rag_accel import DecoderConfig, ReferenceDecoder
 from rag_accel.hf.draft_models import ModelDrafter
-from rag_accel.hf.kv import cache_kwarg, cache_of, new_cache
+from rag_accel.hf.kv import cache_kwarg, cache_of, new_cache, rollback_cache
 
 
 def test_cache_of_reads_either_name():
@@ -25,7 +25,7 @@ def test_cache_of_reads_either_name():
     assert cache_of({"input_ids": 1}) is None
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2", "gemma3"])
 def test_cache_kwarg_is_a_parameter_of_the_models_forward(arch):
     model = tiny_model(arch, vocab_size=64)
     name = cache_kwarg(model)
@@ -53,3 +53,33 @@ def test_decoder_and_draft_model_pass_the_cache_under_the_current_name(tokenizer
     prompt = list(range(3, 40))
     assert not _deprecation_warnings(lambda: dec.generate(prompt, references=[prompt], max_new_tokens=8))
     assert not _deprecation_warnings(lambda: drafter.propose(prompt, 3))
+
+
+def test_a_sliding_window_cache_rolls_back_past_its_window_and_keeps_only_the_window():
+    """Gemma-style layers (an 8-token window beside a full-attention layer): after a verify forward that
+    passed the window, the rejected tokens are dropped and what the window layer keeps is its window
+    again, so memory stays bounded; the logits after a rollback are those of a cache that never saw the
+    rejected tokens (to float32 rounding: the kept draft tokens were computed in a 5-token forward there)."""
+    model = tiny_model("gemma3", vocab_size=64)
+    window, full = new_cache(model).layers
+    assert window.is_sliding and not getattr(full, "is_sliding", False)
+
+    def forward(ids, cache):
+        with torch.inference_mode():
+            return model(input_ids=torch.tensor([ids]), **{cache_kwarg(model): cache}).logits[0]
+
+    prompt, draft, rejected = list(range(1, 21)), [30, 31, 32, 33, 34], 3
+    cache = new_cache(model)
+    forward(prompt, cache)
+    rollback_cache(cache, 0)  # nothing rejected: the window layer is trimmed back all the same
+    assert cache.layers[0].keys.shape[-2] == 7 and cache.layers[1].keys.shape[-2] == 20
+    forward(draft, cache)
+    rollback_cache(cache, rejected)
+    assert cache.get_seq_length() == 22 and cache.layers[0].keys.shape[-2] == 7
+    after = forward([40], cache)
+    fresh = new_cache(model)
+    forward(prompt + draft[:-rejected], fresh)
+    assert torch.allclose(after, forward([40], fresh), rtol=0, atol=1e-6)
+    unrolled = new_cache(model)  # (without the rollback: the rejected tokens would be attended to)
+    forward(prompt + draft, unrolled)
+    assert not torch.allclose(after, forward([40], unrolled), rtol=0, atol=1e-6)

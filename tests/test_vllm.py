@@ -763,6 +763,39 @@ def test_agreement_with_transformers_generate(dec, items, baseline, record_prope
 
 
 @pytest.mark.slow
+def test_gemma3_across_its_sliding_window_is_exact_with_right_wrong_and_mixed_references():
+    """Gemma 3 270M (issue 57: sliding-window attention in 15 of 18 layers, a 262k vocabulary, another
+    tokenizer), float32: RAG completion prompts of 480 and 600 tokens, 64-token answers crossing the
+    512-token window; each request equals the same request with speculation off on the same engine
+    (``speculate=False``, as tests/test_vllm_layouts.py; the bench compares against a separate engine)."""
+    from helpers import rag_completion_ids
+
+    from rag_accel.models import GEMMA_MODEL
+
+    dec = VllmDecoder.from_pretrained(GEMMA_MODEL, num_speculative_tokens=8, max_model_len=1024, enforce_eager=True)
+    try:
+        vocab = dec.vocab_size
+        for ids in rag_completion_ids(dec.tokenizer, (480, 600)):
+            off = dec.generate(ids, max_new_tokens=64, speculate=False).token_ids
+            assert len(off) == 64 and len(ids) + len(off) > 512
+            context = ids + off
+            wrong = [context[len(ids) + j - 4:len(ids) + j] + [(t + 1) % vocab for t in off[j:j + 8]]
+                     for j in range(0, 64, 2)]  # every step's context tail, then wrong tokens
+            mixed = [[t if i % 7 != 3 else (t + 1) % vocab for i, t in enumerate(context)]]
+            text = [dec.tokenizer.decode(off)]
+            for kind, refs in (("right", [context]), ("wrong", wrong), ("mixed", mixed), ("text", text)):
+                on = dec.generate(ids, refs, max_new_tokens=64)
+                assert on.token_ids == off, kind
+                st = on.stats
+                if kind == "right":
+                    assert st.accepted >= 0.9 * st.drafted > 0 and st.steps <= 64 / 3, st
+                if kind in ("wrong", "mixed"):
+                    assert st.drafted > st.accepted, st
+    finally:
+        _shutdown(dec)
+
+
+@pytest.mark.slow
 def test_bench_runs_the_vllm_methods_beside_the_transformers_ones(dec, items, baseline):
     """``rag-accel bench``'s loop with vLLM engines: the same prompt ids for every method,
     vLLM outputs compared with vllm-greedy (and with transformers' greedy), steps from the

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..data import RagItem, rag_messages
+from ..data import RagItem, rag_input
 from ..hf.decoder import ReferenceDecoder
 from ..hf.kv import cache_of
 from ..methods import (
@@ -273,7 +273,7 @@ def too_long(dec: ReferenceDecoder, items: Sequence[RagItem], max_new_tokens: in
     out = []
     for it in items:
         queries = [it.query] + ([REWORDED.format(query=it.query.rstrip("?"))] if reworded else [])
-        n = max(len(dec.encode_prompt(rag_messages(q, it.passages))) for q in queries)
+        n = max(len(dec.encode_prompt(rag_input(dec.tokenizer, q, it.passages))) for q in queries)
         if n + max_new_tokens > window:
             out.append({"item": it.id, "why": f"prompt {n:,} tokens + {max_new_tokens:,} new tokens > the "
                                               f"{window:,}-token context window"})
@@ -351,7 +351,7 @@ def run_benchmark(
     try:
         # Warm-up on the first item, untimed (also measures our cost curve once, outside the timings).
         first = warmup or items[0]
-        ids0 = dec.encode_prompt(rag_messages(first.query, first.passages))
+        ids0 = dec.encode_prompt(rag_input(dec.tokenizer, first.query, first.passages))
         for m in methods:
             if forcing is not None:  # (the warm-up item may have no target of its own: any target warms up)
                 forcing.set(len(ids0), targets.get(first.id, targets[items[0].id]))
@@ -359,7 +359,7 @@ def run_benchmark(
         i = 0
         while i < len(cases):
             item, refs, case = cases[i]
-            ids = dec.encode_prompt(rag_messages(item.query, item.passages))
+            ids = dec.encode_prompt(rag_input(dec.tokenizer, item.query, item.passages))
             if forcing is not None:
                 forcing.set(len(ids), targets[item.id])
             item_runs = []
@@ -424,7 +424,7 @@ def run_concurrency(engines: dict[str, Any], dec: ReferenceDecoder, items: Seque
     if any(c < 1 for c in levels):
         raise ValueError(f"concurrency levels must be >= 1, got {list(levels)}")
     methods = [m for m in engines if m not in REMEMBERS_OUTPUTS]
-    prompts = [dec.encode_prompt(rag_messages(it.query, it.passages)) for it in items[:n_items]]
+    prompts = [dec.encode_prompt(rag_input(dec.tokenizer, it.query, it.passages)) for it in items[:n_items]]
     refs = [list(it.passages) for it in items[:n_items]]
     runs: list[BatchRun] = []
     for c in levels:

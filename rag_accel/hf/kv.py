@@ -16,8 +16,11 @@ def _crop_takes_count(cache_type: type) -> bool:
 
 
 def rollback_cache(cache: Any, remove: int) -> None:
-    """Drop the last ``remove`` positions from a KV cache (``DynamicCache.crop``)."""
-    if remove <= 0:
+    """Drop the last ``remove`` positions from a KV cache (``DynamicCache.crop``), after each verify step.
+
+    A cache that records its past (:func:`new_cache`: one with sliding-window layers) is cropped after
+    every step, ``remove == 0`` too: that also trims its window layers back to their window."""
+    if remove < 0 or (remove == 0 and not _records_past(cache)):
         return
     if not hasattr(cache, "crop"):
         raise NotImplementedError(f"{type(cache).__name__} cannot be rolled back (no crop())")
@@ -47,13 +50,32 @@ def cache_of(kwargs: dict[str, Any]) -> Any:
 
 
 def new_cache(model: Any) -> Any:
-    """An empty KV cache for ``model`` (``DynamicCache``, configured from the model where supported)."""
+    """An empty KV cache for ``model`` (``DynamicCache``, configured from the model where supported).
+
+    Sliding-window layers (Gemma 2/3, Mistral, ...) keep only their window: a token that leaves it is
+    dropped, so a draft rejected past the window could not be rolled back. Their cache records its past
+    instead (transformers' own assisted decoding does the same) until the next :func:`rollback_cache`,
+    which drops the rejected tokens and trims the window. A transformers whose window layers cannot
+    record is refused rather than allowed to verify a wrong token."""
     from transformers import DynamicCache
 
     try:
-        return DynamicCache(config=model.config)
+        cache = DynamicCache(config=model.config)
     except TypeError:
         return DynamicCache()
+    if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
+        if not hasattr(cache, "activate_past_recording"):
+            import transformers
+
+            raise NotImplementedError(
+                f"{type(model).__name__} uses sliding-window attention, whose KV cache transformers "
+                f"{transformers.__version__} cannot roll back after a rejected draft: upgrade transformers (>= 5.24)")
+        cache.activate_past_recording()
+    return cache
+
+
+def _records_past(cache: Any) -> bool:
+    return any(getattr(layer, "record_past", False) for layer in getattr(cache, "layers", ()))
 
 
 def context_window(model: Any) -> int | None:

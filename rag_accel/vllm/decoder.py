@@ -86,7 +86,7 @@ class VllmDecoder:
             from vllm import LLM
         except ImportError as e:
             raise ImportError(_INSTALL_HINT) from e
-        from ..models import DEFAULT_MODEL, default_model_path
+        from ..models import local_model
 
         if not isinstance(name_or_path, str):
             raise TypeError(f"name_or_path must be a string, got {type(name_or_path).__name__}")
@@ -95,7 +95,7 @@ class VllmDecoder:
             raise ValueError(f"the vLLM backend has no draft model: use {', '.join(map(repr, COPY_DRAFTERS))}")
         cfg = cfg.replace(drafters=tuple(d for d in cfg.drafters if d != "draft_model"))
         k = num_speculative_tokens if num_speculative_tokens is not None else min(cfg.max_draft_tokens, 16)
-        path = str(default_model_path()) if name_or_path == DEFAULT_MODEL else name_or_path
+        path = local_model(name_or_path)
         kwargs: dict[str, Any] = dict(model=path, dtype=dtype, max_model_len=max_model_len, seed=0)
         spec = speculative_config(speculation, int(k))
         if spec is not None:
