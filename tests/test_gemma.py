@@ -76,3 +76,15 @@ def test_references_draft_on_gemma_and_stay_exact(gemma, cases):
         out = gemma.generate(ids, references=refs, max_new_tokens=MAX_NEW)
         assert out.token_ids == want
         assert out.stats.by_drafter["reference"]["accepted"] > MAX_NEW // 2, out.stats
+
+
+def test_smollm2_drafting_for_gemma_with_another_tokenizer_is_exact(gemma, cases, real_decoder):
+    """Universal assisted generation between two real models: SmolLM2-135M-Instruct (a 49k vocabulary)
+    drafts for Gemma 3 270M (262k) through text; the output is Gemma's own greedy output."""
+    dec = ReferenceDecoder(gemma.model, gemma.tokenizer, draft_model=real_decoder.model,
+                           draft_tokenizer=real_decoder.tokenizer)
+    assert dec.universal
+    ids, want = cases[0]
+    out = dec.generate(ids, max_new_tokens=32, config={"drafters": ("draft_model",), "adaptive": False})
+    assert out.token_ids == want[:32]
+    assert out.stats.by_drafter["draft_model"]["drafted"] > 0, out.stats
