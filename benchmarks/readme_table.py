@@ -2,9 +2,9 @@
 
     python benchmarks/readme_table.py
 
-rewrites ``benchmarks/results/README.md`` between its results markers (every committed run) and the
-README's summary between its summary markers (the peers side by side, per request and in flight, cold
-and warm).
+rewrites ``benchmarks/results/README.md`` between its results markers (every committed run) and between
+its summary markers (the peers side by side, per request and in flight, cold and warm; the README's Results
+table quotes it by hand).
 """
 
 from __future__ import annotations
@@ -593,7 +593,9 @@ def main() -> None:
     # the busy smoke run shows the script works, its speeds compare nothing (its own note says so)
     parts += [serve_section(p) for p in sorted(res.glob("serve_*.json")) if not p.stem.endswith("_busy")]
     _replace(RESULTS / "README.md", START, END, "\n\n".join(parts))
-    _replace(ROOT / "README.md", SUMMARY_START, SUMMARY_END, summary_section())
+    # (the README's Results table is written by hand and links here; the summary's links are the README's, from the root)
+    summary = summary_section().replace("](benchmarks/results/README.md)", "](#every-committed-run)")
+    _replace(RESULTS / "README.md", SUMMARY_START, SUMMARY_END, summary.replace("](benchmarks/results/", "]("))
 
 
 if __name__ == "__main__":

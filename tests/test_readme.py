@@ -80,6 +80,31 @@ def test_the_readme_reads_in_ten_minutes_and_every_link_resolves():
                 assert anchor in slugs, f"{page.relative_to(ROOT)}: no heading #{anchor} in {path}"
 
 
+def _paragraphs(text: str) -> list[str]:
+    """Prose paragraphs: runs of lines between blank lines, code blocks, tables, headings and list items."""
+    paras, cur, fenced = [], [], False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        breaks = fenced or line.startswith("```") or not line.strip() or line.startswith(("|", "#", "- ", "!["))
+        if breaks and cur:
+            paras.append(" ".join(cur))
+            cur = []
+        if not breaks or line.startswith("- "):
+            cur.append(line)
+    return paras + ([" ".join(cur)] if cur else [])
+
+
+def test_the_readme_is_a_front_door():
+    """Issue 56: no paragraph (or list item) over 80 words; the Results section 30 lines at most, the caveats on
+    the results page beside their runs."""
+    text = README.read_text(encoding="utf-8")
+    long = [p[:60] for p in _paragraphs(text) if len(p.split()) > 80]
+    assert not long, f"README paragraphs over 80 words: {long}"
+    results = text[text.index("## Results"):text.index("\n## ", text.index("## Results") + 1)]
+    assert len(results.strip().splitlines()) <= 30
+
+
 def test_block_parser_sees_markers_and_only_python_blocks():
     text = "# A\n```python\nx = 1\n```\n```bash\nls\n```\n## B\n<!-- not run in the tests: needs a GPU -->\n\n" \
            "```python\ny = 2\n```\n"
