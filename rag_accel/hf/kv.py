@@ -69,7 +69,8 @@ def new_cache(model: Any) -> Any:
 
             raise NotImplementedError(
                 f"{type(model).__name__} uses sliding-window attention, whose KV cache transformers "
-                f"{transformers.__version__} cannot roll back after a rejected draft: upgrade transformers (>= 5.24)")
+                f"{transformers.__version__} cannot roll back after a rejected draft (its cache has no "
+                "activate_past_recording()): upgrade transformers")
         cache.activate_past_recording()
     return cache
 
