@@ -52,7 +52,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def parse_value(text: str) -> object:
@@ -76,7 +75,7 @@ def split_values(text: str) -> list[object]:
 
 def vllm_pair(args: argparse.Namespace):
     """``(encode, greedy(prompts), ours(prompts, refs, changes), close)`` on vLLM: two engines, a spare first."""
-    from inflight_bench import make_engines
+    from rag_accel.bench.inflight import make_engines
 
     engines = make_engines({"vllm-greedy": {"speculation": "off"}, "vllm-ours": {"speculation": "ours"}},
                            args.model, args.k, 4096, spare_first=True)
@@ -168,7 +167,7 @@ def run(args: argparse.Namespace) -> dict:
         greedy(prompts[:1])  # untimed: each engine's first request
         ours(prompts[:1], refs[:1], {})
         if args.chunk is not None:  # the long-document case: chunks in the prompt, the whole documents as references
-            from long_documents import chunk
+            from long_documents import chunk  # benchmarks/long_documents.py, beside this script
 
             prompts = [encode(rag_messages(it.query, [chunk(p, args.chunk) for p in it.passages])) for it in items]
         if args.reworded:  # the cached-answer case: greedy's answers (untimed) passed with the reworded questions

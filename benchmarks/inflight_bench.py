@@ -18,7 +18,7 @@ The peers, one engine each, float32, eager, prefix caching off, at most ``k`` = 
 * ``vllm-suffix``: vLLM's suffix decoding (arctic-inference), vLLM's defaults but ``k`` tokens;
 * ``vllm-suffix-f3`` (only with ``--methods``): the same with ``suffix_decoding_max_spec_factor`` 3 (a draft up
   to 3 times its match long), the best of 1-3 on the sample's first 50 answers replayed
-  (``benchmarks/suffix_replay.py``): a stronger peer than vLLM's defaults;
+  (``benchmarks/experiments/suffix_replay.py``): a stronger peer than vLLM's defaults;
 * ``vllm-ours``: our proposer, each request with its own passages as references;
 * ``vllm-ours-memory`` (only with ``--methods``): the same with every request in one memory scope, so that
   it also drafts from the engine's earlier answers, as suffix decoding's tree does by default;
@@ -29,7 +29,7 @@ The peers, one engine each, float32, eager, prefix caching off, at most ``k`` = 
 
 ``--repeats N`` runs the judged levels N times on the same items, each time on engines built afresh (so
 one engine's luck does not decide a method's number), in an order rotated by one method per run (the first
-engine built in a process tends to be slower than identical ones: ``benchmarks/engine_order.py``); the
+engine built in a process tends to be slower than identical ones: ``benchmarks/experiments/engine_order.py``); the
 table sums all runs, and the markdown adds each run's ratios and build orders.
 
 ``--methods`` runs a subset (the tuning runs only for the n-gram methods, which need it).
@@ -60,97 +60,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from rag_accel.bench.inflight import (  # noqa: E402 - (vLLM only inside its functions)
+    make_engines,
+    ngram_config,
+    run_levels,
+    run_rates,
+    summarize,
+    table,
+    take_prompts,
+)
+
 LEVELS = (1, 4, 16, 32)
 TUNE_KS = (1, 2, 4, 10)
 METHODS = ("vllm-greedy", "vllm-ngram", "vllm-ngram-dynamic", "vllm-suffix", "vllm-suffix-f3", "vllm-ours",
            "vllm-ours-memory", "vllm-ours-control")
-OURS = ("vllm-ours", "vllm-ours-memory", "vllm-ours-control")
 DEFAULT_METHODS = ("vllm-ngram", "vllm-ngram-dynamic", "vllm-suffix", "vllm-ours")
-
-
-def ngram_config(k: int, schedule: list[tuple[int, int, int]] | None = None) -> dict:
-    """vLLM's n-gram speculation as the bench's vllm-ngram runs it, with a dynamic schedule if given."""
-    from rag_accel.vllm.requests import speculative_config
-
-    cfg = speculative_config("ngram", k)
-    if schedule is not None:
-        cfg["num_speculative_tokens_per_batch_size"] = [list(e) for e in schedule]
-    return cfg
-
-
-def make_engines(specs: dict[str, dict], model: str, k: int, max_model_len: int, spare_first: bool = False) -> dict:
-    """One engine per spec, named by its key, in the peers' environment (:func:`rag_accel.bench.peer_environment`).
-    ``spare_first``: a spare plain engine with the same settings built and closed before them
-    (:func:`rag_accel.bench.spare_engine`), so none is the process's first."""
-    from rag_accel.bench import peer_environment, spare_engine
-    from rag_accel.vllm import VllmDecoder
-
-    common = dict(num_speculative_tokens=k, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
-                  enable_prefix_caching=False)
-    peer_environment()
-    if spare_first:
-        spare_engine(model, **common)
-    engines = {}
-    for name, spec in specs.items():
-        print(f"starting {name} ...", flush=True)
-        engines[name] = VllmDecoder.from_pretrained(model, disable_log_stats=False, **common, **spec)
-    return engines
-
-
-def run_levels(engines: dict, prompts_by_level: dict[int, list], refs_by_level: dict[int, list], new: int) -> list[dict]:
-    """One row per (method, level, group): seconds, new tokens, outputs, spec counters' deltas."""
-    rows = []
-    methods = list(engines)
-    for c, prompts in prompts_by_level.items():
-        for g, start in enumerate(range(0, len(prompts), c)):
-            order = methods[g % len(methods):] + methods[:g % len(methods)]
-            for m in order:
-                refs = refs_by_level[c][start:start + c] if m in OURS else None
-                t0 = time.perf_counter()
-                outs = engines[m].generate_batch(prompts[start:start + c], refs, max_new_tokens=new)
-                dt = time.perf_counter() - t0
-                rows.append({"method": m, "in_flight": c, "group": g, "seconds": dt,
-                             "new_tokens": sum(len(o.token_ids) for o in outs),
-                             "steps": sum(o.stats.steps for o in outs), "token_ids": [o.token_ids for o in outs]})
-            base = next(r for r in rows[-len(methods):] if r["method"] == "vllm-greedy")["token_ids"]
-            for r in rows[-len(methods):]:
-                r["identical"] = sum(a == b for a, b in zip(r["token_ids"], base))
-            print(f"{c} in flight, group {g + 1}: " + " ".join(
-                f"{r['method']}={r['new_tokens'] / r['seconds']:.1f}" for r in rows[-len(methods):]), flush=True)
-    return rows
-
-
-def summarize(rows: list[dict]) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for r in rows:
-        s = out.setdefault(f"{r['method']}@{r['in_flight']}", {"method": r["method"], "in_flight": r["in_flight"],
-                                                                "seconds": 0.0, "new_tokens": 0, "steps": 0,
-                                                                "identical": 0, "requests": 0})
-        for key in ("seconds", "new_tokens", "steps", "identical"):
-            s[key] += r[key]
-        s["requests"] += len(r["token_ids"])
-    for s in out.values():
-        s["tokens_per_s"] = s["new_tokens"] / s["seconds"]
-        s["tokens_per_step"] = s["new_tokens"] / max(1, s["steps"])
-        base = out[f"vllm-greedy@{s['in_flight']}"]
-        s["vs_greedy"] = s["tokens_per_s"] / (base["new_tokens"] / base["seconds"])
-    return out
-
-
-def run_rates(rows: list[dict]) -> dict[tuple[str, int, int], float]:
-    """Tokens/s per (method, level, repeat) from a run's rows (a run without repeats: repeat 0).
-
-    Example:
-        >>> run_rates([{"method": "m", "in_flight": 4, "new_tokens": 10, "seconds": 2.0},
-        ...            {"method": "m", "in_flight": 4, "new_tokens": 20, "seconds": 2.0, "repeat": 0}])
-        {('m', 4, 0): 7.5}
-    """
-    sums: dict[tuple[str, int, int], list[float]] = {}
-    for r in rows:
-        s = sums.setdefault((r["method"], r["in_flight"], r.get("repeat", 0)), [0.0, 0.0])
-        s[0] += r["new_tokens"]
-        s[1] += r["seconds"]
-    return {key: tokens / seconds for key, (tokens, seconds) in sums.items()}
 
 
 def schedule_from(tuning: dict[str, dict], levels: tuple[int, ...]) -> tuple[list[tuple[int, int, int]], dict]:
@@ -163,35 +87,6 @@ def schedule_from(tuning: dict[str, dict], levels: tuple[int, ...]) -> tuple[lis
     bounds = [1] + [math.floor(math.sqrt(a * b)) + 1 for a, b in zip(levels, levels[1:])]
     ends = [b - 1 for b in bounds[1:]] + [1024]
     return [(lo, hi, best[c]) for lo, hi, c in zip(bounds, ends, levels)], best
-
-
-def take_prompts(items, n_by_level: dict[int, int], tokenizer_dec):
-    from rag_accel.data import rag_messages
-
-    prompts, refs, ids, i = {}, {}, {}, 0
-    for c, n in n_by_level.items():
-        chunk = items[i:i + n]
-        i += n
-        prompts[c] = [tokenizer_dec.encode_prompt(rag_messages(it.query, it.passages)) for it in chunk]
-        refs[c] = [list(it.passages) for it in chunk]
-        ids[c] = [it.id for it in chunk]
-    return prompts, refs, ids
-
-
-def table(summary: dict[str, dict], methods: list[str], levels: tuple[int, ...]) -> list[str]:
-    steps = all("tokens_per_step" in s for s in summary.values())  # (the first run counted no steps)
-    what = "tokens/s (vs vllm-greedy; tokens/step)" if steps else "tokens/s (vs vllm-greedy)"
-    lines = ["| method | " + " | ".join(f"{c} in flight: {what}" for c in levels)
-             + " | identical |", "|---|" + "---|" * (len(levels) + 1)]
-    for m in methods:
-        cells, ident, total = [], 0, 0
-        for c in levels:
-            s = summary[f"{m}@{c}"]
-            cells.append(f"{s['tokens_per_s']:.1f} ({s['vs_greedy']:.2f}x"
-                         + (f"; {s['tokens_per_step']:.2f})" if steps else ")"))
-            ident, total = ident + s["identical"], total + s["requests"]
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {ident}/{total} |")
-    return lines
 
 
 def main() -> None:

@@ -29,7 +29,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,7 +36,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 METHODS = ("vllm-greedy", "vllm-suffix", "vllm-ours-chunks", "vllm-ours-documents")
 
@@ -87,10 +85,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.plot is not None:
         return plot(args.plot)
-    from inflight_bench import make_engines
-
     from rag_accel import ReferenceDecoder
     from rag_accel.bench import VLLM_ENV_RECORDED
+    from rag_accel.bench.inflight import make_engines
     from rag_accel.data import load_msmarco_sample, rag_messages
     from rag_accel.vllm.requests import speculative_config
 

@@ -2,23 +2,29 @@
 
     python benchmarks/readme_table.py
 
-rewrites ``benchmarks/results/README.md`` between its results markers (every committed run) and between
-its summary markers (the peers side by side, per request and in flight, cold and warm; the README's Results
-table quotes it by hand).
+rewrites ``benchmarks/results/README.md`` between its results markers (every committed run, a heading each) and
+between its summary markers (the peers side by side, per request and in flight, cold and warm; the README's
+Results table quotes it by hand), and ``benchmarks/README.md`` and ``benchmarks/experiments/README.md`` between
+their scripts markers (each script there, its purpose and the command of every committed run it made). Prose lines are wrapped: no line of the results
+page is over 400 characters (tests/test_readme.py).
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
-from engine_order import first_vs_others  # (this folder is on sys.path when run as a script)
-from inflight_bench import run_rates
+from rag_accel.bench.inflight import first_vs_others, run_rates
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 SUMMARY_START, SUMMARY_END = "<!-- summary:start -->", "<!-- summary:end -->"
+SCRIPTS_START, SCRIPTS_END = "<!-- scripts:start -->", "<!-- scripts:end -->"
 RESULTS = ROOT / "benchmarks" / "results"
 # every peer in one run, per request and in flight, on items no default was tuned on, a spare engine built first;
 # ours with the default chain of the frequency drafter, suffix decoding at vLLM's defaults and tuned (vllm-suffix-f3),
@@ -219,7 +225,7 @@ def vllm_section(path: Path) -> str:
 
 
 def serve_section(path: Path) -> str:
-    from serve_bench import table  # benchmarks/serve_bench.py (this folder is on sys.path when run as a script)
+    from serve_bench import table  # benchmarks/serve_bench.py, beside this script
 
     r = json.loads(path.read_text())
     a = r["args"]
@@ -232,10 +238,57 @@ def serve_section(path: Path) -> str:
         "step from the server's spec-decode counters.", "", *table(r), "", f"Reproduce: `{r['command']}`"])
 
 
-def _replace(path: Path, start: str, end: str, body: str) -> None:
+#: Prose lines are wrapped at this width; no line of the results page may pass LONGEST (tests/test_readme.py).
+WIDTH, LONGEST = 118, 400
+# a word that would open a markdown block (a list, quote, heading, rule, fence or HTML) if it began a line
+_OPENS_A_BLOCK = re.compile(r"^(?:[-+*]|\d+[.)]|#{1,6}|=+|-+|`{3}.*|[><].*)$")
+
+
+def wrap(text: str, width: int = WIDTH) -> str:
+    """``text`` with each prose line longer than ``width`` wrapped at spaces, a list item's continuation indented
+    under its text; tables, headings, images and fenced code left as they are, and a ``Reproduce`` line kept whole
+    (its command copied in one piece) unless it is longer than :data:`LONGEST`.
+
+    Example:
+        >>> print(wrap("- one two three - four", width=12))
+        - one two
+          three - four
+    """
+    out, fenced = [], False
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            fenced = not fenced
+        if (fenced or line.startswith("```") or len(line) <= width or line.lstrip().startswith(("|", "#", "!["))
+                or (line.startswith("Reproduce") and len(line) <= LONGEST)):
+            out.append(line)
+            continue
+        lead = re.match(r"\s*(?:[-+*] |\d+[.)] )?", line).group(0)
+        words = line[len(lead):].split(" ")
+        current = lead + words[0]
+        for word in words[1:]:
+            if len(current) + 1 + len(word) > width and word and not _OPENS_A_BLOCK.match(word):
+                out.append(current.rstrip())
+                current = " " * len(lead) + word
+            else:
+                current += " " + word
+        out.append(current)
+    return "\n".join(out)
+
+
+def current(text: str) -> str:
+    """``text`` with each ``benchmarks/NAME.py`` of a script that has since moved to ``benchmarks/experiments/``
+    named where it is now (a run's JSON and page keep the command as it was run)."""
+    return re.sub(r"benchmarks/(\w+)\.py", lambda m: f"benchmarks/experiments/{m[1]}.py"
+                  if (ROOT / "benchmarks" / "experiments" / f"{m[1]}.py").is_file() else m[0], text)
+
+
+def _replace(path: Path, start: str, end: str, body: str, wrapped: bool = True) -> None:
+    """``body`` between ``path``'s ``start`` and ``end`` markers, its prose :func:`wrap`-ped unless not ``wrapped``
+    and its scripts named where they are now (:func:`current`)."""
+    body = current(body)
     text = path.read_text()
     a, b = text.index(start) + len(start), text.index(end)
-    path.write_text(text[:a] + "\n" + body + "\n" + text[b:])
+    path.write_text(text[:a] + "\n" + (wrap(body) if wrapped else body) + "\n" + text[b:])
 
 
 def suffix_section(peers: dict) -> str:
@@ -310,24 +363,28 @@ def suffix_section(peers: dict) -> str:
             said += (f"; with {ab['in_flight']} in flight ([run](benchmarks/results/{MEMORY_AB_16.with_suffix('.md').name})) "
                      f"{diff['geo_mean']:.3f}x (faster in {diff['b_faster']} of {diff['groups']} groups)")
         said += (", so where the memory's row falls below vllm-ours it is the spread between engines on this CPU "
-                 "(below), not the memory's cost. ")
+                 "(below), not the memory's cost.")
     return "\n".join([
+        "### Against suffix decoding, case by case", "",
         "Against vLLM's suffix decoding (its one flag, at vLLM's defaults), case by case; speed-ups against "
         "vllm-greedy, per request unless said (geo-mean over the same items, so their ratio is ours over suffix's "
         "per item):", "", "| case | ours | vllm-suffix | ours / suffix | run |", "|---|---|---|---|---|", *rows, "",
-        said + "Where they tie, both copy from the same places: the prompt, the answer so far, the engine's earlier answers; "
-        "suffix decoding at `max_spec_factor` 3 "
+        *([f"- {said}"] if said else []),
+        "- Where they tie, both copy from the same places: the prompt, the answer so far, the engine's earlier "
+        "answers; suffix decoding at `max_spec_factor` 3 "
         f"(vllm-suffix-f3) was {vs(sm, 'vllm-suffix-f3') / vs(sm, 'vllm-suffix'):.2f}x its defaults per request in "
         "the peer table's run, and under load "
         f"{min(under_load['vllm-suffix-f3']):.2f}x-{max(under_load['vllm-suffix-f3']):.2f}x vllm-greedy's tokens/s "
         f"at 16 and 32 in flight, ours {min(under_load['vllm-ours']):.2f}x-{max(under_load['vllm-ours']):.2f}x "
-        f"({runs_with['vllm-suffix-f3']} and {runs_with['vllm-ours']} committed in-flight runs). What ours adds: references that are not in the prompt (a cached "
-        "answer, whole documents, an earlier turn) and reach whichever engine serves the request, where suffix "
-        "decoding's tree (like our memory) holds only what its own engine answered since it started; a memory "
-        "scoped per tenant; drafts cut to what the batch can afford. On these items the model answers from its prompt, where suffix decoding's tree finds as much "
+        f"({runs_with['vllm-suffix-f3']} and {runs_with['vllm-ours']} committed in-flight runs).",
+        "- What ours adds: references that are not in the prompt (a cached answer, whole documents, an earlier turn) "
+        "and reach whichever engine serves the request, where suffix decoding's tree (like our memory) holds only "
+        "what its own engine answered since it started; a memory scoped per tenant; drafts cut to what the batch "
+        "can afford.",
+        "- On these items the model answers from its prompt, where suffix decoding's tree finds as much "
         "as our drafters do; no match choice tried here (a learned score, suffix's own tree, counts over the "
-        "references) moved real timing by more than ~1% ([benchmarks/results](benchmarks/results/README.md))."
-        + copy_ceiling_clause()])
+        "references) moved real timing by more than ~1% ([benchmarks/results](benchmarks/results/README.md)).",
+        *([f"- {copy_ceiling_clause().strip()}"] if copy_ceiling_clause() else [])])
 
 
 def summary_section() -> str:
@@ -337,14 +394,17 @@ def summary_section() -> str:
     r = json.loads(PEERS.read_text())
     env = r["environment"]
     judged = " (the sample's last, which no default was tuned on)" if r.get("last") else ""
-    lines = [f"Per request, {r['items']} MS-MARCO items{judged} x {r['max_new_tokens']} new tokens, {env['model']} "
+    lines = ["### Per request, every peer in one run", "",
+             f"Per request, {r['items']} MS-MARCO items{judged} x {r['max_new_tokens']} new tokens, {env['model']} "
              f"{env['dtype']} on a {env['cpu_threads']}-core CPU, vLLM {env['vllm']}, {env['date']} "
              f"([all of this run](benchmarks/results/{PEERS.with_suffix('.md').name})):", "",
              markdown_table(r["summary"], legend=False), "",
-             "Speed-up: per item, greedy's latency (the median of its runs) over the method's; geo-mean over the items; "
-             "worst item: the lowest, named. Tokens/step: new tokens per model forward pass, prefill included. Identical: "
-             "the runs whose token ids equal the item's greedy run on the method's engine (vllm-greedy for vllm-*), token "
-             "for token; the last column against transformers' greedy. Tokens/s: all runs together."]
+             "- Speed-up: per item, greedy's latency (the median of its runs) over the method's; geo-mean over the "
+             "items; worst item: the lowest, named.",
+             "- Tokens/step: new tokens per model forward pass, prefill included.",
+             "- Identical: the runs whose token ids equal the item's greedy run on the method's engine (vllm-greedy for "
+             "vllm-*), token for token; the last column against transformers' greedy.",
+             "- Tokens/s: all runs together."]
     if ENGINE_ORDER.is_file():  # every vLLM bench builds vllm-greedy first: how far that can flatter its ratios
         first = [first_vs_others(run) for run in json.loads(ENGINE_ORDER.read_text())["runs"]
                  if not run["throwaway_first"]]
@@ -354,16 +414,16 @@ def summary_section() -> str:
                   + ", ".join(f"{d:+.0%}" for d in rest) + " "
                   f"([probe](benchmarks/results/{ENGINE_ORDER.with_suffix('.md').name}))")
         if env.get("spare_engine_first"):
-            lines[-1] += (" The vLLM engines of a run share one process; a spare one is built and closed before them, "
+            lines.append("- The vLLM engines of a run share one process; a spare one is built and closed before them, "
                           f"so none timed is the process's first: {probes}. The runs before this one "
                           "built vllm-greedy first, which may have flattered their ratios against it by that much.")
         else:
-            lines[-1] += (" The vLLM engines of a run share one process, vllm-greedy built first; " + probes + ": "
+            lines.append("- The vLLM engines of a run share one process, vllm-greedy built first; " + probes + ": "
                           "ratios against vllm-greedy may be flattered by that much, those between the other vllm-* "
                           "methods are not.")
     layer = env.get("vllm_env", {}).get("NUMBA_THREADING_LAYER")
     if layer is not None:  # (PEER_ENVIRONMENT: what the runs before it lacked)
-        lines[-1] += (f" Its vLLM engines ran under numba's `{layer}` threading layer "
+        lines.append(f"- Its vLLM engines ran under numba's `{layer}` threading layer "
                       "(`rag_accel.methods.PEER_ENVIRONMENT`); the runs before it ran under numba's default OpenMP "
                       "layer, which spins beside torch's threads on this CPU: it slowed vllm-ngram and, from that idle engine, the transformers methods of the "
                       "same run (the run's note in [benchmarks/results](benchmarks/results/README.md)).")
@@ -381,10 +441,13 @@ def summary_section() -> str:
                 default_layer = m == "ngram" and "NUMBA_THREADING_LAYER" not in sv.get("server_env", {})
                 label = f"{m} (under numba's default layer)" if default_layer else m
                 said.append(f"{label} " + ", ".join(parts))
-        lines[-1] += (f" Through HTTP (`rag-accel serve`, the sample's last {sv['items']} items, {sv['date'][:10]}; "
+        lines.append(f"- Through HTTP (`rag-accel serve`, the sample's last {sv['items']} items, {sv['date'][:10]}; "
                       f"[table](benchmarks/results/{SERVE.with_suffix('.md').name})), tokens/s over the server "
                       "without speculation, c requests in flight: " + "; ".join(said) + ".")
-    lines += ["", suffix_section(r)]
+    png = PEERS.with_suffix(".png")
+    if png.is_file():
+        lines += ["", f"![per-item speed-up and tokens per step](benchmarks/results/{png.name})"]
+    lines += ["", f"Reproduce: `{r['command']}` (in the vLLM virtualenv)", "", suffix_section(r)]
     if COLD.is_file() and WARM.is_file():  # never slower from the first request: cold, warm, other queries
         cold, warm = json.loads(COLD.read_text()), json.loads(WARM.read_text())
         said = [f"{m} cold {c['speedup_geomean']:.2f}x (worst item {c['speedup_worst']:.2f}x), warm "
@@ -414,17 +477,19 @@ def summary_section() -> str:
                             for k, v in rs.items() if k.endswith("new policy")))
         same = min(x["identical_rate"] for path in (COLD, WARM, VLLM_COLD, VLLM_WARM, TRECDL_COLD) if path.is_file()
                    for x in json.loads(path.read_text())["summary"].values())
-        lines += ["", f"Never slower from the first request: cold, every request a fresh process's first "
-                      f"([run](benchmarks/results/{COLD.with_suffix('.md').name})), against warm, the decoder keeping "
-                      f"what earlier requests taught ([run](benchmarks/results/{WARM.with_suffix('.md').name})); "
-                      f"transformers, the sample's last {cold['items']} items (no default was tuned on them) x "
-                      f"{cold['max_new_tokens']} tokens, median of {cold['repeats']} runs per item, "
-                      f"{cold['environment']['date']}: " + "; ".join(said) + f"; {same:.0%} identical."]
+        lines += ["", "### Never slower from the first request", "",
+                  f"Cold, every request a fresh process's first "
+                  f"([run](benchmarks/results/{COLD.with_suffix('.md').name})), against warm, the decoder keeping "
+                  f"what earlier requests taught ([run](benchmarks/results/{WARM.with_suffix('.md').name})); "
+                  f"transformers, the sample's last {cold['items']} items (no default was tuned on them) x "
+                  f"{cold['max_new_tokens']} tokens, median of {cold['repeats']} runs per item, "
+                  f"{cold['environment']['date']}; {same:.0%} identical:", "",
+                  *(f"- {x}" for x in said)]
     if all(p.is_file() for p in GPU):
-        lines += ["", gpu_paragraph(*GPU)]
+        lines += ["", "### On a GPU", "", gpu_paragraph(*GPU)]
     if MISLEADING.is_file():
         ms = json.loads(MISLEADING.read_text())["summary"]["ours-ref"]
-        lines += ["", f"Every draft rejected (references built to match the output and continue it wrongly, cold, "
+        lines += ["", "### Every draft rejected", "", f"References built to match the output and continue it wrongly (cold, "
                       f"the sample's last items; [run](benchmarks/results/{MISLEADING.with_suffix('.md').name})): "
                       f"{ms['drafted']} draft tokens sent, none accepted; all items' time "
                       f"{ms['total_vs_greedy']:.3f}x greedy's speed and {ms['total_vs_plain']:.3f}x our loop's "
@@ -436,7 +501,7 @@ def summary_section() -> str:
             rate = run_rates(json.loads(path.read_text())["rows"])
             ratios += [rate["vllm-ours-control", c, k] / rate["vllm-ours", c, k] - 1 for m, c, k in rate
                        if m == "vllm-ours"]
-        spread = (" Two engines configured alike differ on this 2-core CPU: a second engine configured as vllm-ours "
+        spread = ("Two engines configured alike differ on this 2-core CPU: a second engine configured as vllm-ours "
                   "beside it (the same items in the same order) had tokens/s against it from "
                   f"{min(ratios):+.0%} to {max(ratios):+.0%} at 1-32 in flight over "
                   f"{sum(len(json.loads(p.read_text()).get('build_orders', [0])) for p in INFLIGHT_CONTROL)} runs ("
@@ -448,14 +513,13 @@ def summary_section() -> str:
         fl = json.loads(INFLIGHT.read_text())
         sm, levels = fl["summary"], sorted({v["in_flight"] for v in fl["summary"].values()})
         methods = list(dict.fromkeys(v["method"] for v in sm.values()))
-        lines += ["", f"In flight against every peer, each level on its own items of the sample's last "
-                      f"{len(sum(fl['items'].values(), []))} (so suffix decoding never meets an item twice), "
-                      f"{fl['environment']['new_tokens']} tokens a request, {fl['environment']['date']}"
-                      + (f", {len(fl['build_orders'])} runs on engines built afresh (all runs' tokens over their time)"
-                         if len(fl.get("build_orders", [])) > 1 else "") + " "
-                      f"([run](benchmarks/results/{INFLIGHT.with_suffix('.md').name}); vllm-ngram-dynamic: vLLM's "
-                      f"dynamic speculative decoding with the schedule `{fl['schedule']}` tuned first on the sample's "
-                      "first items" + numba_clause(fl) + ")." + spread + " Tokens/s against vllm-greedy:", "",
+        lines += ["", "### In flight", "",
+                  f"Every peer, each level on its own items of the sample's last "
+                  f"{len(sum(fl['items'].values(), []))} (so suffix decoding never meets an item twice), "
+                  f"{fl['environment']['new_tokens']} tokens a request, {fl['environment']['date']}"
+                  + (f", {len(fl['build_orders'])} runs on engines built afresh (all runs' tokens over their time)"
+                     if len(fl.get("build_orders", [])) > 1 else "") + " "
+                  f"([run](benchmarks/results/{INFLIGHT.with_suffix('.md').name})). Tokens/s against vllm-greedy:", "",
                   "| method | " + " | ".join(f"{c} in flight" for c in levels) + " | identical |",
                   "|---|" + "---|" * (len(levels) + 1)]
         for m in methods:
@@ -463,6 +527,12 @@ def summary_section() -> str:
             same = sum(sm[f"{m}@{c}"]["identical"] for c in levels)
             total = sum(sm[f"{m}@{c}"]["requests"] for c in levels)
             lines.append(f"| {m} | " + " | ".join(cells) + f" | {same / total:.0%} |")
+        lines += ["", f"- vllm-ngram-dynamic: vLLM's dynamic speculative decoding with the schedule `{fl['schedule']}` "
+                      "tuned first on the sample's first items."]
+        if numba_clause(fl):
+            lines.append("- " + numba_clause(fl).removeprefix("; ") + ".")
+        if spread:
+            lines.append("- " + spread)
     if SETUP.is_file() and SETUP_FREE.is_file():  # the first token of a short prompt with big references
         said = []
         for path, how in ((SETUP, "2 torch threads"), (SETUP_FREE, "1 thread, a core left free as a GPU leaves the host's")):
@@ -471,23 +541,21 @@ def summary_section() -> str:
             g = rows[0]
             said.append(f"{how}: " + ", ".join(f"{r['method'].split(', ')[1]} {g['first_s'] / r['first_s']:.2f}x"
                                                for r in rows[1:]))
-        lines += ["", f"First token of a short prompt ({st['short_prompt']['prompt_tokens']} tokens) with big "
-                      "references, against greedy's (transformers; the references are tokenised and indexed beside "
-                      f"the prefill and never waited for; [run](benchmarks/results/{SETUP.with_suffix('.md').name}), "
-                      f"[free core](benchmarks/results/{SETUP_FREE.with_suffix('.md').name})): " + "; ".join(said) + "."]
+        lines += ["", "### First token with big references", "",
+                  f"First token of a short prompt ({st['short_prompt']['prompt_tokens']} tokens) with big "
+                  "references, against greedy's (transformers; the references are tokenised and indexed beside "
+                  f"the prefill and never waited for; [run](benchmarks/results/{SETUP.with_suffix('.md').name}), "
+                  f"[free core](benchmarks/results/{SETUP_FREE.with_suffix('.md').name})):", "",
+                  *(f"- {x}." for x in said)]
         setup = json.loads(SETUP.read_text())
         e2e = {r["method"]: r for r in setup["short_answer"]}
         new = setup["command"].split("--new ")[1].split()[0]
         big = max((m for m in e2e if m.endswith("-token reference")), key=lambda m: int(
             m.split(", ")[1].split("-")[0].replace(",", "")), default=None)
         if big is not None and f"{big}, seen before" in e2e:  # the whole answer, a full RAG prompt, 2 threads
-            lines[-1] += (f" A {new}-token answer to a {setup['environment']['prompt_tokens']}-token RAG prompt with the "
+            lines.append(f"- A {new}-token answer to a {setup['environment']['prompt_tokens']}-token RAG prompt with the "
                           f"{big.split(', ')[1]}, 2 threads: {e2e[big]['vs_greedy']:.2f}x greedy new to the decoder, "
                           f"{e2e[big + ', seen before']['vs_greedy']:.2f}x seen before (its text tokenised once).")
-    png = PEERS.with_suffix(".png")
-    if png.is_file():
-        lines += ["", f"![per-item speed-up and tokens per step](benchmarks/results/{png.name})"]
-    lines += ["", f"Reproduce: `{r['command']}` (in the vLLM virtualenv)"]
     return "\n".join(lines)
 
 
@@ -581,21 +649,58 @@ def numba_clause(run: dict) -> str:
             f"([run](benchmarks/results/{NUMBA_LAYER.with_suffix('.md').name}))")
 
 
+def recorded_command(path: Path) -> str | None:
+    """The command a run's JSON records, else the one its markdown names (``- command: `...```)."""
+    run = json.loads(path.read_text())
+    if isinstance(run, dict) and run.get("command"):
+        return run["command"]
+    md = path.with_suffix(".md")
+    m = re.search(r"command: `([^`]+)`", md.read_text()) if md.is_file() else None
+    return m[1] if m else None
+
+
+def scripts_section(folder: Path) -> str:
+    """A folder's index of its scripts: each one's purpose (its docstring's first paragraph) and the command of every
+    committed run it made, the run linked."""
+    made: dict[str, list[tuple[Path, str]]] = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        if (command := recorded_command(path)) and (m := re.search(r"benchmarks/(?:experiments/)?(\w+)\.py", command)):
+            made.setdefault(m[1], []).append((path, command))
+    results = Path(os.path.relpath(RESULTS, folder)).as_posix()
+    parts = []
+    for script in sorted(folder.glob("*.py")):
+        doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+        purpose = " ".join(doc.split("\n\n")[0].split()).replace("``", "`")
+        runs = [f"- [{p.stem}]({results}/{p.with_suffix('.md').name if p.with_suffix('.md').is_file() else p.name}): "
+                f"`{command}`" for p, command in made.get(script.stem, [])]
+        parts.append(f"### `{script.name}`\n\n{purpose}" + ("\n\n" + "\n".join(runs) if runs else ""))
+    return "\n\n".join(parts)
+
+
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     res = RESULTS
-    parts = [engine_section(p) for p in sorted(res.glob("bench_*.json"))]
-    parts += [propose_section(p) for p in sorted(res.glob("propose_*.json"))]
-    parts += [retrieval_section(p) for p in sorted(res.glob("retrieval_*.json"))]
-    parts += [integrations_section(p) for p in sorted(res.glob("integrations_*.json"))]
-    parts += [cache_section(p) for p in sorted(res.glob("cache_multiturn_*.json"))]
-    parts += [coupling_section(p) for p in sorted(res.glob("coupling_*.json"))]
-    parts += [vllm_section(p) for p in sorted(res.glob("vllm_cpu_*.json")) if not p.stem.endswith("_rerun")]
-    # the busy smoke run shows the script works, its speeds compare nothing (its own note says so)
-    parts += [serve_section(p) for p in sorted(res.glob("serve_*.json")) if not p.stem.endswith("_busy")]
+    kinds = [  # (heading, section, runs): a heading per kind of run, one under it per run
+        ("`rag-accel bench`: the methods side by side", engine_section, sorted(res.glob("bench_*.json"))),
+        ("`rag-accel bench-drafting`: drafting cost", propose_section, sorted(res.glob("propose_*.json"))),
+        ("Retrieval quality", retrieval_section, sorted(res.glob("retrieval_*.json"))),
+        ("The framework adapters", integrations_section, sorted(res.glob("integrations_*.json"))),
+        ("Cached answers and earlier turns", cache_section, sorted(res.glob("cache_multiturn_*.json"))),
+        ("Draft-model acceptance under sampling", coupling_section, sorted(res.glob("coupling_*.json"))),
+        ("vLLM, the first benchmark (`vllm_bench.py`)", vllm_section,
+         [p for p in sorted(res.glob("vllm_cpu_*.json")) if not p.stem.endswith("_rerun")]),
+        # the busy smoke run shows the script works, its speeds compare nothing (its own note says so)
+        ("Serving through HTTP", serve_section,
+         [p for p in sorted(res.glob("serve_*.json")) if not p.stem.endswith("_busy")]),
+    ]
+    parts = [f"### {heading}\n\n" + "\n\n".join(f"#### {p.stem}\n\n{section(p)}" for p in runs)
+             for heading, section, runs in kinds if runs]
     _replace(RESULTS / "README.md", START, END, "\n\n".join(parts))
     # (the README's Results table is written by hand and links here; the summary's links are the README's, from the root)
     summary = summary_section().replace("](benchmarks/results/README.md)", "](#every-committed-run)")
     _replace(RESULTS / "README.md", SUMMARY_START, SUMMARY_END, summary.replace("](benchmarks/results/", "]("))
+    for folder in (ROOT / "benchmarks", ROOT / "benchmarks" / "experiments"):  # (each command whole, to copy)
+        _replace(folder / "README.md", SCRIPTS_START, SCRIPTS_END, scripts_section(folder), wrapped=False)
 
 
 if __name__ == "__main__":

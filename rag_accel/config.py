@@ -15,7 +15,7 @@ COPY_DRAFTERS = ("frequency", "reference", "prompt_lookup", "ngram")
 DRAFTER_NAMES = (*COPY_DRAFTERS, "draft_model")
 # The default chain's copy drafters. Prompt lookup and the n-gram tables copy from the same text as the frequency
 # drafter, and their drafts, valued by match-length rates, won the policy's choice over better frequency drafts:
-# replayed on SmolLM2's answers to the sample's FIRST 50 items (benchmarks/suffix_replay.py), leaving them out
+# replayed on SmolLM2's answers to the sample's FIRST 50 items (benchmarks/experiments/suffix_replay.py), leaving them out
 # gained 0.5% at a draft token costing 0.025 of a step and 1.5% at 0.1. The references stay: their text is
 # not always in the prompt (whole documents behind its chunks, cached answers). They come first: the order
 # decides only ties when the policy weighs the drafts (the same replay either way), and with adaptive=False
@@ -24,14 +24,14 @@ DEFAULT_COPY_DRAFTERS = ("reference", "frequency")
 # How the reference drafter chooses among the places its match occurs: "longest", LLMA's (the longest match, its
 # earliest place, followed while accepted), or "counts", the continuation most of them share (suffix decoding's
 # choice, over the references). LLMA's stays the default, by timing: counts drafted more per step where replayed
-# (benchmarks/memory_replay.py, at vLLM's one-request step costs on the 2-core CPU, the sample's last 100: 1.941x
+# (benchmarks/experiments/memory_replay.py, at vLLM's one-request step costs on the 2-core CPU, the sample's last 100: 1.941x
 # against 1.921x as first asked, 2.184x against 2.121x where the client passes a cached answer), but timed on one
 # vLLM engine request by request (benchmarks/config_ab.py, the last 48 items) it tied (1.000x; cached answer 1.008x)
 # and lost 2.3% with 16 requests in flight (faster in 1 of 6 groups): each row's lookup reads up to 256 places
 # every step, where LLMA's followed span costs ~1 us.
 REFERENCE_CHOICES = ("counts", "longest")
 # reference_min_match's default per choice, each the best measured: counts 1 (suffix decoding's too; memory_replay.py
-# on the sample's first 50: 2.059x / 1.736x against 2.055x / 1.693x at 2), longest 2 (benchmarks/simulate.py: 1 lost
+# on the sample's first 50: 2.059x / 1.736x against 2.055x / 1.693x at 2), longest 2 (benchmarks/experiments/simulate.py: 1 lost
 # 2-4%).
 REFERENCE_MIN_MATCH = {"counts": 1, "longest": 2}
 
@@ -127,7 +127,7 @@ class DecoderConfig:
             up to that many tokens). ``None`` (the default): the best measured
             for ``reference_choice`` (``REFERENCE_MIN_MATCH``): 1 with counts;
             2 with ``"longest"``, where replaying SmolLM2's own answers and the
-            human answers of 40 MS-MARCO items (``benchmarks/simulate.py``),
+            human answers of 40 MS-MARCO items (``benchmarks/experiments/simulate.py``),
             n=1 lost 2-4%.
         reference_choice: which continuation the references' drafter copies where
             its match occurs in several places: ``"longest"`` (default), LLMA's:
@@ -144,7 +144,7 @@ class DecoderConfig:
             draft tokens are dear: ``drafters.EVIDENCE_COST``) and stops
             where its probability falls under ``frequency_min_prob`` (in
             [0, 1]). 3 and 0.1: replaying SmolLM2's answers to the sample's
-            FIRST 50 items (``benchmarks/suffix_replay.py``), factors 2.5-3
+            FIRST 50 items (``benchmarks/experiments/suffix_replay.py``), factors 2.5-3
             did best and 0.07-0.15 alike; 0.1 is suffix decoding's default.
         ngram_min_n / ngram_max_n: ANPD table levels (N-grams), 2..16. N-gram sizes are
             bounded by ``MAX_NGRAM`` = 16: the context is indexed under every size up

@@ -258,7 +258,7 @@ class NgramDrafter:
 
 
 # The draft-token cost at which a frequency draft may be 1 / cost times its match long. Chosen on the sample's FIRST
-# 50 items (benchmarks/suffix_replay.py): the best factor was 3 at 0.025 of a step per draft token (2.007x, 1.939x
+# 50 items (benchmarks/experiments/suffix_replay.py): the best factor was 3 at 0.025 of a step per draft token (2.007x, 1.939x
 # at 1), none at 0.05 (1.816x-1.829x for 1-3), 1 at 0.1 (1.618x, 1.590x at 3): the policy cuts a draft by its
 # value, but cannot pick another match length's draft, which a tighter cap makes the drafter prefer.
 EVIDENCE_COST = 0.075
@@ -312,7 +312,7 @@ class MemoryDrafter:
     continuation most of their occurrences of the context's tail share, scored and capped as the
     frequency drafter's (:func:`~rag_accel.kernels.counted_draft`), the latest answers first on ties.
     Unlike the frequency drafter's, its ``factor`` is not priced down as draft tokens get dearer: where a
-    question comes again reworded, a remembered answer's long copies pay even so (``benchmarks/memory_replay.py``
+    question comes again reworded, a remembered answer's long copies pay even so (``benchmarks/experiments/memory_replay.py``
     on the sample's first 50 items, at vLLM's step costs on a 2-core CPU: reworded 1.849x unpriced against
     1.814x priced; the questions as first asked 2.050x against 2.076x).
     ``segments``: the answers in segments, oldest first, each with ``tokens`` (answers with

@@ -139,7 +139,7 @@ def answers_drafter(answers: Sequence[Sequence[int]], factor: float = 3.0,
     an earlier turn's), drafting as the memory does, under its name (``"memory"``): the same kind of
     source, the same learnt acceptance. Passed as references instead, the same answer drafts like a
     passage (the longest match, the passages' acceptance): replaying SmolLM2's answers to the sample's
-    questions reworded at vLLM's step costs on a 2-core CPU (``benchmarks/memory_replay.py``), the
+    questions reworded at vLLM's step costs on a 2-core CPU (``benchmarks/experiments/memory_replay.py``), the
     cached answer as an answer against as a reference: 1.672x -> 1.743x on the first 50 items,
     2.121x -> 2.210x on the last 100. ``None``: no tokens.
 

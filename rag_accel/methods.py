@@ -37,7 +37,7 @@ SPECULATIVE_SETTINGS: dict[str, dict[str, Any]] = {"vllm-suffix-f3": {"suffix_de
 # of vLLM's n-gram speculation on a CPU would set. Its proposer runs a numba parallel loop every step, and numba's
 # default threading layer here is OpenMP, whose idle workers spin beside torch's threads on the same cores: on
 # this 2-core CPU vllm-ngram ran 0.75x / 0.56x vLLM greedy at 1 / 4 in flight with it, 1.20x / 0.95x with numba's
-# workqueue layer (benchmarks/numba_layer.py; results/numba_layer_vllm_cpu_smollm2.md). No other method runs numba.
+# workqueue layer (benchmarks/experiments/numba_layer.py; results/numba_layer_vllm_cpu_smollm2.md). No other method runs numba.
 PEER_ENVIRONMENT = {"NUMBA_THREADING_LAYER": "workqueue"}
 # vLLM methods whose engine's requests share a memory scope (rag_accel.memory): this one.
 MEMORY_SCOPE = {"vllm-ours-memory": "bench"}

@@ -51,7 +51,7 @@ _BUCKET_EDGES = (0, 1, 2, 3, 4, 6, 9, 16, 32)
 # matches and lose, and hold back on strong ones. Measured on the bundled sample's FIRST 40 items
 # (the defaults are judged on the last ones), pooled over the reference, prompt-lookup and n-gram
 # drafters; each entry is the lower of two runs (one with the flat prior, one with this table:
-# benchmarks/results/cold_rates_cpu_smollm2.md, `python benchmarks/cold_rates.py`), rounded down to
+# benchmarks/results/cold_rates_cpu_smollm2.md, `python benchmarks/experiments/cold_rates.py`), rounded down to
 # 0.05, first-token rates at most 0.9 (cautious: the learnt rates earn their way up). Bucket 0 holds
 # drafts with no copy evidence (draft models), which keep the flat 0.5.
 COLD_RATES: dict[int, tuple[float, float]] = {
@@ -63,14 +63,14 @@ COLD_RATES: dict[int, tuple[float, float]] = {
 # The request factor's memory: each observation (a draft's first token checked, sent or shadow)
 # weighs 0.8 of the one after it, so a request whose drafts hit early and then keep missing stops
 # drafting sooner, and one that starts hitting after misses opens up sooner. Chosen on the sample's
-# FIRST 50 items (benchmarks/cold_replay.py --request-decay 0.95,0.9,0.8,0.7,0.5: 0.7-0.9 alike, 1-1.5%
+# FIRST 50 items (benchmarks/experiments/cold_replay.py --request-decay 0.95,0.9,0.8,0.7,0.5: 0.7-0.9 alike, 1-1.5%
 # above 1.0); on the last 100 (judged, not tuned): geo-mean 1.244x -> 1.250x cold, 1.246x -> 1.254x
 # warm, items below 0.97x 10 -> 5 cold, 16 -> 8 warm, worst item unchanged (0.962x / 0.964x).
 REQUEST_DECAY = 0.8
 
 # Pseudo-observations behind each cell of the probability calibration (``g = 1`` before evidence), and the
 # weight an observation keeps at every later one (~100 drafts' memory). Chosen on the sample's FIRST 50
-# items (benchmarks/suffix_replay.py, a draft token costing 0.025 and 0.1 of a step): calibrated per
+# items (benchmarks/experiments/suffix_replay.py, a draft token costing 0.025 and 0.1 of a step): calibrated per
 # match-length and position bucket, frequency drafts valued by their probabilities beat the same drafts
 # valued by the match-length rates (2.007x against 1.980x at 0.025), where one factor per drafter lost at
 # 0.1 (1.529x against 1.590x per cell) and the rates' first token times the counts' later ones lost at both.

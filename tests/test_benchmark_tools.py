@@ -1,22 +1,23 @@
 """The parts of the benchmarks that a committed result rests on and that can be checked here, without the
 machine that timed it: the GPU step-cost benchmark's static step (it must be the model's own forward, or its
-timings price something else) and the replay's interpolation of the measured step times."""
+timings price something else), and the replays' kit (:mod:`rag_accel.bench.replay`): the interpolation of the
+measured step times, the oracle's copies and the length oracle."""
 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from rag_accel.bench import replay as rp
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"
 
 
 def load(name: str):
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    """A script of benchmarks/experiments/ as a module (it imports only rag_accel and installed packages)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", EXPERIMENTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -36,8 +37,7 @@ def shape(rows: int, per_row: int, ms: float) -> dict:
 
 
 def test_table_cost_interpolates_measured_steps():
-    bc = load("batch_costs")
-    table = bc.TableCost([shape(1, 1, 2.0), shape(1, 3, 3.0), shape(1, 5, 3.5),
+    table = rp.TableCost([shape(1, 1, 2.0), shape(1, 3, 3.0), shape(1, 5, 3.5),
                           shape(4, 1, 2.4), shape(4, 3, 4.0)])
     assert table(1, 1) == 1.0  # units of a one-row plain step
     assert table(1, 3) == pytest.approx(1.5)
@@ -53,32 +53,29 @@ def test_table_cost_interpolates_measured_steps():
 
 
 def test_line_cost_is_the_modelled_line():
-    bc = load("batch_costs")
-    cost = bc.LineCost(0.03)
+    cost = rp.LineCost(0.03)
     assert cost(1, 1) == pytest.approx(1.03) and cost(16, 40) == pytest.approx(2.2)
     assert cost.line(7) == (1.0, 0.03)
 
 
 def test_longest_copy_takes_the_best_place_and_stops_where_a_source_does():
-    mc = load("match_choice")
     np = pytest.importorskip("numpy")
     source = np.array([7, 1, 2, 3, 7, 1, 2, 9])
-    assert mc.longest_copy(source, np.array([5, 7]), [1, 2, 9, 4], 10) == 3  # the second 7, not the first
-    assert mc.longest_copy(source, np.array([5, 7]), [1, 2, 9, 4], 2) == 2  # at most k
-    assert mc.longest_copy(source, np.array([5, 8]), [1, 2], 10) == 0  # no match
-    assert mc.longest_copy(np.array([7, 1, -1, 2]), np.array([7]), [1, 2], 10) == 1  # a separator ends it
-    assert mc.longest_copy(np.array([3, 7, 1]), np.array([7]), [1, 2], 10) == 1  # so does the source's end
+    assert rp.longest_copy(source, np.array([5, 7]), [1, 2, 9, 4], 10) == 3  # the second 7, not the first
+    assert rp.longest_copy(source, np.array([5, 7]), [1, 2, 9, 4], 2) == 2  # at most k
+    assert rp.longest_copy(source, np.array([5, 8]), [1, 2], 10) == 0  # no match
+    assert rp.longest_copy(np.array([7, 1, -1, 2]), np.array([7]), [1, 2], 10) == 1  # a separator ends it
+    assert rp.longest_copy(np.array([3, 7, 1]), np.array([7]), [1, 2], 10) == 1  # so does the source's end
     two = np.array([4, 7, 1, 2, -1, 3, 7, 1, 9])
-    assert mc.longest_copy(two, np.array([3, 7]), [1, 2], 10) == 2  # any 7
-    assert mc.longest_copy(two, np.array([3, 7]), [1, 2], 10, min_match=2) == 1  # only the 7 after a 3
-    assert mc.longest_copy(two, np.array([7]), [1, 2], 10, min_match=2) == 0  # a context too short to match
+    assert rp.longest_copy(two, np.array([3, 7]), [1, 2], 10) == 2  # any 7
+    assert rp.longest_copy(two, np.array([3, 7]), [1, 2], 10, min_match=2) == 1  # only the 7 after a 3
+    assert rp.longest_copy(two, np.array([7]), [1, 2], 10, min_match=2) == 0  # a context too short to match
 
 
 def test_copy_ceiling_takes_the_fewest_steps_of_any_copying():
     """Its greedy steps against every schedule of shorter copies (a search over positions), on small random
     answers: the claim that makes it a ceiling. With earlier answers as a source, the same answer asked again is
     copied whole."""
-    mc = load("match_choice")
     np = pytest.importorskip("numpy")
     rng = np.random.default_rng(0)
     for _ in range(40):
@@ -87,18 +84,18 @@ def test_copy_ceiling_takes_the_fewest_steps_of_any_copying():
         target = rng.integers(0, 4, 20).tolist()
         prepared = [("a", prompt, refs, target)]
         for min_match in (1, 2):
-            (steps,) = mc.copy_ceiling(prepared, 3, min_match=min_match)
+            (steps,) = rp.copy_ceiling(prepared, 3, min_match=min_match)
             assert sum(a + 1 for a in steps) == len(target) - 1
             fewest = {len(target): 0}
             for n in range(len(target) - 1, 0, -1):  # n tokens of the answer known
                 ctx = np.asarray(prompt + target[:n])
-                best = max(mc.longest_copy(src, ctx, target[n:-1], 3, min_match)
-                           for src in (mc.concat_with_separators(refs), ctx))
+                best = max(rp.longest_copy(src, ctx, target[n:-1], 3, min_match)
+                           for src in (rp.concat_with_separators(refs), ctx))
                 fewest[n] = 1 + min(fewest[n + a + 1] for a in range(best + 1))
             assert len(steps) == fewest[1]
-        (steps,) = mc.copy_ceiling(prepared, 3)
+        (steps,) = rp.copy_ceiling(prepared, 3)
         again = [("a", prompt, refs, target), ("b", prompt, refs, target)]
-        first, second = mc.copy_ceiling(again, 3, earlier_answers=True)
+        first, second = rp.copy_ceiling(again, 3, earlier_answers=True)
         assert first == steps
         assert len(second) == -(-(len(target) - 1) // 4)  # the answer itself, remembered: 3 drafts a step
 
@@ -106,7 +103,6 @@ def test_copy_ceiling_takes_the_fewest_steps_of_any_copying():
 def test_replay_at_exact_lengths_sends_only_what_is_accepted():
     """The length oracle of the suffix replay: the same drafts, each cut to what gets accepted, so every draft
     token sent is accepted (sent per step = tokens per step - 1), where the policy sends some that are not."""
-    mc = load("match_choice")
     np = pytest.importorskip("numpy")
     rng = np.random.default_rng(1)
     prepared = []
@@ -114,7 +110,7 @@ def test_replay_at_exact_lengths_sends_only_what_is_accepted():
         doc = rng.integers(5, 40, 60).tolist()
         target = doc[10:30] + rng.integers(5, 40, 8).tolist() + doc[40:55]
         prepared.append((str(i), rng.integers(5, 40, 12).tolist() + doc[:5], [doc], target))
-    policy = mc.replay(prepared, 10, False)
-    exact = mc.replay(prepared, 10, False, exact_lengths=True)
+    policy = rp.replay(prepared, 10)
+    exact = rp.replay(prepared, 10, exact_lengths=True)
     assert exact["sent_per_step"] == pytest.approx(exact["tokens_per_step"] - 1)
     assert policy["sent_per_step"] > exact["sent_per_step"] > 0

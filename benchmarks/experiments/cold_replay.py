@@ -2,7 +2,7 @@
 
     rag-accel bench --last --items 100 --max-new-tokens 64 --methods greedy --save-outputs /tmp/last100.json \\
         --out /tmp/last100
-    python benchmarks/cold_replay.py --outputs /tmp/last100.json --out benchmarks/results/cold_replay_smollm2
+    python benchmarks/experiments/cold_replay.py --outputs /tmp/last100.json --out benchmarks/results/cold_replay_smollm2
 
 The model's greedy answers are known (``--save-outputs``), so every verify step's outcome is too: the
 request's real drafting code (:class:`rag_accel.speculation.RequestDrafting`: drafters, policy, loss
@@ -110,7 +110,7 @@ def main() -> None:
             result[name] = {"geomean": math.exp(statistics.fmean(math.log(r) for r in ratios)),
                             "worst": ratios[worst], "worst_item": prepared[worst][0],
                             "below_0.97": sum(r < 0.97 for r in ratios), "items": len(ratios)}
-    command = (f"python benchmarks/cold_replay.py --outputs {args.outputs} "
+    command = (f"python benchmarks/experiments/cold_replay.py --outputs {args.outputs} "
                f"{'--bench-json ' + str(args.bench_json) + ' ' if args.bench_json else ''}"
                f"--prefill-per-token {args.prefill_per_token} "
                f"{'--request-decay ' + args.request_decay + ' ' if args.request_decay else ''}--out {args.out}")

@@ -1,6 +1,6 @@
 """Which occurrence of a match to copy from: simple rules against an oracle, on the model's own answers.
 
-    python benchmarks/match_choice.py --outputs benchmarks/results/greedy_outputs_smollm2_first50x64.json \\
+    python benchmarks/experiments/match_choice.py --outputs benchmarks/results/greedy_outputs_smollm2_first50x64.json \\
         --out benchmarks/results/match_choice_smollm2_first50
 
 (``--save-outputs`` of ``rag-accel bench --methods greedy`` wrote the outputs file.) No timing: the model's
@@ -35,97 +35,17 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from rag_accel import DecoderConfig, ReferenceDecoder
-from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.bench.replay import K, SLOPE, continuation, match_lengths, occurrences, prepare, replay
+from rag_accel.data import load_msmarco_sample
 from rag_accel.drafters import ReferenceDrafter, _SpanCopier, build_drafters
 from rag_accel.kernels import SEPARATOR, concat_with_separators
-from rag_accel.policy import AcceptanceStats, leading_matches
-from rag_accel.speculation import RequestDrafting, StepCosts
+from rag_accel.policy import leading_matches
 
-K, MAX_MATCH, SLOPE, NEAR = 10, 32, 0.025, 64
-
-
-def match_lengths(source: np.ndarray, context: np.ndarray) -> np.ndarray:
-    """``L[p]``: how many tokens of the context's tail end at ``source[p - 1]`` (a match continued at ``p``)."""
-    n = len(source)
-    lengths = np.zeros(n + 1, dtype=np.int64)
-    alive = np.nonzero(source == context[-1])[0] + 1  # continuation positions of a 1-token match
-    for j in range(min(MAX_MATCH, len(context))):
-        if j:
-            alive = alive[alive - 1 - j >= 0]
-            alive = alive[source[alive - 1 - j] == context[-1 - j]]
-        if not len(alive):
-            break
-        lengths[alive] += 1
-    return lengths[:n]
-
-
-def occurrences(source: np.ndarray, context: np.ndarray) -> list[tuple[int, int]]:
-    """``(match length, continuation start)`` of every match with a continuation."""
-    lengths = match_lengths(source, context)
-    return [(int(lengths[p]), int(p)) for p in np.nonzero(lengths)[0] if source[p] != SEPARATOR]
-
-
-def continuation(source: np.ndarray, start: int) -> list[int]:
-    out = source[start:start + K].tolist()
-    return out[:out.index(SEPARATOR)] if SEPARATOR in out else out
-
-
-def longest_copy(source: np.ndarray, context: np.ndarray, truth: Sequence[int], k: int, min_match: int = 1) -> int:
-    """The most of ``truth``'s first ``k`` tokens that a copy from ``source`` gets right, over every place the
-    context's last ``min_match`` tokens occur there (a match of any length from ``min_match`` on, since a longer
-    one is also a shorter one): what an oracle that copies from the best place would get accepted. A
-    continuation ends at a :data:`SEPARATOR` or at the end of ``source``.
-
-    Example:
-        >>> source = np.array([7, 1, 2, 3, 7, 1, 2, 9])
-        >>> longest_copy(source, np.array([5, 7]), [1, 2, 9, 4], 10), longest_copy(source, np.array([2, 7]), [2], 10, 2)
-        (3, 0)
-    """
-    alive = np.nonzero(source[:-1] == context[-1])[0] + 1
-    for j in range(1, min(min_match, len(context))):
-        alive = alive[alive - 1 - j >= 0]
-        alive = alive[source[alive - 1 - j] == context[-1 - j]]
-    if len(context) < min_match:
-        alive = alive[:0]
-    got = 0
-    for j in range(min(k, len(truth))):
-        alive = alive[alive + j < len(source)]
-        alive = alive[source[alive + j] == truth[j]]
-        if not len(alive):
-            break
-        got = j + 1
-    return got
-
-
-def copy_ceiling(prepared: Sequence[tuple], k: int, earlier_answers: bool = False,
-                 min_match: int = 1) -> list[list[int]]:
-    """Per item, the draft tokens accepted at each decoding step by an oracle that copies from the best place: each
-    step takes the :func:`longest_copy` of at most ``k`` tokens from the references, the prompt and the answer so
-    far (and with ``earlier_answers`` the answers of the items before it, as suffix decoding's tree and our memory
-    hold them), sends just that many and adds the model's own next token. Taking the most each step gives the fewest
-    steps of any drafter copying at most ``k`` tokens from those sources after matches of ``min_match`` tokens or
-    more (ours, prompt lookup, n-grams, suffix decoding: at ``min_match`` 1): a copy that reaches position ``q``
-    from ``p`` reaches it from ``p + 1`` too, so a shorter step never gets further later. So its tokens per step
-    bound theirs; each step sent at exactly its accepted length is the cheapest step that accepts it."""
-    out, earlier = [], []
-    for _, prompt, refs, target in prepared:
-        sources = [concat_with_separators(refs)] + ([concat_with_separators(earlier)] if earlier else [])
-        context, steps = list(prompt) + [target[0]], []
-        while (n := len(context) - len(prompt)) < len(target):
-            ctx, truth = np.asarray(context, dtype=np.int64), target[n:]
-            # at most all but the last token: the model's own next token ends the answer
-            best = max(longest_copy(src, ctx, truth[:-1], k, min_match) for src in (*sources, ctx))
-            steps.append(best)
-            context.extend(truth[:best + 1])
-        out.append(steps)
-        if earlier_answers:
-            earlier.append(list(target))
-    return out
+NEAR = 64
 
 
 def bucket(length: int) -> str:
@@ -338,87 +258,19 @@ def always_send(prepared: Sequence[tuple], choice: str, weights: np.ndarray | No
             "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups))}
 
 
-def replay_request(drafting: RequestDrafting, context: list[int], prompt_len: int, target: Sequence[int],
-                   curve: Sequence[float], exact_lengths: bool = False) -> tuple[float, int, int]:
-    """One request decoded on its known answer ``target`` from ``context`` (the prompt, which grows): each step
-    keeps the draft's tokens up to the first wrong one plus the model's own next token and costs ``curve[L]``
-    for ``L`` draft tokens sent. ``exact_lengths``: the policy's length is replaced by an oracle's, the number
-    of the draft's tokens (of at most ``len(curve) - 1``) that get accepted. Returns (cost of the steps after
-    the first token, steps with the first, draft tokens sent)."""
-    cost, n_steps, sent_tokens, new = 0.0, 1, 0, [target[0]]
-    context.append(target[0])
-    while len(context) - prompt_len < len(target):
-        drafting.learn(context, new)
-        n = len(context) - prompt_len
-        draft, n_send = drafting.choose(context, n, 1 << 30)
-        if exact_lengths:
-            n_send = leading_matches(draft.tokens[:len(curve) - 1], target[n:len(target) - 1])
-        sent = draft.tokens[:n_send]
-        accepted = leading_matches(sent, target[n:n + n_send + 1])
-        new = sent[:accepted] + target[n + accepted:n + accepted + 1]
-        drafting.account(n_send, accepted, curve[n_send], len(context))
-        cost += curve[n_send]
-        n_steps += 1
-        sent_tokens += n_send
-        context.extend(new)
-    return cost, n_steps, sent_tokens
+def close_after_span(prompt: list[int], refs: Sequence[Sequence[int]], chain: list) -> list:
+    """Part 2's chain with :class:`CloseAfterSpan` in the reference drafter's place (a ``make_chain`` of
+    :func:`rag_accel.bench.replay.replay`)."""
+    return [CloseAfterSpan(refs, 2, 32) if d.name == "reference" else d for d in chain]  # (LLMA's match lengths)
 
 
-def replay(prepared: Sequence[tuple], k: int, close_after_span: bool,
-           curve: Sequence[float] | None = None, weights: np.ndarray | None = None,
-           memory: Any = None, make_chain: Any = None,
-           drafters: Sequence[str] = ("reference", "prompt_lookup", "ngram"),
-           exact_lengths: bool = False) -> dict[str, float]:
-    """Part 2: the real drafting, one engine learning across the items, a verify of ``L`` draft tokens costing
-    ``curve[L]`` plain steps (default ``1 + SLOPE L``); ``weights``: part 3's learned choice in the reference
-    drafter's place. ``memory``: earlier answers as a source (``benchmarks/suffix_replay.py``), an object with
-    ``drafter(item id)`` (a drafter for that item, or ``None``), which joins the chain just after the
-    reference drafter as in the vLLM proposer (after the first drafter in a chain without one), and ``add(item id, answer)``, called after each item.
-    ``make_chain(prompt, references, chain)``: the drafters to use instead of ``chain`` (the config's).
-    ``drafters``: the config's chain (default: the copy drafters before the frequency drafter, as this
-    benchmark's committed results ran). ``exact_lengths``: every draft sent at just its accepted length (an
-    oracle: what the policy's choice of lengths leaves)."""
-    cfg = DecoderConfig(drafters=tuple(drafters), max_draft_tokens=k)
-    curve = [1.0 + SLOPE * n for n in range(k + 1)] if curve is None else list(curve[:k + 1])
-    acceptance, costs = AcceptanceStats(), StepCosts()
-    tokens = steps = sent_tokens = 0
-    speedups = []
-    for item_id, prompt, refs, target in prepared:
-        context = list(prompt)
-        chain = build_drafters(cfg, context, refs).drafters
-        if make_chain is not None:
-            chain = make_chain(context, refs, chain)
-        if close_after_span:
-            chain = [CloseAfterSpan(refs, cfg.min_match, cfg.reference_max_match)
-                     if d.name == "reference" else d for d in chain]
-        if weights is not None:
-            learned = LearnedChoice(refs, len(prompt))
-            learned.weights = weights
-            chain = [learned if d.name == "reference" else d for d in chain]
-        if memory is not None and (remembered := memory.drafter(item_id)) is not None:
-            names = [d.name for d in chain]
-            at = names.index("reference") + 1 if "reference" in names else 1
-            chain = chain[:at] + [remembered] + chain[at:]
-        drafting = RequestDrafting.from_config(cfg, context, refs, curve, acceptance, costs, drafters=chain)
-        drafting.prefill_steps = 0.03 * len(prompt)
-        cost, n_steps, n_sent = replay_request(drafting, context, len(prompt), target, curve, exact_lengths)
-        sent_tokens += n_sent
-        if memory is not None:
-            memory.add(item_id, target)
-        tokens += len(target)
-        steps += n_steps
-        speedups.append((len(target) - 1) / cost if cost else 1.0)
-    return {"tokens_per_step": tokens / steps, "sent_per_step": sent_tokens / steps,
-            "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups)),
-            "worst_item": min(speedups)}
-
-
-def prepare(path: Path, dec: ReferenceDecoder, items: dict) -> list[tuple]:
-    """``(item id, prompt ids, reference ids, the model's answer ids)`` of an outputs file's items."""
-    saved = json.loads(path.read_text())
-    return [(item_id, dec.encode_prompt(rag_messages(items[item_id].query, items[item_id].passages)),
-             dec.encode_references(list(items[item_id].passages)), target)
-            for item_id, target in saved["outputs"].items()]
+def learned_choice(weights: np.ndarray):
+    """A ``make_chain`` with part 3's :class:`LearnedChoice` of these weights in the reference drafter's place."""
+    def make_chain(prompt: list[int], refs: Sequence[Sequence[int]], chain: list) -> list:
+        learned = LearnedChoice(refs, len(prompt))
+        learned.weights = weights
+        return [learned if d.name == "reference" else d for d in chain]
+    return make_chain
 
 
 def main() -> None:
@@ -432,16 +284,17 @@ def main() -> None:
     items = {it.id: it for it in load_msmarco_sample(with_answers=True)}
     prepared = prepare(args.outputs, dec, items)
     positions = rules_at_positions(prepared)
-    replays = {f"K={k}{', closest after the span' if close else ''}": replay(prepared, k, close)
+    replays = {f"K={k}{', closest after the span' if close else ''}":
+               replay(prepared, k, make_chain=close_after_span if close else None)
                for k, close in ((10, False), (24, False), (10, True))}
     learned = None
     if args.learn_from is not None:
         weights = fit_score(prepare(args.learn_from, dec, items))
-        replays["K=10, the learned choice in the reference drafter's place"] = replay(prepared, 10, False,
-                                                                                      weights=weights)
+        replays["K=10, the learned choice in the reference drafter's place"] = replay(
+            prepared, 10, make_chain=learned_choice(weights))
         learned = {"from": str(args.learn_from), "weights": dict(zip(FEATURES, weights.tolist())),
                    "always_send": {c: always_send(prepared, c, weights) for c in ("chain", "learned", "oracle")}}
-    command = f"python benchmarks/match_choice.py --outputs {args.outputs} --out {args.out}" + \
+    command = f"python benchmarks/experiments/match_choice.py --outputs {args.outputs} --out {args.out}" + \
         (f" --learn-from {args.learn_from}" if args.learn_from else "")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"command": command, "items": len(prepared), "k": K,

@@ -5,7 +5,7 @@ distribution and q = the draft model's (int8 copy, same warpers). Per-token acce
 accept/resample rule is sum(min(p, q)) = 1 - TV; with the Gumbel coupling rag_accel uses it is
 P(argmax(log p + g) == argmax(log q + g)), estimated with 256 noise draws per position.
 
-    python benchmarks/coupling.py --items 8 --max-new-tokens 64 --out benchmarks/results/coupling_cpu_smollm2
+    python benchmarks/experiments/coupling.py --items 8 --max-new-tokens 64 --out benchmarks/results/coupling_cpu_smollm2
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
               "draft_model": "int8 dynamic-quantised copy", "items": a.items, "positions": n,
               "temperature": a.temperature, "top_p": a.top_p, "draws_per_position": a.draws,
               "accept_resample_acceptance": one_minus_tv / n, "gumbel_coupling_acceptance": coupled / n,
-              "command": "python benchmarks/coupling.py " + " ".join(
+              "command": "python benchmarks/experiments/coupling.py " + " ".join(
                   f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items())}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

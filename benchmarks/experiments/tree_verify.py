@@ -1,6 +1,6 @@
 """Would verifying a tree of drafts (several candidates in one forward) pay on the transformers path on this CPU?
 
-    python benchmarks/tree_verify.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
+    python benchmarks/experiments/tree_verify.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
         --out benchmarks/results/tree_verify_smollm2_last100
 
 Issue 29 asks it before anything is built. Two measurements answer it, with no tree code in the library:
@@ -13,7 +13,7 @@ Issue 29 asks it before anything is built. Two measurements answer it, with no t
 
    - our drafting: the real drafters and cost-aware policy (one chain a step, its length chosen by the costs);
    - chains of the longest match's continuation, ``K`` tokens (latest occurrence in the context, else the earliest
-     in the references: the rule that did best in ``match_choice.py``);
+     in the references: the rule that did best in ``match_choice.py``, beside this script);
    - the best single chain of ``K`` tokens among all occurrences' continuations, chosen knowing the answer. No
      tree of ``K`` nodes over the same continuations accepts more: its accepted path is one of those chains;
    - trees of ``n`` nodes, as suffix decoding builds them: the continuations (up to ``K``) of every occurrence of
@@ -31,7 +31,6 @@ import math
 import os
 import platform
 import statistics
-import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -40,41 +39,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from match_choice import continuation, occurrences, replay
 from rag_accel import ReferenceDecoder
+from rag_accel.bench.replay import continuation, cost_of, forward_costs, occurrences, replay
 from rag_accel.data import load_msmarco_sample, rag_messages
-from rag_accel.hf.kv import rollback_cache
 from rag_accel.kernels import concat_with_separators
-
-SIZES = (1, 2, 3, 4, 6, 8, 11, 12, 16, 22, 24, 32)
-
-
-def forward_costs(dec: ReferenceDecoder, context: int, repeats: int,
-                  sizes: Sequence[int] = SIZES) -> dict[int, float]:
-    """Part 1: a forward over ``N`` tokens on a cached ``context``, relative to ``N = 1`` (which ``sizes`` must
-    hold), for ``N`` in ``sizes``: round-robin, the first round a warm-up, the least disturbed of ``repeats``."""
-    gen = torch.Generator().manual_seed(0)
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
-    with torch.inference_mode():
-        cache = dec._new_cache()
-        dec._forward(torch.randint(0, dec.vocab_size, (context,), generator=gen).tolist(), cache, last_only=True)
-        for r in range(repeats + 1):  # the first round warms up
-            for n in sizes:
-                ids = torch.randint(0, dec.vocab_size, (n,), generator=gen).tolist()
-                t0 = time.perf_counter()
-                dec._forward(ids, cache, pack_gqa=dec.config.pack_gqa, fast_head=dec.config.fast_head)
-                if r:
-                    samples[n].append(time.perf_counter() - t0)
-                rollback_cache(cache, n)
-    base = min(samples[1])
-    return {n: min(v) / base for n, v in samples.items()}
-
-
-def cost_of(costs: dict[int, float], n: int) -> float:
-    """A forward over ``n`` tokens, linear between measured sizes."""
-    lo, hi = max(s for s in costs if s <= n), min(s for s in costs if s >= n)
-    return costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
-
 
 def found_at(ref: np.ndarray, ctx: np.ndarray) -> list[tuple[int, int, int, np.ndarray]]:
     """Every match of the context's tail with a continuation: (length, in the context?, position, source)."""
@@ -185,7 +153,7 @@ def main() -> None:
                  dec.encode_references(list(items[item_id].passages)), target)
                 for item_id, target in saved["outputs"].items()]
     curve = [cost_of(costs, n + 1) for n in range(11)]
-    rows = {"our drafting (a chain, the cost-aware policy at these costs), K=10": replay(prepared, 10, False, curve)}
+    rows = {"our drafting (a chain, the cost-aware policy at these costs), K=10": replay(prepared, 10, curve)}
     for k in (3, 7, 10):
         rows[f"longest match's chain, K={k}"] = replay_trees(prepared, lambda f, t, k=k: rule_chain(f, k), costs)
     for k in (7, 10):
@@ -195,7 +163,7 @@ def main() -> None:
         rows[f"frequency tree, {n} nodes, depth <= 10"] = replay_trees(
             prepared, lambda f, t, n=n: frequency_tree(f, n, 10), costs)
     load_after = os.getloadavg()
-    command = f"python benchmarks/tree_verify.py --outputs {args.outputs} --out {args.out}"
+    command = f"python benchmarks/experiments/tree_verify.py --outputs {args.outputs} --out {args.out}"
     data = {"command": command, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
                        f"{torch.get_num_threads()} threads", "model": saved.get("model", "smollm2-135m-instruct"),

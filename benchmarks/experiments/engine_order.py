@@ -1,7 +1,7 @@
 """Is the first vLLM engine built in a process slower than identical ones built after it?
 
-    python benchmarks/engine_order.py --out benchmarks/results/engine_order_vllm_cpu_smollm2
-    python benchmarks/engine_order.py --throwaway --out benchmarks/results/engine_order_vllm_cpu_smollm2
+    python benchmarks/experiments/engine_order.py --out benchmarks/results/engine_order_vllm_cpu_smollm2
+    python benchmarks/experiments/engine_order.py --throwaway --out benchmarks/results/engine_order_vllm_cpu_smollm2
 
 (in the vLLM virtualenv, with the bench environment: ``VLLM_CPU_OMP_THREADS_BIND=0-1``,
 ``LD_PRELOAD=$VIRTUAL_ENV/lib/libiomp5.so``). Every benchmark here builds its vLLM engines in one
@@ -27,12 +27,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from rag_accel.bench.inflight import engine_seconds, first_vs_others  # noqa: E402
+
 IN_FLIGHT, NEW = 16, 64
 
 
 def measure(n_engines: int, n_groups: int, throwaway: bool, model: str) -> dict:
-    from inflight_bench import make_engines, take_prompts  # (this folder is on sys.path when run as a script)
     from rag_accel import ReferenceDecoder
+    from rag_accel.bench.inflight import make_engines, take_prompts
     from rag_accel.data import load_msmarco_sample
 
     items = load_msmarco_sample(with_answers=True)[100:100 + IN_FLIGHT * (n_groups + 1)]
@@ -63,27 +65,11 @@ def measure(n_engines: int, n_groups: int, throwaway: bool, model: str) -> dict:
             "load_before": load_before, "load_after": os.getloadavg()}
 
 
-def totals(run: dict) -> dict[str, float]:
-    """Seconds per timed engine over a run's groups, in the order the engines were built."""
-    return {m: sum(g[m] for g in run["groups"]) for m in run["groups"][0]}
-
-
-def first_vs_others(run: dict) -> float:
-    """How much longer the first engine built took than the mean of the others (-0.05: 5% less).
-
-    Example:
-        >>> round(first_vs_others({"groups": [{"g0": 11.0, "g1": 10.0, "g2": 10.0}]}), 3)
-        0.1
-    """
-    seconds = list(totals(run).values())
-    return seconds[0] / (sum(seconds[1:]) / len(seconds[1:])) - 1
-
-
 def render(path: Path) -> None:
     """The markdown of every run in ``path``'s JSON."""
     runs = json.loads(path.read_text())["runs"]
     lines = ["# The first vLLM engine built in a process against identical ones built after it", "",
-             f"- command: `python benchmarks/engine_order.py [--throwaway] --out {path.with_suffix('')}` (vLLM "
+             f"- command: `python benchmarks/experiments/engine_order.py [--throwaway] --out {path.with_suffix('')}` (vLLM "
              "virtualenv, `VLLM_CPU_OMP_THREADS_BIND=0-1`, `LD_PRELOAD` libiomp5, `VLLM_CPU_KVCACHE_SPACE=2`)",
              f"- each engine: vllm-greedy, SmolLM2-135M float32 on the 2-core CPU; {IN_FLIGHT} requests in flight x "
              f"{NEW} tokens per group, the engines' order rotating per group; seconds per engine, all groups", "",
@@ -96,7 +82,7 @@ def render(path: Path) -> None:
         how = "; ".join(([] if not run["throwaway_first"] else ["a throwaway engine built first"])
                         + ([run["note"]] if run.get("note") else []))
         lines.append(f"| {run['date']}{f' ({how})' if how else ''} | "
-                     + " / ".join(f"{t:.1f}" for t in totals(run).values())
+                     + " / ".join(f"{t:.1f}" for t in engine_seconds(run).values())
                      + f" | {first_vs_others(run):+.1%} |")
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,6 +1,6 @@
 """What cached answers and earlier turns add: tokens per verification step with and without them.
 
-    python benchmarks/cache_multiturn.py --items 12 --out benchmarks/results/cache_multiturn_cpu
+    python benchmarks/experiments/cache_multiturn.py --items 12 --out benchmarks/results/cache_multiturn_cpu
 
 Built from the bundled MS-MARCO sample, with the offline models:
 
@@ -107,7 +107,7 @@ def main() -> None:
     print(f"identical to greedy: {identical}/{total}")
     if args.out:
         env = environment(dec)
-        cmd = f"python benchmarks/cache_multiturn.py --items {args.items} --max-new-tokens {n} --out {args.out}"
+        cmd = f"python benchmarks/experiments/cache_multiturn.py --items {args.items} --max-new-tokens {n} --out {args.out}"
         out = Path(args.out)
         out.with_suffix(".json").write_text(json.dumps({"environment": env, "command": cmd, "items": len(items),
                                                         "tokens_per_step": rows, "identical": [identical, total]},

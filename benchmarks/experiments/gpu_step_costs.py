@@ -1,9 +1,9 @@
 """What a batched verify step costs on a GPU, by rows in flight and tokens per row: the line the vLLM proposer
 learns (``rag_accel.speculation.BatchStepCosts``, ``t(T) = a + b T`` for ``T`` tokens scheduled), measured.
 
-    python benchmarks/gpu_step_costs.py --device cuda --out benchmarks/results/gpu_step_costs_h200
-    python benchmarks/gpu_step_costs.py --check          # here, on the CPU: the static step equals transformers
-    python benchmarks/gpu_step_costs.py --report benchmarks/results/gpu_step_costs_h200.json \
+    python benchmarks/experiments/gpu_step_costs.py --device cuda --out benchmarks/results/gpu_step_costs_h200
+    python benchmarks/experiments/gpu_step_costs.py --check          # here, on the CPU: the static step equals transformers
+    python benchmarks/experiments/gpu_step_costs.py --report benchmarks/results/gpu_step_costs_h200.json \
         --repeat benchmarks/results/gpu_step_costs_h200_repeat.json          # its markdown and plot
 
 vLLM's GPU wheel cannot reach the device machine (nothing can be fetched there, and the working tree that travels
@@ -21,7 +21,7 @@ step's time does not depend on their values):
 Each shape: ``rows`` rows of ``tokens_per_row`` tokens (1 = a plain step, 1 + k = a verify of ``k`` draft tokens) at
 the same context; the median of ``--reps`` timed steps after warm-ups (CUDA events). The line ``a + b T`` is fitted
 per number of rows and over all shapes; ``b / a`` is what ``BatchStepCosts`` prices a draft token by.
-``benchmarks/batch_costs.py --measured`` replays the proposer's drafting at these step times.
+``benchmarks/experiments/batch_costs.py --measured`` replays the proposer's drafting at these step times.
 """
 
 from __future__ import annotations
@@ -248,7 +248,9 @@ def warm_gpu(seconds: float) -> None:
 
 
 def least_squares(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """``(a, b)`` of the least-squares line ``t = a + b T`` through ``(T, t)`` points."""
+    """``(a, b)`` of the least-squares line ``t = a + b T`` through ``(T, t)`` points (the same as
+    :func:`rag_accel.bench.replay.least_squares`, repeated: this script needs only torch and transformers, so that
+    it runs on a machine where rag_accel is not installed)."""
     n = len(points)
     mt, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
     var = sum((p[0] - mt) ** 2 for p in points)

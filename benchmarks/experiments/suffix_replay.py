@@ -1,9 +1,9 @@
 """vLLM's suffix decoding against our drafting, replayed on the model's greedy answers (no timing).
 
-    python benchmarks/suffix_replay.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
+    python benchmarks/experiments/suffix_replay.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
         --out benchmarks/results/suffix_replay_smollm2_last100
-    python benchmarks/suffix_replay.py --plot benchmarks/results/suffix_replay_smollm2_last100.json
-    python benchmarks/suffix_replay.py --measured benchmarks/results/gpu_step_costs_h200.json \\
+    python benchmarks/experiments/suffix_replay.py --plot benchmarks/results/suffix_replay_smollm2_last100.json
+    python benchmarks/experiments/suffix_replay.py --measured benchmarks/results/gpu_step_costs_h200.json \\
         --out benchmarks/results/suffix_replay_smollm2_last100_h200
 
 (the first in the vLLM virtualenv with arctic-inference installed, the second in one with matplotlib). The
@@ -13,14 +13,14 @@ model's own next token, and costs ``curve[L]`` plain steps for ``L`` draft token
 one engine learning across them, as in the vLLM benchmarks' per-request loop:
 
 * ours: :class:`rag_accel.speculation.RequestDrafting` (the drafter chain and the cost-aware policy,
-  ``benchmarks/match_choice.py``'s replay): the chain before the frequency drafter (reference, prompt lookup,
+  ``rag_accel.bench.replay.replay``): the chain before the frequency drafter (reference, prompt lookup,
   n-grams) and the default chain (references, the frequency drafter), each with the memory of earlier answers (``vllm-ours-memory``: one
   scope) or without, or with arctic-inference's frequency tree of earlier answers in the memory's place;
   and our policy over arctic-inference's per-request tree alone (:class:`RequestTreeDrafter`), which asks
   whether our policy or suffix decoding's own rule sends the better share of the same drafts;
 * what our choice of draft lengths leaves: the default chain's drafts, each sent at just the length that
   gets accepted (an oracle; the drafts, and so the tokens per step, are ours);
-* the ceiling of copying (``match_choice.copy_ceiling``): an oracle that knows the answer takes, each step,
+* the ceiling of copying (``rag_accel.bench.replay.copy_ceiling``): an oracle that knows the answer takes, each step,
   the most tokens any copy of at most ``K`` tokens after a match in the references, the prompt or the answer so
   far (and, in its second row, earlier answers) gets accepted, and sends just those: no drafter that copies from
   those sources takes fewer steps; then the same after matches of at least 2 tokens only (a 1-token match,
@@ -37,7 +37,7 @@ from these rows is chosen there and judged on the last 100.
 Three cost curves: this CPU's (a draft token costs 0.025 of a step, vLLM at one request in flight), four
 times dearer (0.1: a busy batch) and nearly free draft tokens (0.002), where sending more pays: the question
 there is who gets the most tokens per step. ``--measured``: instead, one row's step times measured on a GPU
-(``benchmarks/gpu_step_costs.py``'s CUDA-graph steps, one curve per model shape), where the first draft tokens
+(``benchmarks/experiments/gpu_step_costs.py``'s CUDA-graph steps, one curve per model shape), where the first draft tokens
 of a step cost most.
 """
 
@@ -47,21 +47,25 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rag_accel.bench.replay import (
+    MAX_TREE_DEPTH,
+    MIN_TOKEN_PROB,
+    FrequencyTreeMemory,
+    TableCost,
+    copy_ceiling,
+    prepare,
+    replay,
+)
 from rag_accel.config import DEFAULT_COPY_DRAFTERS
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 K = 10
 # What a draft token costs in plain steps: this CPU at one request in flight; four times that (a busy batch,
 # where a row's draft tokens compete with other rows' for compute); nearly free (a GPU at one request).
 SLOPES = {"cpu": 0.025, "4x dearer": 0.1, "nearly free": 0.002}
-MAX_TREE_DEPTH = 24  # vLLM's default suffix_decoding_max_tree_depth
-MIN_TOKEN_PROB = 0.1  # and suffix_decoding_min_token_prob
 
 
 class OneScopeMemory:
@@ -77,48 +81,6 @@ class OneScopeMemory:
 
     def add(self, item_id: str, answer: Sequence[int]) -> None:
         self.memory.add("all", list(answer))
-
-
-class FrequencyTreeDrafter:
-    """A drafter over arctic-inference's tree of earlier answers: the continuation most of them share."""
-
-    name = "memory"
-
-    def __init__(self, cache: Any, request: str) -> None:
-        self.cache, self.request = cache, request
-
-    def propose(self, context: Sequence[int], max_len: int) -> Any:
-        import numpy as np
-
-        from rag_accel.drafters import NO_DRAFT, Draft
-
-        found = self.cache.speculate(self.request, np.asarray(context[-MAX_TREE_DEPTH:], dtype=np.int32),
-                                     max_spec_tokens=max_len, max_spec_factor=float(K),
-                                     min_token_prob=MIN_TOKEN_PROB)
-        return Draft(list(found.token_ids), int(found.match_len), self.name) if found.token_ids else NO_DRAFT
-
-    def update(self, context: Sequence[int], num_new: int) -> None:
-        pass
-
-
-class FrequencyTreeMemory:
-    """arctic-inference's global tree of earlier answers in our memory's place (its per-request tree empty:
-    our other drafters cover the prompt and the answer so far)."""
-
-    def __init__(self) -> None:
-        from arctic_inference.suffix_decoding import SuffixDecodingCache
-
-        self.cache = SuffixDecodingCache(max_tree_depth=MAX_TREE_DEPTH, max_cached_requests=10_000)
-
-    def drafter(self, item_id: str) -> FrequencyTreeDrafter:
-        import numpy as np
-
-        self.cache.start_request(item_id, np.zeros(0, dtype=np.int32))
-        return FrequencyTreeDrafter(self.cache, item_id)
-
-    def add(self, item_id: str, answer: Sequence[int]) -> None:
-        self.cache.add_active_response(item_id, list(answer))
-        self.cache.stop_request(item_id)
 
 
 class RequestTreeDrafter:
@@ -193,12 +155,10 @@ def suffix_replay(prepared: Sequence[tuple], curve: Sequence[float], *, factor: 
 
 def _ours(memory: Any = None, tree_factor: float | None = None,
           drafters: Sequence[str] = ("reference", "prompt_lookup", "ngram"), exact_lengths: bool = False):
-    from match_choice import replay
-
     def run(prepared: Sequence[tuple], curve: Sequence[float]) -> dict[str, float]:
         make_chain = None if tree_factor is None else (
             lambda prompt, refs, chain: [RequestTreeDrafter(prompt, tree_factor)])
-        return replay(prepared, K, False, curve, memory=memory() if memory else None, make_chain=make_chain,
+        return replay(prepared, K, curve, memory=memory() if memory else None, make_chain=make_chain,
                       drafters=drafters, exact_lengths=exact_lengths)
     return run
 
@@ -208,12 +168,10 @@ def _suffix(factor: float, global_tree: bool = True):
 
 
 def _ceiling(earlier_answers: bool, min_match: int = 1):
-    """``match_choice.copy_ceiling``: the oracle's steps do not depend on the cost curve, so they are found once."""
+    """:func:`rag_accel.bench.replay.copy_ceiling`: the oracle's steps do not depend on the cost curve, so they are found once."""
     found: dict[tuple, list[list[int]]] = {}
 
     def run(prepared: Sequence[tuple], curve: Sequence[float]) -> dict[str, float]:
-        from match_choice import copy_ceiling
-
         if (key := (id(prepared), K)) not in found:
             found[key] = copy_ceiling(prepared, K, earlier_answers, min_match)
         steps = found[key]
@@ -233,7 +191,7 @@ CONFIGS = {
     "ours + memory of earlier answers": _ours(OneScopeMemory),
     "ours, the default chain (references, frequency drafter)": _ours(drafters=DEFAULT_COPY_DRAFTERS),
     "the default chain + memory of earlier answers": _ours(OneScopeMemory, drafters=DEFAULT_COPY_DRAFTERS),
-    "ours + arctic's frequency tree of earlier answers": _ours(FrequencyTreeMemory),
+    "ours + arctic's frequency tree of earlier answers": _ours(lambda: FrequencyTreeMemory(factor=float(K))),
     "our policy over arctic's per-request tree (factor 3), no other drafter": _ours(tree_factor=3.0),
     "the same + memory of earlier answers": _ours(OneScopeMemory, tree_factor=3.0),
     "suffix decoding (vLLM's defaults)": _suffix(1.0),
@@ -254,8 +212,6 @@ CONFIGS = {
 
 def measured_curves(path: Path) -> dict[str, list[float]]:
     """One row's measured step time for ``L`` = 0..K draft tokens over a plain step's, per model shape."""
-    from batch_costs import TableCost
-
     data = json.loads(path.read_text())
     curves = {}
     for run in data["runs"]:
@@ -301,14 +257,12 @@ def main() -> None:
     ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON, and nothing else")
     ap.add_argument("--k", type=int, default=K, help="at most this many draft tokens a step, for every configuration")
     ap.add_argument("--measured", type=Path, default=None, metavar="JSON",
-                    help="cost curves: one row's CUDA-graph steps of benchmarks/gpu_step_costs.py's run")
+                    help="cost curves: one row's CUDA-graph steps of benchmarks/experiments/gpu_step_costs.py's run")
     args = ap.parse_args()
     if args.plot is not None:
         plot(args.plot)
         return
     K = args.k
-    from match_choice import prepare
-
     from rag_accel import ReferenceDecoder
     from rag_accel.data import load_msmarco_sample
 
@@ -319,7 +273,7 @@ def main() -> None:
     curves = measured_curves(args.measured) if args.measured is not None else {
         curve: [1.0 + slope * n for n in range(K + 1)] for curve, slope in SLOPES.items()}
     results = {curve: {name: run(prepared, costs) for name, run in CONFIGS.items()} for curve, costs in curves.items()}
-    command = f"python benchmarks/suffix_replay.py --outputs {args.outputs} --out {args.out}" + (
+    command = f"python benchmarks/experiments/suffix_replay.py --outputs {args.outputs} --out {args.out}" + (
         f" --measured {args.measured}" if args.measured is not None else "") + (f" --k {K}" if K != 10 else "")
     from importlib.metadata import version
 
@@ -329,7 +283,7 @@ def main() -> None:
          **({"slopes": SLOPES} if args.measured is None else {"measured": str(args.measured)}),
          "arctic_inference": version("arctic-inference"), "results": results}, indent=1))
     lines = [f"# vLLM's suffix decoding and our drafting replayed on {len(prepared)} greedy answers (no timing)", "",
-             f"- command: `{command}`; the plot: `python benchmarks/suffix_replay.py --plot {args.out}.json`",
+             f"- command: `{command}`; the plot: `python benchmarks/experiments/suffix_replay.py --plot {args.out}.json`",
              f"- answers: `{args.outputs}` (SmolLM2-135M-Instruct float32, greedy); at most {K} draft tokens a step; "
              f"suffix decoding: arctic-inference, max_tree_depth {MAX_TREE_DEPTH}, min_token_prob {MIN_TOKEN_PROB}",
              ""]

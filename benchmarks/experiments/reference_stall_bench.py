@@ -1,7 +1,7 @@
 """Does one client's big reference stall the others? Latency of small requests through HTTP, alone and
 while another client keeps sending the largest references the server accepts.
 
-    python benchmarks/reference_stall_bench.py --python .venv-vllm/bin/python \\
+    python benchmarks/experiments/reference_stall_bench.py --python .venv-vllm/bin/python \\
         --out benchmarks/results/reference_stall_cpu_smollm2
 
 One ``rag-accel serve`` server (our proposer, float32, ``--enforce-eager``, prefix caching off so that a

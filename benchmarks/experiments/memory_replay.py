@@ -1,9 +1,9 @@
 """The memory of earlier answers against vLLM's suffix decoding, replayed on the model's greedy answers (no timing).
 
-    python benchmarks/memory_replay.py --generate benchmarks/results/greedy_outputs_smollm2_reworded_last100x128.json
-    python benchmarks/memory_replay.py --outputs benchmarks/results/greedy_outputs_smollm2_reworded_last100x128.json \\
+    python benchmarks/experiments/memory_replay.py --generate benchmarks/results/greedy_outputs_smollm2_reworded_last100x128.json
+    python benchmarks/experiments/memory_replay.py --outputs benchmarks/results/greedy_outputs_smollm2_reworded_last100x128.json \\
         --out benchmarks/results/memory_replay_smollm2_last100
-    python benchmarks/memory_replay.py --plot benchmarks/results/memory_replay_smollm2_last100.json
+    python benchmarks/experiments/memory_replay.py --plot benchmarks/results/memory_replay_smollm2_last100.json
 
 (the first two in the vLLM virtualenv, arctic-inference installed for suffix decoding, the third in one with
 matplotlib; ``--generate`` takes ``--first N`` for the sample's first items, the ones defaults are chosen on).
@@ -28,7 +28,7 @@ decoding's tree of earlier answers too):
   decoding's choice over the references) instead of LLMA's longest match (the default).
 
 The cost curve is vLLM's on this project's 2-core CPU at one request in flight (SmolLM2-135M float32;
-``benchmarks/step_costs.py``): a first draft token costs 0.08 of a step, the next ones ~0.03, with a step up
+``benchmarks/experiments/step_costs.py``): a first draft token costs 0.08 of a step, the next ones ~0.03, with a step up
 at 6 draft tokens.
 """
 
@@ -39,17 +39,19 @@ import json
 import math
 import os
 import statistics
-import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from suffix_replay import MAX_TREE_DEPTH, MIN_TOKEN_PROB, FrequencyTreeDrafter, FrequencyTreeMemory  # noqa: E402
-
-from rag_accel.drafters import FrequencyDrafter, MemoryDrafter, _SpanCopier  # noqa: E402
+from rag_accel.bench.replay import (
+    MAX_TREE_DEPTH,
+    MIN_TOKEN_PROB,
+    FrequencyTreeDrafter,
+    FrequencyTreeMemory,
+    replay_request,
+)
+from rag_accel.drafters import FrequencyDrafter, MemoryDrafter, _SpanCopier
 
 K = 10
 # vLLM at one request in flight on the 2-core CPU (benchmarks/results/step_costs_vllm_cpu_smollm2.md): a step
@@ -142,8 +144,6 @@ class _ProbTreeDrafter(FrequencyTreeDrafter):
 def ours(sequence: Sequence[tuple], memory: Any = None, reference_choice: str = "longest") -> list[dict]:
     """Our drafting over ``(id, case, prompt, references, answer)`` in order; one row per item
     (``reference_choice``: the references' drafter's, ``DecoderConfig.reference_choice``)."""
-    from match_choice import replay_request
-
     from rag_accel.config import DEFAULT_COPY_DRAFTERS, DecoderConfig
     from rag_accel.drafters import build_drafters
     from rag_accel.policy import AcceptanceStats
@@ -270,7 +270,7 @@ def generate(path: Path, n: int, first: bool) -> None:
         "model": "smollm2-135m-instruct", "dtype": "float32", "max_new_tokens": 128,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "how": "vLLM greedy (speculation off), each set of prompts in one batch",
-        "command": f"python benchmarks/memory_replay.py --generate {path}" + (f" --first {n}" if first else ""),
+        "command": f"python benchmarks/experiments/memory_replay.py --generate {path}" + (f" --first {n}" if first else ""),
         "items": [{"id": it.id, "answer": a.token_ids, "reworded_answer": r.token_ids}
                   for it, a, r in zip(items, answers, answers_reworded)]}))
 
@@ -314,7 +314,7 @@ def main() -> None:
         rows = run(rag + reworded(client))
         results[name] = {case: summarize(rows, case) for case in ("rag", "reworded")}
         print(name, {c: round(v["modelled_speedup_decoding"], 3) for c, v in results[name].items()}, flush=True)
-    command = f"python benchmarks/memory_replay.py --outputs {args.outputs} --out {args.out}"
+    command = f"python benchmarks/experiments/memory_replay.py --outputs {args.outputs} --out {args.out}"
     args.out.with_suffix(".json").write_text(json.dumps(
         {"command": command, "outputs": str(args.outputs), "items": len(saved_items), "k": K, "curve": CURVE,
          "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "results": results}, indent=1))
@@ -333,7 +333,7 @@ def main() -> None:
               f"{r['reworded']['tokens_per_step']:.3f} | {r['reworded']['modelled_speedup_decoding']:.3f}x | "
               f"{r['reworded']['sent_per_step']:.2f} |" for name, r in results.items()]
     lines += ["", f"![modelled speed-up per configuration]({args.out.with_suffix('.png').name}) (`python "
-              f"benchmarks/memory_replay.py --plot {args.out}.json`, in a virtualenv with matplotlib)"]
+              f"benchmarks/experiments/memory_replay.py --plot {args.out}.json`, in a virtualenv with matplotlib)"]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

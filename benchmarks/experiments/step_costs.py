@@ -1,7 +1,7 @@
 """What a vLLM step costs by the draft tokens it verifies, timed inside the worker (one request in flight).
 
-    python benchmarks/step_costs.py --items 24 --out benchmarks/results/step_costs_vllm_cpu_smollm2
-    python benchmarks/step_costs.py --plot benchmarks/results/step_costs_vllm_cpu_smollm2.json
+    python benchmarks/experiments/step_costs.py --items 24 --out benchmarks/results/step_costs_vllm_cpu_smollm2
+    python benchmarks/experiments/step_costs.py --plot benchmarks/results/step_costs_vllm_cpu_smollm2.json
 
 (the first in the vLLM virtualenv with arctic-inference installed, the second in one with matplotlib). Three
 engines (vllm-greedy, vllm-suffix, vllm-ours: float32, eager, prefix caching off, at most 10 draft tokens, a
@@ -13,7 +13,7 @@ only) times every step's forward (``execute_model``), its sampling, verification
 between one step's start and the next is the step's wall time (the engine core's scheduling included).
 
 The curve, ``t(L) / t(0)`` for a step verifying ``L`` draft tokens, is what the draft-length policy trades
-accepted tokens against; ``benchmarks/memory_replay.py`` replays drafting at this curve.
+accepted tokens against; ``benchmarks/experiments/memory_replay.py`` replays drafting at this curve.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,7 +30,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 METHODS = {"vllm-greedy": {"speculation": "off"}, "vllm-suffix": {"speculation": "suffix"},
            "vllm-ours": {"speculation": "ours"}}
@@ -171,17 +169,16 @@ def main() -> None:
     if args.plot is not None:
         return plot(args.plot)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # (the timer goes to the workers pickled)
-    import inflight_bench
-
     from rag_accel import ReferenceDecoder
     from rag_accel.bench import VLLM_ENV_RECORDED
+    from rag_accel.bench.inflight import make_engines, take_prompts
     from rag_accel.data import load_msmarco_sample
 
     load_before = os.getloadavg()
     items = load_msmarco_sample(with_answers=True)[-args.items:]
     dec = ReferenceDecoder.from_pretrained("smollm2-135m-instruct", calibrate=False)  # (the prompts' tokenizer)
-    prompts, refs, ids = inflight_bench.take_prompts(items, {1: args.items}, dec)
-    engines = inflight_bench.make_engines(METHODS, "smollm2-135m-instruct", K, 4096, spare_first=True)
+    prompts, refs, ids = take_prompts(items, {1: args.items}, dec)
+    engines = make_engines(METHODS, "smollm2-135m-instruct", K, 4096, spare_first=True)
     steps: dict[str, list] = {m: [] for m in METHODS}
     seconds: dict[str, float] = dict.fromkeys(METHODS, 0.0)
     try:
@@ -206,11 +203,11 @@ def main() -> None:
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "vllm": vllm.__version__, "torch": torch.__version__,
            "vllm_env": {k: os.environ[k] for k in VLLM_ENV_RECORDED if k in os.environ},
            "load_before": load_before, "load_after": os.getloadavg()}
-    command = f"python benchmarks/step_costs.py --items {args.items} --out {args.out}"
+    command = f"python benchmarks/experiments/step_costs.py --items {args.items} --out {args.out}"
     args.out.with_suffix(".json").write_text(json.dumps(
         {"environment": env, "command": command, "items": ids[1], "seconds": seconds, "summary": summary}, indent=1))
     lines = [f"# vLLM's step cost by draft tokens, one request in flight ({args.items} items)", "",
-             f"- command: `{command}`; the plot: `python benchmarks/step_costs.py --plot {args.out}.json`",
+             f"- command: `{command}`; the plot: `python benchmarks/experiments/step_costs.py --plot {args.out}.json`",
              f"- {env['model']} float32 on {env['device']}, vLLM {env['vllm']}, torch {env['torch']}, {env['date']}; "
              f"env {env['vllm_env']}; machine load (1/5/15 min) before {tuple(round(x, 2) for x in load_before)}, "
              f"after {tuple(round(x, 2) for x in env['load_after'])}", "",

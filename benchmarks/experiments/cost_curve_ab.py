@@ -1,6 +1,6 @@
 """A cost curve that keeps its dips, against the transformers decoder's own: same run, same items.
 
-    python benchmarks/cost_curve_ab.py --items 30 --repeats 3 --out benchmarks/results/cost_curve_ab_cpu_smollm2
+    python benchmarks/experiments/cost_curve_ab.py --items 30 --repeats 3 --out benchmarks/results/cost_curve_ab_cpu_smollm2
 
 :func:`rag_accel.hf.decoder.measure_cost_curve` (arm ``before``) times forwards over 1, 2, 4, 8, 16, 32 and
 ``max_draft + 1`` tokens and makes the curve non-decreasing. On this CPU a forward over 2-3 tokens costs more
@@ -31,8 +31,8 @@ import torch
 
 from rag_accel import ReferenceDecoder
 from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.bench.replay import cost_of, forward_costs
 from rag_accel.hf.decoder import measure_cost_curve
-from tree_verify import cost_of, forward_costs
 
 ARMS = ("greedy", "before", "after")
 
@@ -40,7 +40,7 @@ ARMS = ("greedy", "before", "after")
 def curve_with_dips(decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2) -> tuple:
     """The candidate rule: every size up to 8 timed (then 12, 16, 24, 32, 48, 64, ``max_draft + 1``), a longer
     forward that costs less kept (linear between sizes, at least 1), as :func:`measure_cost_curve` otherwise
-    (its context length and repeats; the timing loop is ``tree_verify.forward_costs``)."""
+    (its context length and repeats; the timing loop is :func:`rag_accel.bench.replay.forward_costs`)."""
     ctx_len = max(1, min(context_len, (decoder.context_window or 1 << 30) - max_draft - 2))
     sizes = sorted({*range(1, min(8, max_draft + 1) + 1),
                     *(s for s in (12, 16, 24, 32, 48, 64) if s <= max_draft), max_draft + 1})
@@ -110,7 +110,7 @@ def main() -> None:
         return render(json.loads(args.render.read_text()), args.render)
     dec = ReferenceDecoder.from_pretrained("smollm2-135m-instruct", calibrate=False)
     k = dec.config.max_draft_tokens
-    curves = {"before": measure_cost_curve(dec, k, pack_gqa=dec.config.pack_gqa, fast_head=dec.config.fast_head),
+    curves = {"before": measure_cost_curve(dec, k),  # (the decoder's own forward path)
               "after": curve_with_dips(dec, k)}
     items = load_msmarco_sample()[-args.items:]
     load_before = os.getloadavg()
@@ -136,7 +136,7 @@ def main() -> None:
             for arm in ("before", "after"):
                 identical[arm] += outputs[arm] == outputs["greedy"]
         print(f"round {r + 1} of {args.repeats} done", flush=True)
-    command = (f"python benchmarks/cost_curve_ab.py --items {args.items} --repeats {args.repeats} "
+    command = (f"python benchmarks/experiments/cost_curve_ab.py --items {args.items} --repeats {args.repeats} "
                f"--max-new-tokens {args.max_new_tokens} --out {args.out}")
     data = {"command": command, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -1,16 +1,16 @@
 """What the vLLM proposer's learnt step costs do on a machine where a draft token is nearly free (a GPU),
 replayed on the model's greedy answers (no timing, no GPU needed).
 
-    python benchmarks/batch_costs.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
+    python benchmarks/experiments/batch_costs.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
         --out benchmarks/results/batch_costs_smollm2_last100
-    python benchmarks/batch_costs.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
+    python benchmarks/experiments/batch_costs.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
         --out benchmarks/results/batch_costs_smollm2_last100_h200 --measured benchmarks/results/gpu_step_costs_h200.json
 
 The vLLM proposer prices a draft token from a line it fits to the engine's step times, ``t(T) = a + b T``
 for ``T`` tokens scheduled (:class:`rag_accel.speculation.BatchStepCosts`). Its prior, and the floor the fit
 may not go under (half the prior), were measured on this project's 2-core CPU, where a draft token costs
 ~3% of a step. On a GPU a draft token costs less once several rows share a step (an H200's CUDA-graph steps:
-0.2-0.4% of a step from 4 rows up, ``benchmarks/gpu_step_costs.py``), so a floor from the CPU may price drafts
+0.2-0.4% of a step from 4 rows up, ``benchmarks/experiments/gpu_step_costs.py``), so a floor from the CPU may price drafts
 above their cost and cut ones that would pay. This replay says how much that loses, and whether a floor that
 holds only while the data cannot place the slope below it (an upper confidence bound) wins it back without
 giving up the floor's purpose: noise must never make drafts free.
@@ -30,73 +30,17 @@ import argparse
 import json
 import os
 import random
-import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from rag_accel import DecoderConfig  # noqa: E402
-from rag_accel.policy import AcceptanceStats, leading_matches  # noqa: E402
-from rag_accel.speculation import BatchStepCosts, RequestDrafting  # noqa: E402
-from gpu_step_costs import least_squares  # noqa: E402 - (torch only inside its functions)
+from rag_accel import DecoderConfig
+from rag_accel.bench.replay import LineCost, TableCost
+from rag_accel.policy import AcceptanceStats, leading_matches
+from rag_accel.speculation import BatchStepCosts, RequestDrafting
 
 CURVE_SLOPE = BatchStepCosts.CURVE_SLOPE
-
-
-class LineCost:
-    """A step scheduling ``tokens`` tokens costs ``1 + slope * tokens``, however many rows they are in."""
-
-    def __init__(self, slope: float) -> None:
-        self.slope = slope
-
-    def __call__(self, rows: int, tokens: int) -> float:
-        return 1.0 + self.slope * tokens
-
-    def line(self, rows: int) -> tuple[float, float]:
-        return 1.0, self.slope
-
-
-class TableCost:
-    """Step times measured by rows and tokens per row (``benchmarks/gpu_step_costs.py``'s shapes), in units of a
-    one-row plain step: piecewise linear in the tokens along each measured number of rows (a plain step of as many
-    rows below the first point, the last two points' line beyond the last), linear in the rows between them."""
-
-    def __init__(self, shapes: Sequence[dict[str, Any]]) -> None:
-        unit = next(x["ms_median"] for x in shapes if x["rows"] == 1 and x["tokens_per_row"] == 1)
-        self.points = {r: sorted((x["tokens"], x["ms_median"] / unit) for x in shapes if x["rows"] == r)
-                       for r in sorted({x["rows"] for x in shapes})}
-        self.lines = {r: least_squares(p) for r, p in self.points.items()}
-
-    def _along(self, rows: int, tokens: float) -> float:
-        pts = self.points[rows]
-        if tokens <= pts[0][0]:
-            return pts[0][1]
-        for (t0, y0), (t1, y1) in zip(pts, pts[1:]):
-            if tokens <= t1:
-                return y0 + (y1 - y0) * (tokens - t0) / (t1 - t0)
-        (t0, y0), (t1, y1) = pts[-2], pts[-1]
-        return y1 + (y1 - y0) * (tokens - t1) / (t1 - t0)
-
-    def _bracket(self, rows: int) -> tuple[int, int, float]:
-        measured = list(self.points)
-        if rows <= measured[0]:
-            return measured[0], measured[0], 0.0
-        for lo, hi in zip(measured, measured[1:]):
-            if rows <= hi:
-                return lo, hi, (rows - lo) / (hi - lo)
-        return measured[-1], measured[-1], 0.0
-
-    def __call__(self, rows: int, tokens: int) -> float:
-        lo, hi, w = self._bracket(rows)
-        return (1 - w) * self._along(lo, tokens) + w * self._along(hi, tokens)
-
-    def line(self, rows: int) -> tuple[float, float]:
-        """The least-squares line of the measured steps of the nearest measured number of rows."""
-        lo, hi, w = self._bracket(rows)
-        return self.lines[hi if w >= 0.5 else lo]
 
 
 class KnownCosts(BatchStepCosts):
@@ -261,7 +205,7 @@ def main() -> None:
     ap.add_argument("--prepared", type=Path, default=None, help="cache of the tokenised items (json)")
     ap.add_argument("--rows", default="1,4,16,32")
     ap.add_argument("--measured", type=Path, default=None, metavar="JSON",
-                    help="instead of the modelled lines: step times measured by benchmarks/gpu_step_costs.py "
+                    help="instead of the modelled lines: step times measured by benchmarks/experiments/gpu_step_costs.py "
                          "(its CUDA-graph steps, one machine per model), noise 5%%")
     ap.add_argument("--k", type=int, default=10, help="at most this many draft tokens a row (num_speculative_tokens)")
     ap.add_argument("--probe-vllm", type=int, default=0, metavar="N",
@@ -272,7 +216,7 @@ def main() -> None:
         print(json.dumps(result, indent=1))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_name(args.out.name + "_vllm_probe.json").write_text(json.dumps(
-            {"command": f"python benchmarks/batch_costs.py --probe-vllm {args.probe_vllm} --out {args.out}",
+            {"command": f"python benchmarks/experiments/batch_costs.py --probe-vllm {args.probe_vllm} --out {args.out}",
              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **result}, indent=1))
         return
     if args.outputs is None:
@@ -280,9 +224,8 @@ def main() -> None:
     if args.prepared is not None and args.prepared.is_file():
         prepared = [tuple(x) for x in json.loads(args.prepared.read_text())]
     else:
-        from match_choice import prepare  # noqa: PLC0415 - needs the model's tokenizer
-
         from rag_accel import ReferenceDecoder
+        from rag_accel.bench.replay import prepare
         from rag_accel.data import load_msmarco_sample
         model = json.loads(args.outputs.read_text()).get("model", "smollm2-135m-instruct")
         dec = ReferenceDecoder.from_pretrained(model, calibrate=False)
@@ -311,7 +254,7 @@ def main() -> None:
                 results[f"{machine}|{rows}|{kind}"] = r = replay_batch(prepared, rows, cost, noise, kind,
                                                                        passes=max(1, rows // 4), k=args.k)
                 print(machine, rows, kind, {k: round(v, 4) for k, v in r.items()}, flush=True)
-    command = f"python benchmarks/batch_costs.py --outputs {args.outputs} --out {args.out}" + (
+    command = f"python benchmarks/experiments/batch_costs.py --outputs {args.outputs} --out {args.out}" + (
         f" --measured {args.measured}" if args.measured is not None else "") + (
         f" --k {args.k}" if args.k != 10 else "")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """vLLM's n-gram speculation under numba's default threading layer and under its workqueue layer, side by side.
 
-    python benchmarks/numba_layer.py --out benchmarks/results/numba_layer_vllm_cpu_smollm2
+    python benchmarks/experiments/numba_layer.py --out benchmarks/results/numba_layer_vllm_cpu_smollm2
 
 (in the vLLM virtualenv, with the bench environment: ``VLLM_CPU_OMP_THREADS_BIND=0-1``,
 ``LD_PRELOAD=$VIRTUAL_ENV/lib/libiomp5.so``). vLLM's n-gram proposer runs a numba ``parallel=True`` loop
@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,7 +30,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 LAYER = "NUMBA_THREADING_LAYER"
 # engine name -> (speculation, NUMBA_THREADING_LAYER when it starts; None: unset)
@@ -41,9 +39,8 @@ LEVELS = (1, 4)
 
 
 def build(model: str, k: int, max_model_len: int) -> dict:
-    from inflight_bench import ngram_config
-
     from rag_accel.bench import spare_engine
+    from rag_accel.bench.inflight import ngram_config
     from rag_accel.vllm import VllmDecoder
 
     common = dict(num_speculative_tokens=k, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
@@ -106,10 +103,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.plot is not None:
         return plot(args.plot)
-    from inflight_bench import run_levels, summarize, table, take_prompts
-
     from rag_accel import ReferenceDecoder
     from rag_accel.bench import VLLM_ENV_RECORDED
+    from rag_accel.bench.inflight import run_levels, summarize, table, take_prompts
     from rag_accel.data import load_msmarco_sample
 
     load_before = os.getloadavg()
@@ -136,7 +132,7 @@ def main() -> None:
            "vllm_env": {k: os.environ[k] for k in VLLM_ENV_RECORDED if k in os.environ}, "k": args.k,
            "new_tokens": args.new,
            "engines": {n: {"speculation": s, LAYER: layer} for n, (s, layer) in ENGINES.items()}}
-    command = f"python benchmarks/numba_layer.py --items {args.items} --new {args.new} --out {args.out}"
+    command = f"python benchmarks/experiments/numba_layer.py --items {args.items} --new {args.new} --out {args.out}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(
         {"environment": env, "command": command, "items": ids, "summary": summary, "rows": rows}, indent=1))

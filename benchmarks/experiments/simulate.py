@@ -5,7 +5,7 @@ step's outcome is known in advance, so drafters and policies can be compared
 in seconds: tokens per step, and the modelled speed-up sum(tokens)/sum(cost)
 for a given cost curve.
 
-    python benchmarks/simulate.py --targets /tmp/smollm2_outputs.json
+    python benchmarks/experiments/simulate.py --targets /tmp/smollm2_outputs.json
 """
 
 from __future__ import annotations

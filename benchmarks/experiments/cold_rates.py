@@ -1,6 +1,6 @@
 """Where the policy's cold acceptance rates (``rag_accel.policy.COLD_RATES``) come from.
 
-    python benchmarks/cold_rates.py --items 40 --out benchmarks/results/cold_rates_cpu_smollm2
+    python benchmarks/experiments/cold_rates.py --items 40 --out benchmarks/results/cold_rates_cpu_smollm2
 
 Runs ``ours`` (reference, prompt lookup, n-gram drafts) over the bundled MS-MARCO sample's FIRST
 ``--items`` items (the defaults are judged on the last ones: ``rag-accel bench --last``), 64 new
@@ -54,7 +54,7 @@ def main() -> None:
 
     env = {"model": args.model, "device": platform.processor() or platform.machine(), "torch": torch.__version__,
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "load": os.getloadavg()}
-    command = f"python benchmarks/cold_rates.py --items {args.items} --max-new-tokens {args.max_new_tokens} " \
+    command = f"python benchmarks/experiments/cold_rates.py --items {args.items} --max-new-tokens {args.max_new_tokens} " \
               f"--out {args.out}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"environment": env, "command": command,
