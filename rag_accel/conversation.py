@@ -13,7 +13,8 @@ from typing import Any
 
 from .cache import ResponseCache
 from .data import SYSTEM_PROMPT, rag_prompt
-from .hf.decoder import GenerationOutput, ReferenceDecoder
+from .outputs import GenerationOutput
+from .protocol import Decoder
 from .retrieval import SearchHit, VectorIndex
 
 
@@ -29,7 +30,7 @@ class Conversation:
     """A chat whose references are its own history plus retrieved passages, with cached answers.
 
     Args:
-        decoder: the model.
+        decoder: the model: any :class:`~rag_accel.protocol.Decoder` (transformers, vLLM or a server).
         index: optional passage index; its top ``k`` hits for each question are
             put in the prompt and passed as references.
         cache: optional response cache; answers to similar past questions are
@@ -37,7 +38,7 @@ class Conversation:
         system: system prompt.
     """
 
-    def __init__(self, decoder: ReferenceDecoder, *, index: VectorIndex | None = None, k: int = 3,
+    def __init__(self, decoder: Decoder, *, index: VectorIndex | None = None, k: int = 3,
                  cache: ResponseCache | None = None, system: str | None = SYSTEM_PROMPT) -> None:
         self.decoder, self.index, self.k, self.cache, self.system = decoder, index, k, cache, system
         self.turns: list[Turn] = []

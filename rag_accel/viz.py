@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .hf.decoder import GenerationOutput
+from .outputs import GenerationOutput
 
 COLORS = {"reference": "#b7e4c7", "prompt_lookup": "#bde0fe", "ngram": "#ffe5a8"}
 

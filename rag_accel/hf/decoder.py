@@ -30,7 +30,7 @@ from ..prediction import with_prediction
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..policy import AcceptanceStats, leading_matches
 from ..protocol import batch_arguments, check_options, sampling_request
-from ..sampling import GumbelNoise, Sampling, gumbel_argmax, warp
+from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
 from ..speculation import RequestDrafting, StepCosts
 from ..stopping import OutputText
 
@@ -309,7 +309,7 @@ class ReferenceDecoder:
             speculate: ``False``: no drafting for this call (plain steps of the same loop; the
                 output is the same, as every decoder's ``speculate=False``).
             do_sample: sample instead of greedy decoding; drafts are then verified by
-                speculative sampling with a point-mass draft (see :mod:`rag_accel.sampling`),
+                speculative sampling with a point-mass draft (see :mod:`rag_accel.hf.sampling`),
                 so the output is distributed as the model's own sampling.
             temperature / top_k / top_p: as in ``generate(do_sample=True)``; unset ones come
                 from the model's generation config, as there.
@@ -575,7 +575,7 @@ class ReferenceDecoder:
         last = self._forward(req.context, req.cache, last_only=True, fast_head=req.cfg.fast_head)[-1:]  # [1, V]
         if req.sampling is None:
             new_tokens = [int(last[0].argmax())]
-        else:  # one Gumbel noise vector per output position (see rag_accel.sampling)
+        else:  # one Gumbel noise vector per output position (see rag_accel.hf.sampling)
             req.noise = GumbelNoise(last.shape[-1], req.sampling.seed, self.device)
             req.warpers = req.sampling.warpers()
             new_tokens = gumbel_argmax(warp(last, req.warpers), req.noise.rows(0, 1)).tolist()

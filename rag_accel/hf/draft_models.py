@@ -17,7 +17,7 @@ falls below ``confidence`` (as transformers' ``assistant_confidence_threshold``)
 
 Greedy decoding stays lossless whatever they propose. With sampling, a
 same-tokenizer draft model draws its tokens with the decoder's Gumbel noise for
-each position (coupled speculative sampling, :mod:`rag_accel.sampling`); a
+each position (coupled speculative sampling, :mod:`rag_accel.hf.sampling`); a
 different-vocabulary one drafts greedily (a point-mass draft).
 """
 
@@ -33,7 +33,7 @@ import torch
 from ..drafters import NO_DRAFT, Draft
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from ..policy import leading_matches
-from ..sampling import GumbelNoise, warp
+from .sampling import GumbelNoise, warp
 from ..stopping import IncrementalDetokenizer
 
 

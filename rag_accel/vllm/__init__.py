@@ -14,6 +14,8 @@ The pieces, each in its own module:
   (HTTP 400 on the server) while the engine serves the others.
 - :mod:`~rag_accel.vllm.requests`: a request's inputs (``extra_args`` / ``vllm_xargs``), read and
   checked in one place.
+- :mod:`~rag_accel.vllm.costs`: :class:`BatchStepCosts`, what a draft token costs a batch, learnt
+  from the engine's steps.
 - :mod:`~rag_accel.vllm.patches`: the two changes to vLLM's internals, declared, applied once per
   process (vLLM's plugin entry point), and checked against the installed vLLM by a test.
 - :mod:`~rag_accel.vllm.decoder`: :class:`VllmDecoder`, :class:`~rag_accel.hf.decoder.ReferenceDecoder`'s
@@ -33,7 +35,7 @@ references travel as ``"reference_ids": "[[12, 34, 56]]"`` (a JSON string; answe
 ``rag_accel`` as a JSON string, and ``speculate`` arrives as ``0``/``1``: :func:`request_inputs` reads both shapes.
 
 Cost of a draft at batch size ``B``: the engine learns its step time as a line in the tokens it
-schedules (:class:`~rag_accel.speculation.BatchStepCosts`), each step timed as the whole engine
+schedules (:class:`~rag_accel.vllm.costs.BatchStepCosts`), each step timed as the whole engine
 cycle (one ``propose`` call to the next); ``L`` draft tokens on one row slow all ``B`` rows, so a
 busy, compute-bound batch drafts less.
 
@@ -69,7 +71,7 @@ __all__ = ["BatchStepCosts", "PROPOSER_PATH", "RagProposer", "RowTracker", "SERV
 # imports neither vLLM nor torch. vLLM resolves "rag_accel.vllm.RagProposer" and "rag_accel.vllm:RowTracker"
 # with import + getattr, which lands here.
 _LAZY = {"RagProposer": ".proposer", "RowTracker": ".proposer", "VllmDecoder": ".decoder",
-         "BatchStepCosts": "..speculation"}
+         "BatchStepCosts": ".costs"}
 
 
 def __getattr__(name: str) -> Any:

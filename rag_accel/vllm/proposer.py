@@ -28,8 +28,9 @@ from ..inputs import WAITED_REFERENCE_SIZE, check_ids
 from ..memory import AnswerMemory, answers_drafter
 from ..outputs import GenerationStats
 from ..policy import AcceptanceStats
-from ..speculation import BatchStepCosts, RequestDrafting
+from ..speculation import RequestDrafting
 from . import patches
+from .costs import BatchStepCosts
 from .requests import (
     admission_vocab_size,
     answer_memory_tokens,
@@ -154,7 +155,7 @@ class RagProposer:
         self.k = int(spec.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
-        self.curve = tuple(1.0 + BatchStepCosts.CURVE_SLOPE * n for n in range(self.k + 1))  # scaled per step
+        self.curve = BatchStepCosts.curve(self.k)  # scaled per step (set_batch)
         self.costs = BatchStepCosts()
         self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}  # greedy, sampled
         self.memory = AnswerMemory(answer_memory_tokens())  # earlier answers, per memory scope

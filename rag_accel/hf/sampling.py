@@ -19,6 +19,9 @@ whatever the drafting policy has learnt.
   (Daliri et al. 2024, "Coupling without communication and drafter-invariant
   speculative decoding"). The standard rule would make a seeded output depend on
   the draft lengths the adaptive policy picks; this one does not.
+
+The transformers engine's (the settings act through transformers' own logits warpers); vLLM samples
+and verifies drafts itself.
 """
 
 from __future__ import annotations

@@ -1,0 +1,215 @@
+"""The package's layers, read from its source with ``ast`` (nothing is imported): an engine-free core, two engine
+packages over it, a short list of edge modules, and no import circle (issue 55).
+
+* The engines: ``rag_accel.hf`` (transformers) and ``rag_accel.vllm`` (vLLM), and the libraries themselves
+  (``transformers``, ``vllm``; ``sentence_transformers`` loads transformers).
+* The core, every other module, imports none of them, at the top or inside a function; a type under
+  ``if TYPE_CHECKING:`` is no import.
+* The edge, :data:`EDGE`: the product's entry points and loaders, which must reach an engine, and do so
+  inside the functions that need it (``import rag_accel`` loads neither engine).
+* Every import counts as an edge of the graph, a function's included (it only defers a circle), and so do
+  the names a package's ``_LAZY`` table imports on first use (PEP 562).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE_PACKAGES = ("rag_accel.hf", "rag_accel.vllm")
+ENGINES = (*ENGINE_PACKAGES, "transformers", "vllm", "sentence_transformers")
+
+# module (``package.*``: each module of a package) -> why it may import an engine (inside its functions only)
+EDGE = {
+    "rag_accel": "the facade: ReferenceDecoder and the draft-model drafters on first use (_LAZY)",
+    "rag_accel.adapters": "load(): the one factory that picks an engine for the adapters",
+    "rag_accel.cli": "the command line runs either engine",
+    "rag_accel.serve": "rag-accel serve starts vLLM's server",
+    "rag_accel.server_process": "starts and checks a vLLM server process",
+    "rag_accel.bench.*": "the bench (each of its modules) times both engines and transformers' prompt lookup",
+    "rag_accel.models": "loads transformers models and tokenizers",
+    "rag_accel.e5_convert": "converts the E5 embedder with transformers",
+    "rag_accel.retrieval": "sentence-transformers embeds the passages",
+}
+
+
+def _module_files() -> dict[str, Path]:
+    return {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f
+            for f in sorted((ROOT / "rag_accel").rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _resolve(package: str, level: int, module: str | None) -> str:
+    if not level:
+        return module or ""
+    base = package
+    for _ in range(level - 1):
+        base = base.rpartition(".")[0]
+    return f"{base}.{module}" if module else base
+
+
+def imports_of(name: str, path: Path, files: dict[str, Path]) -> list[tuple[str, bool, int]]:
+    """``(module imported, inside a function, line)`` for each import of one module, those under
+    ``if TYPE_CHECKING:`` left out; a name imported from a package is its submodule where there is one."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, bool, int]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.orelse:
+                visit(child, in_function)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((a.name, in_function, node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = _resolve(package, node.level, node.module)
+            for a in node.names:
+                sub = f"{module}.{a.name}"
+                found.append((sub if sub in files else module, in_function, node.lineno))
+        elif (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets)
+              and isinstance(node.value, ast.Dict)):  # name -> module, imported by the package's __getattr__
+            for v in node.value.values:
+                if isinstance(v, ast.Constant) and isinstance(v.value, str):
+                    spec = v.value
+                    level = len(spec) - len(spec.lstrip("."))
+                    found.append((_resolve(package, level, spec[level:] or None), True, node.lineno))
+        inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for child in ast.iter_child_nodes(node):
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return found
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _edge_of(module: str) -> str | None:
+    """The :data:`EDGE` entry ``module`` falls under, if any."""
+    for edge in EDGE:
+        if module == edge or (edge.endswith(".*") and _within(module, (edge[:-2],))):
+            return edge
+    return None
+
+
+def _imports() -> dict[str, list[tuple[str, bool, int]]]:
+    files = _module_files()
+    return {name: imports_of(name, path, files) for name, path in files.items()}
+
+
+def import_graph(imports: dict[str, list[tuple[str, bool, int]]]) -> dict[str, set[str]]:
+    """rag_accel's modules and the rag_accel modules each imports (at the top, inside a function or lazily)."""
+    graph: dict[str, set[str]] = {}
+    for name, found in imports.items():
+        deps = set()
+        for target, _, _ in found:
+            while target not in imports and "." in target:
+                target = target.rpartition(".")[0]
+            if target in imports:
+                deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module, and the modules that import
+    themselves (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_the_graph_sees_every_kind_of_import():
+    """The reader itself, on the shapes it must see: a function's import, a lazy table, a relative one."""
+    imports = _imports()
+    graph = import_graph(imports)
+    assert "rag_accel.vllm.patches" in graph["rag_accel.vllm.proposer"]  # from . import patches
+    assert "rag_accel.vllm.patches" in graph["rag_accel.vllm.predictions"]  # inside a function
+    assert {"rag_accel.hf.decoder", "rag_accel.hf.draft_models"} <= graph["rag_accel"]  # _LAZY
+    assert ("transformers", True) in {(t.split(".")[0], f) for t, f, _ in imports["rag_accel.models"]}
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"a"}, "b": set()}) == [["a"]]
+
+
+def test_the_core_imports_no_engine():
+    """No module outside the two engine packages imports an engine, except the edge's, inside functions."""
+    imports = _imports()
+    assert {e.removesuffix(".*") for e in EDGE} <= set(imports)
+    wrong = []
+    for name, found in sorted(imports.items()):
+        if _within(name, ENGINE_PACKAGES):
+            continue
+        for target, in_function, line in found:
+            if _within(target, ENGINES) and not (_edge_of(name) and in_function):
+                where = "inside a function" if in_function else "at the top"
+                wrong.append(f"{name}:{line} imports {target} {where}")
+    assert wrong == [], "\n".join(dict.fromkeys(wrong))  # (once per line, not per name imported)
+
+
+def test_no_core_module_reaches_an_engine_package():
+    """Nor through other modules, at any depth (an edge module the core uses, such as retrieval.py, may
+    import sentence-transformers, but neither engine package)."""
+    graph = import_graph(_imports())
+
+    def reaches(start: str) -> set[str]:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+        return seen
+
+    core = [m for m in graph if not _within(m, ENGINE_PACKAGES) and _edge_of(m) is None]
+    assert "rag_accel.speculation" in core and "rag_accel.protocol" in core
+    wrong = {m: sorted(r for r in reaches(m) if _within(r, ENGINE_PACKAGES)) for m in core}
+    assert {m: r for m, r in wrong.items() if r} == {}
+
+
+def test_every_edge_module_needs_its_place():
+    """The edge list stays short and honest: each module on it does import an engine."""
+    imports = _imports()
+    idle = [edge for edge in EDGE if not any(_within(t, ENGINES) for name, found in imports.items()
+                                             if _edge_of(name) == edge for t, _, _ in found)]
+    assert idle == [], f"on the edge list without importing an engine: {idle}"
+
+
+def test_no_import_circle_in_rag_accel():
+    """No module of rag_accel reaches itself through its imports, a function's included (vllm/patches.py and
+    vllm/proposer.py imported each other; protocol.py imported vllm/requests.py, which imports protocol.py)."""
+    found = circles(import_graph(_imports()))
+    assert found == [], f"import circles: {found}"
