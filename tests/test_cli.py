@@ -36,7 +36,16 @@ def test_demo_two_queries():
     assert "every answer identical to greedy: True" in out
     assert "retrieved: msmarco-" in out and "tokens/step" in out
     assert out.count("ours ") >= 2 and "prefill" in out and "lower middle of 2 interleaved runs" in out
-    assert "All 2 questions: ours " in out
+    assert "All 2 questions: " in out
+    # Issue 56: a question's counts and its timing come from the same runs (each side's median), and its verdict
+    # is a speed claim or says the timing is noise
+    counts = re.findall(r"ours: \d+ tokens in (\d+) forward passes \([\d.]+ tokens/step; greedy: (\d+)\)", out)
+    timed = re.findall(r"ours [\d.]+ s = prefill [\d.]+ s(?: \+ (\d+) steps)?.*?\| greedy [\d.]+ s = prefill [\d.]+ s"
+                       r"(?: \+ (\d+) steps)?.*?: (.*?); identical", out)
+    assert len(counts) == len(timed) == 2, out
+    for (ours_passes, greedy_passes), (ours_steps, greedy_steps, verdict) in zip(counts, timed):
+        assert int(ours_passes) == int(ours_steps or 0) + 1 and int(greedy_passes) == int(greedy_steps or 0) + 1
+        assert re.fullmatch(r"[\d.]+x (faster|\(slower\))|timing noise: .*", verdict), verdict
     # the index now comes from the cache (one short question is enough to show it)
     code, again = run("demo", "--queries", "1", "--corpus-items", "4", "--max-new-tokens", "8", "--repeats", "1")
     assert code == 0, again
