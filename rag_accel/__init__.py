@@ -22,7 +22,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .hf.draft_models import ModelDrafter, UniversalDrafter
     from .drafters import (
         NO_DRAFT,
-        CountedReferenceDrafter,
         Draft,
         Drafter,
         DrafterChain,
@@ -41,7 +40,6 @@ _LAZY = {
     "ReferenceDecoder": ".hf.decoder",
     "NO_DRAFT": ".drafters", "Draft": ".drafters", "Drafter": ".drafters", "DrafterChain": ".drafters",
     "FrequencyDrafter": ".drafters", "NgramDrafter": ".drafters", "PromptLookupDrafter": ".drafters", "ReferenceDrafter": ".drafters",
-    "CountedReferenceDrafter": ".drafters",
     "build_drafters": ".drafters",
     "ModelDrafter": ".hf.draft_models", "UniversalDrafter": ".hf.draft_models",
     "Decoder": ".protocol",
@@ -81,7 +79,6 @@ def load(model: str = DEFAULT_MODEL, *, backend: str | None = None, base_url: st
                           **options)  # type: ignore[arg-type]
 
 __all__ = [
-    "CountedReferenceDrafter",
     "DEFAULT_MODEL",
     "Decoder",
     "DecoderConfig",

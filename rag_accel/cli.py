@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import typer
 
+from .config import SPECULATIVE_TOKENS
 from .methods import ALL_METHODS, NEEDS_DRAFT_MODEL, VLLM_METHODS
 
 # Plain help (no rich panels): this typer's panels show flags such as --help with a "<bool>" type and cut
@@ -261,7 +262,7 @@ def bench(
     concurrency: str = typer.Option("", help="vLLM methods only: requests in flight for the throughput table, "
                                     "comma-separated (e.g. 4,16)."),
     concurrency_items: int = typer.Option(16, min=1, help="Items run at each --concurrency level."),
-    num_speculative_tokens: int = typer.Option(10, min=1, max=64, help="vLLM methods: draft tokens per step "
+    num_speculative_tokens: int = typer.Option(SPECULATIVE_TOKENS, min=1, max=64, help="vLLM methods: draft tokens per step "
                                                "(vllm-ngram, vllm-suffix and vllm-ours)."),
     max_model_len: int = typer.Option(4096, min=64, help="vLLM methods: the engines' context length."),
     out: Path = typer.Option(Path("benchmarks/results/bench"), help="Output prefix: .json, .md, .png"),
@@ -404,7 +405,7 @@ def serve(
     speculation: str = typer.Option("ours", help="ours: our proposer (references, predictions, the prompt and output); "
                                     "ngram: vLLM's own n-gram proposer (lookup 2-4); suffix: vLLM's suffix "
                                     "decoding (needs arctic-inference); off: none."),
-    num_speculative_tokens: int = typer.Option(10, "--num-speculative-tokens", "-k", min=1, max=64,
+    num_speculative_tokens: int = typer.Option(SPECULATIVE_TOKENS, "--num-speculative-tokens", "-k", min=1, max=64,
                                                help="Most draft tokens verified per step (ours, ngram)."),
     max_reference_tokens: int = typer.Option(
         32_768, min=1, max=4_000_000, help="Refuse (HTTP 400) requests whose references hold more tokens, "

@@ -28,6 +28,20 @@ from .config import DecoderConfig
 from .kernels import (CountedSuffixes, NgramIndex, NgramTables, SuffixArrayIndex, concat_with_separators,
                       copy_continuation, counted_draft)
 
+# The copy drafters' fixed settings, each the best measured (options until issue 55; no user had a reason to tune
+# them, and no run found one that paid elsewhere).
+# The references: a match of 2 to 32 tokens starts a copy. Replaying SmolLM2's own answers and the human answers of
+# 40 MS-MARCO items (benchmarks/experiments/simulate.py), 1-token matches lost 2-4%; a longer match tells the policy nothing more.
+REFERENCE_MIN_MATCH, REFERENCE_MAX_MATCH = 2, 32
+# The frequency drafter (and the memory of answers): a draft at most 3 times its match long, cut where its
+# probability falls under 0.1. Replaying SmolLM2's answers to the sample's FIRST 50 items
+# (benchmarks/experiments/suffix_replay.py), factors 2.5-3 did best and 0.07-0.15 alike; 0.1 is suffix decoding's default.
+FREQUENCY_FACTOR, FREQUENCY_MIN_PROB = 3.0, 0.1
+# Prompt lookup's n-gram sizes and ANPD's table levels: the opt-in fallbacks, at the defaults they always had
+# (never retuned: they are out of the default chain).
+PROMPT_LOOKUP_NGRAM = (1, 4)
+NGRAM_N = (2, 5)
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -127,69 +141,15 @@ class ReferenceDrafter(_SpanCopier):
         return self.index.longest_match(context, self.min_match, self.max_match)
 
 
-class CountedReferenceDrafter:
-    """Reference decoding by counts: of the places in the references where the context's tail occurs, copy
-    the continuation most of them share (suffix decoding's choice, :func:`~rag_accel.kernels.counted_draft`),
-    each draft token with its probability from those counts, at most ``factor`` times its match long, cut
-    where its probability falls under ``min_prob``. Matches of ``min_match`` to ``max_match`` tokens.
-    ``DecoderConfig(reference_choice="counts")``; the default is :class:`ReferenceDrafter`, LLMA's choice
-    (its drafts copied less where replayed, but were as fast timed, and cheaper in flight: see
-    :data:`~rag_accel.config.REFERENCE_CHOICES`).
-
-    A lookup reads at most ``scan`` places: those of the tail's last token, or where that token is commoner,
-    those of its last two tokens (an index of the common tokens' places by the token before): the cost
-    stays flat in the references' size, and a match of two tokens or more is found anywhere in them.
+def reference_drafter(references: Sequence[Sequence[int]]) -> ReferenceDrafter:
+    """The references' drafter: LLMA's longest match, matches of :data:`REFERENCE_MIN_MATCH` to
+    :data:`REFERENCE_MAX_MATCH` tokens.
 
     Example:
-        >>> d = CountedReferenceDrafter([[1, 2, 3, 4], [7, 2, 3, 9], [2, 3, 9, 5]], min_match=1)
-        >>> d.propose([8, 2, 3], max_len=2)      # "2 3" three times: then 9 twice, 4 once
-        Draft(tokens=[9, 5], match_len=2, source='reference')
-        >>> ReferenceDrafter([[1, 2, 3, 4], [7, 2, 3, 9], [2, 3, 9, 5]], min_match=1).propose([8, 2, 3], max_len=2)
-        Draft(tokens=[4], match_len=2, source='reference')
-    """
-
-    name = "reference"
-
-    def __init__(self, references: Sequence[Sequence[int]], min_match: int = 1, max_match: int = 32,
-                 factor: float = 3.0, min_prob: float = 0.1, scan: int = 256) -> None:
-        self.tokens = concat_with_separators(references).tolist()
-        self.index = CountedSuffixes(max_match, scan)
-        self.index.extend(self.tokens)
-        self._pairs = self.index.common_pairs(self.tokens, scan)  # (the common tokens' places, by pair)
-        self.min_match, self.max_match = min_match, max_match
-        self.factor, self.min_prob, self.scan = factor, min_prob, scan
-
-    def propose(self, context: Sequence[int], max_len: int) -> Draft:
-        if len(context) < max(1, self.min_match) or max_len <= 0:
-            return NO_DRAFT
-        last = context[-1]
-        places = self.index.latest(last, self.scan + 1)
-        if len(places) > self.scan:  # a common token: the places of the last two tokens
-            places = self._pairs.get((context[-2], last), [])[-self.scan:] if len(context) > 1 else []
-        if not places:
-            return NO_DRAFT
-        tokens, probs, match_len = counted_draft([(self.tokens, places)], context, max_len, self.factor,
-                                                 self.min_prob, self.max_match, min_depth=self.min_match)
-        return Draft(tokens, match_len, self.name, tuple(probs)) if tokens else NO_DRAFT
-
-    def update(self, context: Sequence[int], num_new: int) -> None:
-        pass  # the references do not change; every proposal reads the context's tail afresh
-
-
-def reference_drafter(references: Sequence[Sequence[int]],
-                      config: DecoderConfig) -> CountedReferenceDrafter | ReferenceDrafter:
-    """The references' drafter ``config`` asks for (``reference_choice``): by counts, or LLMA's longest match.
-
-    Example:
-        >>> reference_drafter([[1, 2, 3]], DecoderConfig(reference_choice="counts")).propose([1, 2], max_len=1)
+        >>> reference_drafter([[1, 2, 3]]).propose([1, 2], max_len=1)
         Draft(tokens=[3], match_len=2, source='reference')
-        >>> type(reference_drafter([[1, 2, 3]], DecoderConfig())).__name__
-        'ReferenceDrafter'
     """
-    if config.reference_choice == "longest":
-        return ReferenceDrafter(references, config.min_match, config.reference_max_match)
-    return CountedReferenceDrafter(references, config.min_match, config.reference_max_match,
-                                   config.frequency_factor, config.frequency_min_prob)
+    return ReferenceDrafter(references, REFERENCE_MIN_MATCH, REFERENCE_MAX_MATCH)
 
 
 def chain_order(drafters: Sequence[str]) -> list[str]:
@@ -432,21 +392,21 @@ def build_drafters(
     chain: list[Drafter] = []
     for name in config.drafters:
         if name == "frequency":
-            chain.append(FrequencyDrafter(context, config.frequency_factor, config.frequency_min_prob))
+            chain.append(FrequencyDrafter(context, FREQUENCY_FACTOR, FREQUENCY_MIN_PROB))
         elif name == "reference":
             if references and any(len(r) for r in references):
-                chain.append(reference_drafter(references, config))
+                chain.append(reference_drafter(references))
         elif name == "prompt_lookup":
             chain.append(
                 PromptLookupDrafter(
                     context,
-                    config.prompt_lookup_min_ngram,
-                    config.prompt_lookup_max_ngram,
-                    config.reference_max_match,
+                    PROMPT_LOOKUP_NGRAM[0],
+                    PROMPT_LOOKUP_NGRAM[1],
+                    REFERENCE_MAX_MATCH,
                 )
             )
         elif name == "ngram":
-            chain.append(NgramDrafter(context, config.ngram_min_n, config.ngram_max_n))
+            chain.append(NgramDrafter(context, NGRAM_N[0], NGRAM_N[1]))
         elif name == "draft_model" and draft_model is not None:
             chain.append(draft_model())
     return DrafterChain(chain)

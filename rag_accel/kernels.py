@@ -15,8 +15,7 @@ Two indexes cover the two kinds of copy source:
 
 :class:`CountedSuffixes` and :func:`counted_draft` choose as suffix decoding does: the continuation
 most earlier occurrences of the tail share, counted on demand over a bounded number of them, in the
-growing source (the frequency drafter), in earlier answers (the memory's drafter) or in the references
-(``reference_choice="counts"``).
+growing source (the frequency drafter) or in earlier answers (the memory's drafter).
 """
 
 from __future__ import annotations
@@ -356,28 +355,6 @@ class CountedSuffixes:
         """The positions of ``token`` in the source, at most the ``limit`` latest, oldest first."""
         return self._pos.get(token, [])[-limit:] if limit > 0 else []
 
-    def common_pairs(self, tokens: Sequence[int], more_than: int) -> dict[tuple[int, int], list[int]]:
-        """The positions of each token that occurs more than ``more_than`` times in ``tokens`` (the source
-        this index was extended with), by the token before it: where a token is too common for a bounded
-        lookup to read all its places, its pairs still reach every part of a long source.
-
-        Example:
-            >>> idx = CountedSuffixes()
-            >>> idx.extend([4, 5, 6, 4, 5, -1, 5])
-            >>> sorted(idx.common_pairs([4, 5, 6, 4, 5, -1, 5], more_than=2).items())   # 5, three times
-            [((-1, 5), [6]), ((4, 5), [1, 4])]
-        """
-        pairs: dict[tuple[int, int], list[int]] = {}
-        for t, places in self._pos.items():
-            if len(places) > more_than:
-                for p in places:
-                    key = (tokens[p - 1] if p else SEPARATOR, t)
-                    if key in pairs:
-                        pairs[key].append(p)
-                    else:
-                        pairs[key] = [p]
-        return pairs
-
     def draft(self, tokens: Sequence[int], max_len: int, factor: float = 1.0,
               min_prob: float = 0.1) -> tuple[list[int], list[float], int]:
         """``(draft, probability of each draft token, match length)`` after ``tokens`` (the source this
@@ -391,12 +368,12 @@ class CountedSuffixes:
 
 def counted_draft(groups: Sequence[tuple[Sequence[int], list[int]]], pattern: Sequence[int], max_len: int,
                   factor: float, min_prob: float, max_depth: int = 24,
-                  tail: bool = False, min_depth: int = 1) -> tuple[list[int], list[float], int]:
+                  tail: bool = False) -> tuple[list[int], list[float], int]:
     """The continuation most occurrences of ``pattern``'s tail share, over several sources:
     ``groups`` holds ``(source, positions of pattern[-1] in it)``. ``tail``: the pattern is the end of
     the (only) source, and counts as an occurrence with no continuation yet (:class:`CountedSuffixes`);
     otherwise the sources are other text (earlier answers) and only their occurrences count.
-    Only matches of ``min_depth`` to ``max_depth`` tokens draft. ``([], [], 0)``: none.
+    Only matches of up to ``max_depth`` tokens draft. ``([], [], 0)``: none.
 
     Example:
         >>> a, b = [5, 6, 7, -1, 4, 6, 7], [1, 6, 7, 8]    # "6 7" three times: twice at an answer's end
@@ -420,7 +397,7 @@ def counted_draft(groups: Sequence[tuple[Sequence[int], list[int]]], pattern: Se
                 if kept:
                     deeper.append((src, kept))
                     deeper_count += len(kept)
-        if deeper_count < count and m >= min_depth:  # the last level with this set of occurrences: its draft
+        if deeper_count < count:  # the last level with this set of occurrences: its draft
             cap = min(max_len, int(m * factor + 1e-6))
             out, probs, score = _walk(groups, count + extra, cap, min_prob)
             if out and score >= best_score:

@@ -7,19 +7,14 @@ from typing import Any
 
 from .config import DEFAULT_COPY_DRAFTERS
 
-# name -> DecoderConfig changes
+# name -> DecoderConfig changes: our shipped configurations (A/B toggles of internals live in benchmarks/experiments/)
 OUR_METHODS: dict[str, dict[str, Any]] = {
-    "ours": {"drafters": DEFAULT_COPY_DRAFTERS},
-    "ours-fixed": {"adaptive": False, "max_draft_tokens": 10},
-    "ours-nopack": {"drafters": DEFAULT_COPY_DRAFTERS, "pack_gqa": False},  # the model's own attention path (A/B)
-    "ours-nopool": {"drafters": DEFAULT_COPY_DRAFTERS, "pool_misses": False},  # each drafter learns misses alone (A/B)
-    "ours-nohead": {"drafters": DEFAULT_COPY_DRAFTERS, "fast_head": False},  # the model's own output projection (A/B)
-    "ours-ref": {"drafters": ("reference",)},
-    "ours-pld": {"drafters": ("prompt_lookup",)},
+    "ours": {"drafters": DEFAULT_COPY_DRAFTERS},  # the default configuration (named: a decoder may hold a draft model)
+    "ours-fixed": {"drafters": DEFAULT_COPY_DRAFTERS, "adaptive": False, "max_draft_tokens": 10},  # every draft sent whole, as LLMA / prompt lookup
+    "ours-ref": {"drafters": ("reference",)},  # the references alone
+    "ours-pld": {"drafters": ("prompt_lookup",)},  # the opt-in fallbacks, each alone
     "ours-ngram": {"drafters": ("ngram",)},
-    "ours-freq": {"drafters": ("frequency",)},
-    "ours-nofreq": {"drafters": ("reference", "prompt_lookup", "ngram")},  # the default before "frequency" (A/B)
-    # With a draft model (--draft-model): the draft model alone, and references first, then the draft model.
+    # With a draft model (--draft-model): the draft model alone, and the copy drafters first, then the draft model.
     "ours-draft": {"drafters": ("draft_model",)},
     "ours-hybrid": {"drafters": (*DEFAULT_COPY_DRAFTERS, "draft_model")},
 }

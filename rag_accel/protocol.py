@@ -20,6 +20,7 @@ No engine is imported here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,10 +36,8 @@ CALL_OPTIONS: dict[str, Any] = dict(max_new_tokens=256, stop=None, config=None, 
                                     prediction=None)
 PER_PROMPT = ("answers", "prediction")
 # DecoderConfig fields one request may change (a vLLM worker reads them from extra_args["rag_accel"]).
-REQUEST_FIELDS = frozenset({"drafters", "adaptive", "reference_choice", "reference_min_match",
-                             "reference_max_match", "prompt_lookup_min_ngram", "prompt_lookup_max_ngram",
-                             "ngram_min_n", "ngram_max_n", "max_loss", "min_gain", "max_reference_tokens",
-                             "pool_misses", "max_draft_tokens", "frequency_factor", "frequency_min_prob"})
+# (cost_curve is the transformers decoder's: a vLLM engine learns its step costs as it runs.)
+REQUEST_FIELDS = frozenset({"drafters", "adaptive", "max_loss", "max_reference_tokens", "max_draft_tokens"})
 # The config every row of a vLLM engine starts from; a request's changes are relative to it, so a client's
 # decoder-level config travels as its differences from this (VllmDecoder, RemoteDecoder).
 WORKER_BASE = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS)
@@ -155,7 +154,8 @@ def config_changes(config: DecoderConfig | Mapping[str, Any] | None, base: Decod
     if config is None:
         return {}
     if isinstance(config, DecoderConfig):
-        changes = {f: getattr(config, f) for f in REQUEST_FIELDS if getattr(config, f) != getattr(base, f)}
+        changes = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                   if getattr(config, f.name) != getattr(base, f.name)}
     elif isinstance(config, Mapping):
         changes = dict(config)
     else:

@@ -43,10 +43,12 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .config import SPECULATIVE_TOKENS
+
 __all__ = ["cpu_hints", "default_dtype", "exec_server", "model_vocab_size", "resolve_model", "serve_command",
            "shell_line", "speculative_options", "vllm_cli", "vllm_executable"]
 
-DEFAULT_K = 10
+DEFAULT_K = SPECULATIVE_TOKENS
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:

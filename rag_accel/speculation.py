@@ -103,8 +103,7 @@ class RequestDrafting:
         and keep a reference to the list, which the engine extends) and ``references``."""
         chain = (DrafterChain(drafters) if drafters is not None
                  else build_drafters(config, context, references, draft_model))
-        policy = DraftLengthPolicy(cost_curve, adaptive=config.adaptive, stats=acceptance, min_gain=config.min_gain,
-                                   request_prior=0.5 if config.pool_misses else None)
+        policy = DraftLengthPolicy(cost_curve, adaptive=config.adaptive, stats=acceptance)
         return cls(chain, policy, costs, config.max_draft_tokens, config.max_loss)
 
     def add_drafter(self, drafter: Drafter, order: Sequence[str]) -> None:

@@ -12,11 +12,19 @@ import torch
 from helpers import hf_greedy, permuted_pair, tiny_model, trained_bpe_tokenizer
 
 from rag_accel import DecoderConfig, ReferenceDecoder
+from rag_accel.hf import draft_models
 from rag_accel.hf.draft_models import ModelDrafter, UniversalDrafter
 from rag_accel.policy import DraftLengthPolicy
 
 MAX_NEW = 32
-FIXED = DecoderConfig(adaptive=False, max_draft_tokens=6, drafters=("draft_model",), draft_confidence=0.0)
+FIXED = DecoderConfig(adaptive=False, max_draft_tokens=6, drafters=("draft_model",))
+
+
+@pytest.fixture
+def whole_windows(monkeypatch):
+    """The decoder's draft models draft their whole window here (no confidence cut: DRAFT_CONFIDENCE 0), so
+    that right and wrong drafts are long."""
+    monkeypatch.setattr(draft_models, "DRAFT_CONFIDENCE", 0.0)
 
 
 def _prompts(n, vocab, seed):
@@ -26,6 +34,7 @@ def _prompts(n, vocab, seed):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("mode", ["right", "wrong"])
+@pytest.mark.usefixtures("whole_windows")
 def test_same_tokenizer_draft_model_is_exact(tokenizer, arch, mode):
     target = tiny_model(arch, len(tokenizer), seed=0)
     # "right": the target drafting for itself; "wrong": another random model of the same vocabulary.
@@ -59,6 +68,7 @@ def test_draft_model_cache_rolls_back_and_restarts_per_request(tokenizer):
     assert d2.tokens == ModelDrafter(target, confidence=0.0).propose(list(context), 2).tokens
 
 
+@pytest.mark.usefixtures("whole_windows")
 def test_a_draft_model_with_a_shorter_context_window_stops_drafting(tokenizer):
     """A GPT-2 draft with 48 positions for a target with 1024: drafting ends where the draft's window does."""
     from transformers import AutoModelForCausalLM, GPT2Config
@@ -95,6 +105,7 @@ def bpe(tokenizer):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.usefixtures("whole_windows")
 def test_universal_draft_model_with_another_vocabulary_is_exact(tokenizer, bpe, arch):
     target = tiny_model(arch, len(tokenizer), seed=0)
     draft = tiny_model("llama", len(bpe), seed=2)
@@ -186,8 +197,14 @@ def test_draft_model_errors(tokenizer, bpe):
     dec = ReferenceDecoder(target, tokenizer)
     with pytest.raises(ValueError, match="no draft model"):
         dec.generate([1, 2, 3], max_new_tokens=2, config={"drafters": ("draft_model",)})
-    with pytest.raises(ValueError, match="draft_confidence"):
-        DecoderConfig(draft_confidence=1.5)
+    # A draft model given is a draft model asked for: the default chain then ends with it; a config that leaves
+    # it out, or lists it without one, is refused (issue 55: no draft model kept pace unasked).
+    assert ReferenceDecoder(target, tokenizer, draft_model=target).config.drafters == (
+        "reference", "frequency", "draft_model")
+    with pytest.raises(ValueError, match="a draft model was given but config.drafters"):
+        ReferenceDecoder(target, tokenizer, DecoderConfig(), draft_model=target)
+    with pytest.raises(ValueError, match="lists 'draft_model' but this decoder has no draft model"):
+        dec.generate([1, 2, 3], max_new_tokens=2, config={"drafters": ("reference", "draft_model")})
     with pytest.raises(ValueError, match="look_behind"):
         UniversalDrafter(target, bpe, tokenizer, look_behind=0)
     # Without a draft model the default chain simply skips "draft_model".

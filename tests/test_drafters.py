@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from rag_accel import (
     NO_DRAFT,
-    CountedReferenceDrafter,
     DecoderConfig,
     Draft,
     Drafter,
@@ -15,6 +14,7 @@ from rag_accel import (
     ReferenceDrafter,
     build_drafters,
 )
+from rag_accel.drafters import FREQUENCY_FACTOR, FREQUENCY_MIN_PROB
 
 
 class CountingReference(ReferenceDrafter):
@@ -98,49 +98,11 @@ def test_factory_follows_config():
     assert [d.name for d in chain.drafters] == ["ngram", "prompt_lookup"]
     # no (or only empty) references: the reference drafter is simply absent
     assert [d.name for d in build_drafters(DecoderConfig(), ctx, [[]]).drafters] == ["frequency"]
-    cfg = DecoderConfig(frequency_factor=1.5, frequency_min_prob=0.3)
-    freq = build_drafters(cfg, ctx, []).drafters[0]
-    assert (freq.factor, freq.min_prob) == (1.5, 0.3)
-    # the references' drafter takes LLMA's longest match unless the config asks for counts
-    ref = build_drafters(cfg.replace(reference_choice="counts"), ctx, [[1, 2]]).drafters[0]
-    assert type(ref) is CountedReferenceDrafter and (ref.factor, ref.min_prob, ref.min_match) == (1.5, 0.3, 1)
+    # the fixed settings reach the drafters (constants beside the runs that chose them, not options)
+    freq = build_drafters(DecoderConfig(), ctx, []).drafters[0]
+    assert (freq.factor, freq.min_prob) == (FREQUENCY_FACTOR, FREQUENCY_MIN_PROB) == (3.0, 0.1)
     ref = build_drafters(DecoderConfig(), ctx, [[1, 2]]).drafters[0]
-    assert type(ref) is ReferenceDrafter and ref.min_match == 2
-
-
-def test_counted_references_copy_what_most_places_continue_with():
-    refs = [[1, 2, 3, 4], [7, 2, 3, 9], [2, 3, 9, 5]]
-    d = CountedReferenceDrafter(refs, min_match=1, factor=3.0, min_prob=0.1)
-    draft = d.propose([8, 2, 3], max_len=4)
-    assert (draft.tokens, draft.match_len, draft.source) == ([9, 5], 2, "reference")
-    assert draft.probs == (2 / 3, 1 / 3)  # 9 after two of the three places of "2 3", then 5 after one
-    assert ReferenceDrafter(refs, min_match=1).propose([8, 2, 3], max_len=4).tokens == [4]  # LLMA: the earliest
-    # a longer match narrows the places: "7 2 3" occurs once, its reference ends after 9 (the longer match wins
-    # the tie of scores: 1 for 9 there, 2/3 + 1/3 over all three places)
-    assert d.propose([7, 2, 3], max_len=2) == Draft([9], 3, "reference")
-    assert d.propose([1, 2, 3], max_len=2).tokens == [4]
-    # nothing matches, or a match of fewer tokens than min_match: no draft, a normal answer
-    assert d.propose([6, 6], max_len=3) is NO_DRAFT
-    assert CountedReferenceDrafter(refs, min_match=2).propose([8, 3], max_len=3) is NO_DRAFT
-    assert CountedReferenceDrafter(refs, min_match=1).propose([8, 3], max_len=3).tokens == [9, 5]
-    assert CountedReferenceDrafter(refs, min_match=3).propose([8, 2, 3], max_len=3) is NO_DRAFT
-    assert d.propose([8, 2, 3], max_len=0) is NO_DRAFT and d.propose([], max_len=3) is NO_DRAFT
-    # a draft is at most factor times its match long, and stops under min_prob
-    assert CountedReferenceDrafter(refs, min_match=1, factor=1.0).propose([8, 2, 3], max_len=4).tokens == [9, 5]
-    assert CountedReferenceDrafter(refs, min_match=1, factor=0.5).propose([8, 2, 3], max_len=4).tokens == [9]
-    assert CountedReferenceDrafter(refs, min_match=1, min_prob=0.5).propose([8, 2, 3], max_len=4).tokens == [9]
-
-
-def test_counted_references_find_a_match_anywhere_in_a_long_source():
-    # token 5 occurs 1,000 times after the place that matches "4 5": more than a lookup reads (scan=256). The
-    # pair index still finds "4 5", at the source's start, and it is the only place that continues with 6.
-    refs = [[4, 5, 6, 7], [3, 5] * 1000]
-    d = CountedReferenceDrafter(refs, min_match=1, scan=256)
-    assert d.propose([9, 4, 5], max_len=2).tokens == [6, 7]
-    assert d.propose([9, 3, 5], max_len=2).tokens == [3, 5]  # the common pair: its latest places
-    assert d.propose([9, 5], max_len=1) is NO_DRAFT  # past the scan, a lone 5 is not looked up: no draft
-    # below the bound a lone token is: 5 then 6 or 3 equally often, the earlier place first on ties
-    assert CountedReferenceDrafter([[4, 5, 6], [3, 5, 3]], min_match=1).propose([9, 5], max_len=1).tokens == [6]
+    assert type(ref) is ReferenceDrafter and (ref.min_match, ref.max_match) == (2, 32)
 
 
 def test_frequency_drafter_follows_the_context_as_it_grows():
@@ -169,7 +131,7 @@ def test_frequency_drafts_need_more_match_when_draft_tokens_are_dear():
 
     ctx = [4, 5, 6, 7, 8, 9, 1, 4, 5]  # "4 5" once before: up to 2 x factor tokens after it
     for slope, want in ((0.1, [6, 7]), (0.01, [6, 7, 8, 9, 1, 4])):
-        cfg = DecoderConfig(drafters=("frequency",), max_draft_tokens=8, frequency_factor=3.0)
+        cfg = DecoderConfig(drafters=("frequency",), max_draft_tokens=8)
         drafting = RequestDrafting.from_config(cfg, list(ctx), [], [1.0 + slope * n for n in range(9)],
                                                AcceptanceStats(), StepCosts())
         drafting.choose(list(ctx), n_generated=1, remaining=100)

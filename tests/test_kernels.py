@@ -232,27 +232,3 @@ def test_counted_draft_over_several_sources_counts_as_over_them_joined(answers, 
     assert len(tokens_) <= min(max_len, int(m * factor + 1e-6)) and all(p >= min_prob for p in probs)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=4),
-       st.lists(st.integers(0, 3), min_size=1, max_size=6), st.integers(1, 4), st.integers(1, 6))
-def test_counted_draft_from_a_min_depth_drafts_the_best_of_those_matches(docs, pattern, min_depth, max_len):
-    """``min_depth`` keeps the matches of at least that many tokens and changes nothing else: the draft is
-    the best-scoring one of those levels, so where the unrestricted draft's match is long enough it is the same;
-    and the common tokens' pairs are exactly their positions by the token before."""
-    joined = list(concat_with_separators(docs))
-    one = [(joined, [p for p, t in enumerate(joined) if t == pattern[-1]])]
-    free = counted_draft(one, pattern, max_len, 3.0, 0.1)
-    tokens_, probs, m = counted_draft(one, pattern, max_len, 3.0, 0.1, min_depth=min_depth)
-    assert not tokens_ or m >= min_depth
-    if free[2] >= min_depth:
-        assert (tokens_, probs, m) == free
-    elif tokens_:
-        assert sum(probs) <= sum(free[1])
-    idx = CountedSuffixes()
-    idx.extend(joined)
-    common = {t for t in set(joined) if joined.count(t) > 2}
-    brute: dict = {}
-    for p, t in enumerate(joined):
-        if t in common and t != SEPARATOR:
-            brute.setdefault((joined[p - 1] if p else SEPARATOR, t), []).append(p)
-    assert idx.common_pairs(joined, more_than=2) == brute

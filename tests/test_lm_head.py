@@ -40,7 +40,8 @@ def test_decoder_forwards_take_the_transposed_head_and_stay_exact(arch, tokenize
     prompt = list(range(5, 45))
     want = hf_greedy(model, prompt, 30)
     for fast, mode in [(True, "right"), (True, "wrong"), (False, "mix")]:
-        dec = ReferenceDecoder(model, tokenizer, DecoderConfig(adaptive=False, max_draft_tokens=6, fast_head=fast))
+        dec = ReferenceDecoder(model, tokenizer, DecoderConfig(adaptive=False, max_draft_tokens=6))
+        dec.fast_head = fast  # (a class constant; an experiment may set it on an instance)
         assert count.rows == []  # generate() and the decoder's setup: the model's own projection
         out = dec.generate(prompt, max_new_tokens=30, drafters=[OracleDrafter(want, len(prompt), mode, dec.vocab_size)])
         assert out.token_ids == want
@@ -98,19 +99,20 @@ def test_a_copied_model_projects_with_its_own_weight(tokenizer):
 
 def test_each_forward_path_is_timed_on_its_own(tokenizer, monkeypatch):
     """The adaptive policy's cost curve is measured on the path a request runs: a request with
-    ``fast_head=False`` does not inherit the (cheaper) curve of the transposed projection."""
+    ``fast_head`` off does not inherit the (cheaper) curve of the transposed projection."""
     model = tiny_model("llama", vocab_size=len(tokenizer))
     dec = ReferenceDecoder(model, tokenizer, DecoderConfig(max_draft_tokens=4))
     count = _Count(monkeypatch)
     prompt = list(range(5, 25))
     first = dec.generate(prompt, max_new_tokens=3)
-    fast_key = (4, dec.config.pack_gqa, True)
+    fast_key = (4, dec.pack_gqa, True)
     assert first.stats.calibration_s > 0 and set(dec._cost_curves) == {fast_key}
     assert {2, 4, 5} <= set(count.rows)  # the curve's multi-token forwards ran through the transposed head
     assert dec.generate(prompt, max_new_tokens=3).stats.calibration_s == 0  # measured once
     count.rows.clear()
-    plain = dec.generate(prompt, max_new_tokens=3, config={"fast_head": False})
+    dec.fast_head = False
+    plain = dec.generate(prompt, max_new_tokens=3)
     assert plain.stats.calibration_s > 0
-    assert set(dec._cost_curves) == {fast_key, (4, dec.config.pack_gqa, False)}
+    assert set(dec._cost_curves) == {fast_key, (4, dec.pack_gqa, False)}
     assert count.rows == []  # timed, and decoded, on the model's own projection
     assert plain.token_ids == first.token_ids == hf_greedy(model, prompt, 3)

@@ -207,7 +207,7 @@ def test_cold_rates_rise_with_the_evidence_and_give_way_to_what_is_learnt():
 def test_min_gain_is_the_margin_a_draft_must_promise():
     """A cold 1-token match promises 1.2 tokens (``COLD_RATES``) for a verify costing 1.1 plain steps:
     9% over a plain step, under the default 10% margin and over a 2% one; the config's value
-    reaches the policy."""
+    is the policy's default (a constant since issue 55), which every request's drafting takes."""
     from rag_accel import DecoderConfig
     from rag_accel.speculation import RequestDrafting, StepCosts
 
@@ -215,9 +215,9 @@ def test_min_gain_is_the_margin_a_draft_must_promise():
     weak = Draft([1] * 8, 1, "prompt_lookup")
     assert DraftLengthPolicy(curve).select([weak]) == (NO_DRAFT, 0)
     assert DraftLengthPolicy(curve, min_gain=0.02).select([weak]) == (weak, 1)
-    cfg = DecoderConfig(drafters=("prompt_lookup",), max_draft_tokens=8, min_gain=0.02)
+    cfg = DecoderConfig(drafters=("prompt_lookup",), max_draft_tokens=8)
     drafting = RequestDrafting.from_config(cfg, [5, 6, 7], [], curve, AcceptanceStats(), StepCosts())
-    assert drafting.policy.min_gain == 0.02 and drafting.policy.select([weak]) == (weak, 1)
+    assert drafting.policy.min_gain == 0.1 and drafting.policy.select([weak]) == (NO_DRAFT, 0)
 
 
 def test_a_draft_with_probabilities_is_sent_as_far_as_they_pay():

@@ -52,11 +52,12 @@ def test_batch_arguments_and_config_changes_are_checked_before_any_work():
     assert config_changes({"drafters": ("reference",)}, base) == {"drafters": ["reference"]}
     with pytest.raises(ValueError):
         config_changes({"max_loss": 7}, base)
-    # the frequency drafter's options may change per request too (vLLM's extra_args, the server's rag_accel)
-    assert config_changes({"frequency_factor": 2, "frequency_min_prob": 0.2}, base) == {
-        "frequency_factor": 2, "frequency_min_prob": 0.2}
-    with pytest.raises(ValueError, match="frequency_factor must be a number > 0"):
-        config_changes({"frequency_factor": 1e9}, base)
+    # a setting a request cannot change is refused by name, not dropped: from a dict, and from a decoder's
+    # config (the transformers decoder's cost_curve, which a vLLM engine learns as it runs)
+    with pytest.raises(ValueError, match=r"keys \['frequency_factor'\] a request cannot change"):
+        config_changes({"frequency_factor": 2}, base)
+    with pytest.raises(ValueError, match=r"keys \['cost_curve'\] a request cannot change"):
+        config_changes(base.replace(max_draft_tokens=2, cost_curve=(1.0, 1.1, 1.2)), base)
 
 
 def test_the_in_process_decoder_is_a_decoder_and_its_batch_and_speculate_off_are_greedy(tokenizer):

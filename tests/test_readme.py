@@ -120,13 +120,13 @@ def shared_model(real_decoder):
 
     original = ReferenceDecoder.from_pretrained.__func__
 
-    def from_pretrained(cls, name_or_path, *, backend="hf", device=None, dtype=None, config=None,
+    def from_pretrained(cls, name_or_path, *, device=None, dtype=None, config=None,
                         draft_model=None, **model_kwargs):
-        if (name_or_path == DEFAULT_MODEL and backend == "hf" and device in (None, "auto", "cpu")
+        if (name_or_path == DEFAULT_MODEL and device in (None, "auto", "cpu")
                 and dtype in (None, "auto", "float32") and config is None and draft_model is None
                 and not model_kwargs):
             return real_decoder
-        return original(cls, name_or_path, backend=backend, device=device, dtype=dtype, config=config,
+        return original(cls, name_or_path, device=device, dtype=dtype, config=config,
                         draft_model=draft_model, **model_kwargs)
 
     mp = pytest.MonkeyPatch()

@@ -19,7 +19,7 @@ from rag_accel.inputs import encode_references
 
 PROMPT = [5, 6, 7, 8]
 # The documented bounds (rag_accel.config.MAX_*).
-MAX_DRAFT_TOKENS, MAX_MATCH, MAX_NGRAM, MAX_REFERENCE_TOKENS = 256, 256, 16, 16_000_000
+MAX_DRAFT_TOKENS, MAX_REFERENCE_TOKENS = 256, 16_000_000
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +53,12 @@ class CountingTokenizer:
 # ------------------------------------------------------------------ 3. config bounds
 INT_FIELDS = {
     "max_draft_tokens": MAX_DRAFT_TOKENS,
-    "reference_min_match": MAX_MATCH,
-    "reference_max_match": MAX_MATCH,
-    "prompt_lookup_min_ngram": MAX_NGRAM,
-    "prompt_lookup_max_ngram": MAX_NGRAM,
-    "ngram_min_n": MAX_NGRAM,
-    "ngram_max_n": MAX_NGRAM,
     "max_reference_tokens": MAX_REFERENCE_TOKENS,
 }
 
 
 @pytest.mark.parametrize("name, value", [
-    ("max_draft_tokens", 8192), ("max_draft_tokens", 100_000), ("ngram_max_n", 100_000),
-    ("prompt_lookup_max_ngram", 100_000), ("reference_max_match", 10**6), ("max_reference_tokens", 10**12),
+    ("max_draft_tokens", 8192), ("max_draft_tokens", 100_000), ("max_reference_tokens", 10**12),
 ])
 def test_config_integers_have_an_upper_bound(dec, name, value):
     with pytest.raises(ValueError, match=rf"{name} must be an integer >= \d+ and <= {INT_FIELDS[name]} \(.+\), got"):
@@ -76,11 +69,8 @@ def test_config_integers_have_an_upper_bound(dec, name, value):
 
 
 def test_config_bounds_themselves_are_accepted():
-    cfg = DecoderConfig(max_draft_tokens=MAX_DRAFT_TOKENS, reference_max_match=MAX_MATCH,
-                        prompt_lookup_max_ngram=MAX_NGRAM, ngram_max_n=MAX_NGRAM,
-                        max_reference_tokens=MAX_REFERENCE_TOKENS, max_loss=1.0, min_gain=1.0,
-                        frequency_factor=32, frequency_min_prob=1.0,
-                        cost_curve=(1.0,) * (MAX_DRAFT_TOKENS + 1))
+    cfg = DecoderConfig(max_draft_tokens=MAX_DRAFT_TOKENS, max_reference_tokens=MAX_REFERENCE_TOKENS,
+                        max_loss=1.0, cost_curve=(1.0,) * (MAX_DRAFT_TOKENS + 1))
     assert cfg.max_draft_tokens == MAX_DRAFT_TOKENS and len(cfg.cost_curve) == MAX_DRAFT_TOKENS + 1
 
 
@@ -91,20 +81,7 @@ def test_config_bounds_themselves_are_accepted():
     ({"max_loss": -0.1}, r"max_loss must be a number in \[0, 1\]"),
     ({"max_loss": True}, r"max_loss must be a number"),
     ({"max_loss": "0.1"}, r"max_loss must be a number"),
-    ({"min_gain": math.nan}, r"min_gain must be a number in \[0, 1\]"),
-    ({"min_gain": -0.01}, r"min_gain must be a number in \[0, 1\]"),
-    ({"min_gain": 2}, r"min_gain must be a number in \[0, 1\]"),
-    ({"min_gain": "0.1"}, r"min_gain must be a number"),
-    ({"frequency_factor": 0}, r"frequency_factor must be a number > 0 and <= 32"),
-    ({"frequency_factor": 33}, r"frequency_factor must be a number > 0 and <= 32"),
-    ({"frequency_factor": math.nan}, r"frequency_factor must be a number > 0 and <= 32"),
-    ({"frequency_factor": math.inf}, r"frequency_factor must be a number > 0 and <= 32"),
-    ({"frequency_factor": "3"}, r"frequency_factor must be a number"),
-    ({"frequency_min_prob": -0.1}, r"frequency_min_prob must be a number in \[0, 1\]"),
-    ({"frequency_min_prob": math.nan}, r"frequency_min_prob must be a number in \[0, 1\]"),
-    ({"frequency_min_prob": True}, r"frequency_min_prob must be a number"),
-    ({"draft_confidence": math.nan}, r"draft_confidence must be a number in \[0, 1\)"),
-    ({"draft_confidence": False}, r"draft_confidence must be a number"),
+    ({"adaptive": 1}, r"adaptive must be a bool"),
     ({"cost_curve": (1.0,) * (MAX_DRAFT_TOKENS + 2)}, rf"cost_curve has {MAX_DRAFT_TOKENS + 2} entries.*at most"),
     ({"cost_curve": (1.0,) * 32 + (math.inf,)}, r"cost_curve entries must be finite numbers > 0"),
     ({"cost_curve": (1.0,) * 32 + (math.nan,)}, r"cost_curve entries must be finite numbers > 0"),
@@ -120,39 +97,30 @@ def test_config_floats_are_finite_and_bounded(changes, match):
 @pytest.mark.parametrize("name", sorted(INT_FIELDS))
 @pytest.mark.parametrize("value", [2.5, 3.0, True, "3", None])
 def test_every_int_field_must_be_a_real_int(name, value):
-    if name == "reference_min_match" and value is None:
-        pytest.skip("None is reference_min_match's default: test_reference_min_match_defaults_per_choice")
     with pytest.raises(ValueError, match=rf"{name} must be an integer"):
         DecoderConfig(**{name: value})
 
 
-def test_reference_min_match_defaults_per_choice():
-    assert DecoderConfig().reference_choice == "longest" and DecoderConfig().min_match == 2
-    assert DecoderConfig(reference_choice="counts").min_match == 1
-    assert DecoderConfig().replace(reference_choice="counts").min_match == 1  # (per request: vLLM's extra_args)
-    assert DecoderConfig(reference_choice="counts", reference_min_match=3).min_match == 3
-    assert DecoderConfig(reference_min_match=np.int64(3)).replace(reference_choice="counts").min_match == 3
-    with pytest.raises(ValueError, match=r"reference_choice must be one of \['counts', 'longest'\], got 'best'"):
-        DecoderConfig(reference_choice="best")
-    with pytest.raises(ValueError, match="reference_choice must be one of"):
-        DecoderConfig(reference_choice=None)
-    with pytest.raises(ValueError, match="reference_min_match .* > reference_max_match"):
-        DecoderConfig(reference_max_match=1)
+@pytest.mark.parametrize("name", ["min_gain", "pool_misses", "reference_choice", "frequency_factor", "pack_gqa",
+                                  "fast_head", "draft_confidence", "ngram_max_n", "reference_min_match"])
+def test_settings_that_left_the_config_are_refused_by_name(dec, name):
+    """Issue 55: the settings no user had a reason to tune are constants now; asking for one is an error that
+    names it, not a silent no-op, per decoder and per call (a vLLM request's extra_args likewise)."""
+    from rag_accel.protocol import request_config
 
-
-def test_a_vllm_request_may_choose_how_its_references_draft():
-    from rag_accel.vllm.requests import request_config
-
-    cfg = request_config(DecoderConfig(), {"reference_choice": "counts"})  # extra_args["rag_accel"]
-    assert (cfg.reference_choice, cfg.min_match) == ("counts", 1)
-    with pytest.raises(ValueError, match="reference_choice must be one of"):
-        request_config(DecoderConfig(), {"reference_choice": "most"})
+    with pytest.raises(TypeError, match=name):
+        DecoderConfig(**{name: 1})
+    with pytest.raises(ValueError, match=rf"unknown decoder option\(s\) \['{name}'\]"):
+        dec.generate(PROMPT, max_new_tokens=2, config={name: 1})
+    with pytest.raises(ValueError, match=rf"keys \['{name}'\] a request cannot change"):
+        request_config(DecoderConfig(), {name: 1})
+    still_works(dec)
 
 
 def test_numpy_integers_in_the_config_become_ints():
-    cfg = DecoderConfig(max_draft_tokens=np.int64(8), ngram_max_n=np.int32(6), max_loss=np.float32(0.5))
+    cfg = DecoderConfig(max_draft_tokens=np.int64(8), max_reference_tokens=np.int32(6), max_loss=np.float32(0.5))
     assert type(cfg.max_draft_tokens) is int and cfg.max_draft_tokens == 8
-    assert type(cfg.ngram_max_n) is int and type(cfg.max_loss) is float
+    assert type(cfg.max_reference_tokens) is int and type(cfg.max_loss) is float
 
 
 def test_a_single_drafter_name_is_one_drafter():
@@ -315,3 +283,26 @@ def test_bad_stops_are_clear(dec, stop, err, match):
 def test_no_stops(dec):
     for stop in (None, [], ()):
         assert dec.generate(PROMPT, stop=stop, max_new_tokens=6).token_ids == greedy(dec)
+
+
+def test_the_configuration_page_states_the_defaults_and_only_the_options():
+    """docs/configuration.md's table of options is the config: the same names, the defaults it states are
+    DecoderConfig()'s, and the vLLM draft tokens it names are the one constant every entry uses."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from rag_accel.config import SPECULATIVE_TOKENS
+    from rag_accel.serve import DEFAULT_K
+
+    page = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    table = page.split("## What left")[0]
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", table, flags=re.M))
+    cfg = DecoderConfig()
+    assert set(rows) == {f.name for f in dataclasses.fields(cfg)}
+    stated = {"drafters": str(cfg.drafters), "max_draft_tokens": str(cfg.max_draft_tokens),
+              "adaptive": str(cfg.adaptive), "cost_curve": str(cfg.cost_curve), "max_loss": str(cfg.max_loss),
+              "max_reference_tokens": f"{cfg.max_reference_tokens:,}"}
+    for name, want in stated.items():
+        assert want.replace("'", '"') in rows[name].replace("`", ""), (name, rows[name], want)
+    assert f"`SPECULATIVE_TOKENS` = {SPECULATIVE_TOKENS}" in page and DEFAULT_K == SPECULATIVE_TOKENS

@@ -51,7 +51,8 @@ from rag_accel.bench.replay import (
     FrequencyTreeMemory,
     replay_request,
 )
-from rag_accel.drafters import FrequencyDrafter, MemoryDrafter, _SpanCopier
+from rag_accel.drafters import NO_DRAFT, Draft, FrequencyDrafter, MemoryDrafter, _SpanCopier
+from rag_accel.kernels import SEPARATOR, CountedSuffixes, concat_with_separators, counted_draft
 
 K = 10
 # vLLM at one request in flight on the 2-core CPU (benchmarks/results/step_costs_vllm_cpu_smollm2.md): a step
@@ -141,19 +142,74 @@ class _ProbTreeDrafter(FrequencyTreeDrafter):
             if found.token_ids else NO_DRAFT
 
 
+def _common_pairs(index: Any, tokens: Sequence[int], more_than: int) -> dict[tuple[int, int], list[int]]:
+    """The positions of each token that occurs more than ``more_than`` times in ``tokens``, by the token
+    before it: where a token is too common for a bounded lookup to read all its places, its pairs still
+    reach every part of a long source."""
+    pairs: dict[tuple[int, int], list[int]] = {}
+    for t, places in index._pos.items():
+        if len(places) > more_than:
+            for p in places:
+                pairs.setdefault((tokens[p - 1] if p else SEPARATOR, t), []).append(p)
+    return pairs
+
+
+class CountedReferenceDrafter:
+    """Reference decoding by counts: of the places in the references where the context's tail occurs, copy
+    the continuation most of them share (suffix decoding's choice, :func:`~rag_accel.kernels.counted_draft`),
+    each draft token with its probability from those counts, at most ``factor`` times its match long, cut
+    where its probability falls under ``min_prob``. Matches of 1 to ``max_match`` tokens.
+    Was ``DecoderConfig(reference_choice="counts")`` until issue 55 (timed, it tied LLMA's choice on one
+    engine and lost at 16 in flight); kept here to reproduce this replay's rows.
+
+    A lookup reads at most ``scan`` places: those of the tail's last token, or where that token is commoner,
+    those of its last two tokens (an index of the common tokens' places by the token before): the cost
+    stays flat in the references' size, and a match of two tokens or more is found anywhere in them.
+    """
+
+    name = "reference"
+
+    def __init__(self, references: Sequence[Sequence[int]], max_match: int = 32,
+                 factor: float = 3.0, min_prob: float = 0.1, scan: int = 256) -> None:
+        self.tokens = concat_with_separators(references).tolist()
+        self.index = CountedSuffixes(max_match, scan)
+        self.index.extend(self.tokens)
+        self._pairs = _common_pairs(self.index, self.tokens, scan)  # (the common tokens' places, by pair)
+        self.max_match = max_match
+        self.factor, self.min_prob, self.scan = factor, min_prob, scan
+
+    def propose(self, context: Sequence[int], max_len: int) -> Draft:
+        if not context or max_len <= 0:
+            return NO_DRAFT
+        last = context[-1]
+        places = self.index.latest(last, self.scan + 1)
+        if len(places) > self.scan:  # a common token: the places of the last two tokens
+            places = self._pairs.get((context[-2], last), [])[-self.scan:] if len(context) > 1 else []
+        if not places:
+            return NO_DRAFT
+        tokens, probs, match_len = counted_draft([(self.tokens, places)], context, max_len, self.factor,
+                                                 self.min_prob, self.max_match)
+        return Draft(tokens, match_len, self.name, tuple(probs)) if tokens else NO_DRAFT
+
+    def update(self, context: Sequence[int], num_new: int) -> None:
+        pass  # the references do not change; every proposal reads the context's tail afresh
+
+
 def ours(sequence: Sequence[tuple], memory: Any = None, reference_choice: str = "longest") -> list[dict]:
     """Our drafting over ``(id, case, prompt, references, answer)`` in order; one row per item
-    (``reference_choice``: the references' drafter's, ``DecoderConfig.reference_choice``)."""
+    (``reference_choice``: ``"counts"`` drafts from the references by counts, :class:`CountedReferenceDrafter`)."""
     from rag_accel.config import DEFAULT_COPY_DRAFTERS, DecoderConfig
     from rag_accel.drafters import build_drafters
     from rag_accel.policy import AcceptanceStats
     from rag_accel.speculation import RequestDrafting, StepCosts
 
-    cfg = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS, max_draft_tokens=K, reference_choice=reference_choice)
+    cfg = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS, max_draft_tokens=K)
     acceptance, costs, rows = AcceptanceStats(), StepCosts(), []
     for item_id, case, prompt, refs, target in sequence:
         context = list(prompt)
         chain = build_drafters(cfg, context, refs).drafters
+        if reference_choice == "counts" and chain and chain[0].name == "reference":
+            chain[0] = CountedReferenceDrafter(refs)
         if memory is not None and (remembered := memory.drafter(item_id)) is not None:
             chain = chain[:1] + [remembered] + chain[1:]  # just after the references, as the vLLM proposer puts it
         drafting = RequestDrafting.from_config(cfg, context, refs, CURVE, acceptance, costs, drafters=chain)
@@ -205,7 +261,7 @@ CONFIGS = {
     "ours + arctic's tree of earlier answers as the memory": (lambda seq: ours(seq, TreeMemory()), False),
     "ours, the client passes the cached answer": (ours, True),
     "ours, the client passes it, + the memory": (lambda seq: ours(seq, Memory()), True),
-    # the references' drafter choosing by counts (reference_choice="counts": an option since 2026-11-27)
+    # the references' drafter choosing by counts (reference_choice="counts": an option from 2026-11-27 to issue 55)
     "ours, no memory, the references by counts": (lambda seq: ours(seq, None, "counts"), False),
     "ours + the memory, the references by counts": (lambda seq: ours(seq, Memory(), "counts"), False),
     "ours, the client passes it, the references by counts": (lambda seq: ours(seq, None, "counts"), True),

@@ -15,7 +15,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from ..drafters import CountedReferenceDrafter, ReferenceDrafter
+from ..drafters import REFERENCE_MAX_MATCH, ReferenceDrafter
 
 T = TypeVar("T")
 
@@ -37,7 +37,7 @@ def _built(make: Callable[[], T]) -> tuple[T, float, int]:
 
 def _propose_cost_row(n: int, queries: int, rng: np.random.Generator) -> dict:
     ref = _zipf_tokens(n, rng)
-    drafter, build_s, peak = _built(lambda: ReferenceDrafter([ref.tolist()], min_match=1, max_match=32))
+    drafter, build_s, peak = _built(lambda: ReferenceDrafter([ref.tolist()], min_match=1, max_match=REFERENCE_MAX_MATCH))
     contexts = []
     for _ in range(queries):
         s = int(rng.integers(0, max(1, n - 64)))
@@ -56,13 +56,6 @@ def _propose_cost_row(n: int, queries: int, rng: np.random.Generator) -> dict:
             t0 = time.perf_counter()
             drafter.propose(ctx2, 10)
             follow.append(time.perf_counter() - t0)
-    counted, counted_build_s, counted_peak = _built(
-        lambda: CountedReferenceDrafter([ref.tolist()], min_match=1, max_match=32))
-    counts = []
-    for ctx in contexts:
-        t0 = time.perf_counter()
-        counted.propose(ctx, 10)
-        counts.append(time.perf_counter() - t0)
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
     hf = PromptLookupCandidateGenerator(num_output_tokens=10, max_matching_ngram_size=2, max_length=n + 64)
@@ -80,17 +73,12 @@ def _propose_cost_row(n: int, queries: int, rng: np.random.Generator) -> dict:
         "propose_search_us_p99": float(np.percentile(search, 99)) * 1e6,
         "propose_follow_us_median": statistics.median(follow) * 1e6 if follow else None,
         "hf_prompt_lookup_us_median": statistics.median(hf_times) * 1e6,
-        "counts_index_build_s": counted_build_s,
-        "counts_index_peak_mem_mb": counted_peak / 2**20,
-        "counts_propose_us_median": statistics.median(counts) * 1e6,
-        "counts_propose_us_p99": float(np.percentile(counts, 99)) * 1e6,
     }
 
 
 def propose_cost(sizes: Sequence[int], queries: int = 300, seed: int = 0) -> list[dict]:
-    """Cost of one reference-drafter ``propose``, index build time and peak memory, by counts
-    (``reference_choice="counts"``: every proposal a fresh lookup) and LLMA's longest match (the default:
-    fresh search, followed span), against
+    """Cost of one reference-drafter ``propose`` (LLMA's longest match: a fresh search, a followed span),
+    index build time and peak memory, against
     transformers' prompt lookup on the same tokens, for each reference size.
     Synthetic references: Zipf-distributed token ids; contexts cut from them so matches exist."""
     rng = np.random.default_rng(seed)
@@ -98,15 +86,11 @@ def propose_cost(sizes: Sequence[int], queries: int = 300, seed: int = 0) -> lis
 
 
 def propose_table(rows: Sequence[dict]) -> str:
-    lines = ["| reference tokens | counts: index build (s) | counts: index peak memory (MiB) | counts: propose (µs, "
-             "median / p99) | longest: index build (s) | longest: index peak memory (MiB) | longest: propose, "
-             "search (µs, median / p99) | longest: propose, followed span (µs) | HF prompt lookup (µs) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| reference tokens | index build (s) | index peak memory (MiB) | propose, search (µs, median / p99) "
+             "| propose, followed span (µs) | HF prompt lookup (µs) |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
-        counts = (f"{r['counts_index_build_s']:.3f} | {r['counts_index_peak_mem_mb']:.0f} | "
-                  f"{r['counts_propose_us_median']:.0f} / {r['counts_propose_us_p99']:.0f}"
-                  if "counts_index_build_s" in r else "- | - | -")
-        lines.append(f"| {r['reference_tokens']:,} | {counts} | {r['index_build_s']:.3f} | "
+        lines.append(f"| {r['reference_tokens']:,} | {r['index_build_s']:.3f} | "
                      f"{r['index_peak_mem_mb']:.0f} | "
                      f"{r['propose_search_us_median']:.0f} / {r['propose_search_us_p99']:.0f} | "
                      f"{r['propose_follow_us_median']:.0f} | {r['hf_prompt_lookup_us_median']:.0f} |")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..config import SPECULATIVE_TOKENS
 from ..data import RagItem, rag_input
 from ..methods import (
     ALL_METHODS,
@@ -212,7 +213,7 @@ def spare_engine(model: str, **kwargs: Any) -> None:
         spare.close()
 
 
-def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, k: int = 10,
+def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, k: int = SPECULATIVE_TOKENS,
                  max_model_len: int = 4096, spare_first: bool = True) -> dict[str, Any]:
     """One :class:`rag_accel.vllm.VllmDecoder` per vLLM method in ``methods`` (``vllm-greedy``
     always, the baseline): float32 unless ``dtype``, eager mode, prefix caching off (a repeated

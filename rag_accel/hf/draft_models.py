@@ -30,6 +30,10 @@ from typing import Any
 
 import torch
 
+# Where a draft model stops drafting: its probability for its next token under 0.4 (the first token is always
+# drafted). transformers' assistant_confidence_threshold default; never retuned (draft models are opt-in).
+DRAFT_CONFIDENCE = 0.4
+
 from ..drafters import NO_DRAFT, Draft
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from ..policy import leading_matches
@@ -53,7 +57,7 @@ class ModelDrafter:
     name = "draft_model"
     costly = True  # the decoder consults it only when no cheap draft is sent
 
-    def __init__(self, model: Any, *, confidence: float = 0.4) -> None:
+    def __init__(self, model: Any, *, confidence: float = DRAFT_CONFIDENCE) -> None:
         check_model(model, "draft model")
         if not 0 <= confidence < 1:
             raise ValueError(f"confidence must be in [0, 1), got {confidence!r}")
@@ -185,7 +189,7 @@ class UniversalDrafter:
     name = "draft_model"
     costly = True
 
-    def __init__(self, model: Any, draft_tokenizer: Any, target_tokenizer: Any, *, confidence: float = 0.4,
+    def __init__(self, model: Any, draft_tokenizer: Any, target_tokenizer: Any, *, confidence: float = DRAFT_CONFIDENCE,
                  look_behind: int = 8) -> None:
         for tok, what in ((draft_tokenizer, "draft_tokenizer"), (target_tokenizer, "target_tokenizer")):
             if not callable(tok) or not callable(getattr(tok, "decode", None)):

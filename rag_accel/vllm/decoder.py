@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..config import COPY_DRAFTERS, DEFAULT_COPY_DRAFTERS, DecoderConfig
+from ..config import COPY_DRAFTERS, SPECULATIVE_TOKENS, DecoderConfig
 from ..inputs import (check_lengths, check_references, check_stops, encode_prompt, encode_references,
                       tokenize_references)
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
@@ -53,7 +53,7 @@ class VllmDecoder:
     def __init__(self, llm: Any, config: DecoderConfig | None = None, *, memory_scope: str | None = None) -> None:
         self.llm = llm
         self.memory_scope = request_scope({"memory_scope": memory_scope}) if memory_scope is not None else None
-        self.config = config or DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS)
+        self.config = config or DecoderConfig()
         if not isinstance(self.config, DecoderConfig):
             raise TypeError(f"config must be a DecoderConfig, got {type(self.config).__name__}")
         self.tokenizer = llm.get_tokenizer()
@@ -78,7 +78,8 @@ class VllmDecoder:
                         **llm_kwargs: Any) -> VllmDecoder:
         """A ``vllm.LLM`` on ``name_or_path`` (``"smollm2-135m-instruct"``: the offline default,
         converted on first use) with :class:`RagProposer` proposing up to
-        ``num_speculative_tokens`` (default: ``config.max_draft_tokens``, capped at 16) tokens a step.
+        ``num_speculative_tokens`` (default :data:`~rag_accel.config.SPECULATIVE_TOKENS`, as ``rag-accel serve``)
+        tokens a step (a row's ``max_draft_tokens`` above it is capped there).
         ``speculation="off"``: plain vLLM (the baseline); ``"ngram"`` / ``"suffix"``: vLLM's own
         prompt lookup / suffix decoding (references are then ignored; stats count no drafts).
         ``memory_scope``: see the class. Other keywords go to ``vllm.LLM``."""
@@ -90,11 +91,16 @@ class VllmDecoder:
 
         if not isinstance(name_or_path, str):
             raise TypeError(f"name_or_path must be a string, got {type(name_or_path).__name__}")
-        cfg = config or DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS)
-        if "draft_model" in cfg.drafters and len(cfg.drafters) == 1:
-            raise ValueError(f"the vLLM backend has no draft model: use {', '.join(map(repr, COPY_DRAFTERS))}")
-        cfg = cfg.replace(drafters=tuple(d for d in cfg.drafters if d != "draft_model"))
-        k = num_speculative_tokens if num_speculative_tokens is not None else min(cfg.max_draft_tokens, 16)
+        cfg = config or DecoderConfig()
+        if not isinstance(cfg, DecoderConfig):
+            raise TypeError(f"config must be a DecoderConfig, got {type(cfg).__name__}")
+        if "draft_model" in cfg.drafters:
+            raise ValueError(f"the vLLM backend has no draft model: drafters may be "
+                             f"{', '.join(map(repr, COPY_DRAFTERS))}")
+        if cfg.cost_curve is not None:
+            raise ValueError("cost_curve is the transformers decoder's: a vLLM engine learns what its steps cost "
+                             "as it runs; leave it None")
+        k = num_speculative_tokens if num_speculative_tokens is not None else SPECULATIVE_TOKENS
         path = local_model(name_or_path)
         kwargs: dict[str, Any] = dict(model=path, dtype=dtype, max_model_len=max_model_len, seed=0)
         spec = speculative_config(speculation, int(k))

@@ -207,8 +207,8 @@ class RagProposer:
                              f"{config.max_reference_tokens}")
         if "reference" not in config.drafters or not total:
             return []
-        found = [reference_drafter(ref_ids, config) if any(ref_ids) else None,
-                 answers_drafter(answer_ids, config.frequency_factor, config.frequency_min_prob)]
+        found = [reference_drafter(ref_ids) if any(ref_ids) else None,
+                 answers_drafter(answer_ids)]
         return [d for d in found if d is not None]
 
     def _token_ids(self, texts: Sequence[Any], what: str) -> list[list[int]]:
@@ -258,7 +258,7 @@ class RagProposer:
         settings."""
         if row.scope is not None and "reference" in row.config.drafters:
             cfg = row.config
-            self._insert(row, self.memory.drafter(row.scope, cfg.frequency_factor, cfg.frequency_min_prob))
+            self._insert(row, self.memory.drafter(row.scope))
 
     # ---------------------------------------------------------------- per row
     def _start(self, row: _Row, context: list[int]) -> None:
