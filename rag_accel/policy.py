@@ -77,6 +77,12 @@ REQUEST_DECAY = 0.8
 CALIBRATION_PRIOR = 4.0
 CALIBRATION_DECAY = 0.99
 
+# A step timed at more than this many times its price is the machine's stall (another process), not its draft's
+# cost: the loss budget charges a draft at most this many times the (learnt) curve's price, and the step costs
+# learn from times winsorised to this factor (rag_accel.speculation.StepCosts). Jitter (tens of per cent, even
+# on a loaded machine) stays inside it, so a quiet machine's accounting is unchanged; a stall counts as 2x.
+STALL = 2.0
+
 
 def _bucket(match_len: int) -> int:
     return bisect_right(_BUCKET_EDGES, match_len) - 1
@@ -391,9 +397,32 @@ class DraftLengthPolicy:
         (the decoder times every step); without it, the curve's ``cost[sent]``. The timed
         cost keeps the loss budget a bound on real time where the curve is off: on long
         contexts or a busy machine a failed draft can cost 1.5 plain steps, not 0.6.
+
+        But one step's time is noisy, and the budget is small (3% of a request's time: about
+        one plain step early in an answer), so a single stall used to close drafting for the
+        rest of a request whose drafts were being accepted (a 3-token draft accepted whole,
+        stalled 5x: ``7.5 - 1 - 3 = 3.5`` steps charged, the budget of 117 tokens). Two rules:
+        a draft whose accepted tokens pay for it by the curve (``1 + accepted >= cost[sent]``,
+        as scaled by what timing has taught) is never charged a loss by its timing alone (it
+        saved forward passes; what steps really cost reaches its price through the scale,
+        learnt robustly); and any draft is charged at most :data:`STALL` times its price.
+
+        Example:
+            >>> p = DraftLengthPolicy([1.0, 1.5, 1.5, 1.5])
+            >>> p.record(3, 1, timed_cost=7.5)  # 1 accepted, stalled 5x: no loss (2 tokens for 1.5 steps)
+            >>> p.debt
+            0.0
+            >>> p.record(3, 0, timed_cost=7.5)  # rejected, stalled: charged 2 x 1.5 - 1
+            >>> p.debt
+            2.0
         """
-        if sent:
-            self.debt += (self.cost[sent] if timed_cost is None else timed_cost) - 1.0 - accepted
+        if not sent:
+            return
+        price = self.cost[sent]
+        loss = (price if timed_cost is None else min(timed_cost, STALL * price)) - 1.0 - accepted
+        if 1.0 + accepted >= price:
+            loss = min(loss, 0.0)
+        self.debt += loss
 
     def observe(self, draft: Draft, new_tokens: Sequence[int]) -> None:
         """Learn from the tokens the step produced (accepted draft + the model's next token).

@@ -24,7 +24,21 @@ from collections.abc import Callable, Sequence
 
 from .config import DecoderConfig
 from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
-from .policy import AcceptanceStats, DraftLengthPolicy
+from .policy import STALL, AcceptanceStats, DraftLengthPolicy
+
+# A draft step is timed against this request's plain-step time only within this many steps of a plain step;
+# later in a run of drafted steps its cost is the (learnt) curve's price, and it teaches nothing. Chosen on
+# requests simulated as in tests/test_speculation.py (20 seeds x 8 requests, drafts buying 2 tokens for 1.5
+# plain steps in runs of 28, on a machine whose step time drifts as a random walk of 10% a step): 32.0 steps a
+# request at 1 and 2, as on a steady machine, 34.6 at 4, 50.1 without the rule (20% a step: 32.7, 39.5, 53.4).
+# At 1, a verify truly dearer (2.5 plain steps for 2 tokens) took 3 requests to turn drafting off; at 2, 1 or 2.
+PLAIN_NEAR = 2
+
+
+def _within_stall(seconds: float, running: float) -> float:
+    """A step's time as a running step time learns from it: within :data:`STALL` times of it either way."""
+    return min(max(seconds, running / STALL), STALL * running)
+
 
 class StepCosts:
     """What steps really cost, learnt across requests from timing them (one per decoder or engine).
@@ -34,6 +48,16 @@ class StepCosts:
     (longer contexts make multi-token steps dearer than the one-off measurement).
     ``step_s``: running time of a one-token step. ``draft_token_s`` / ``catchup_token_s``: a
     draft model's time per drafted token, and per context token it catches up on.
+
+    Timings on a user's machine are noisy: other processes stall a step now and then by 2-10x, and
+    jitter it by tens of per cent. A draft's extra cost is a fraction of a step (0.5 of one for
+    SmolLM2 on a CPU, a few per cent on a GPU), so one step's ``ratio`` magnifies that noise: a
+    5x stall of a 1-token draft read as ``(7.5 - 1) / 0.5 = 13`` times the curve, and the old
+    running mean jumped from 1 to 2.2 on it. Two stalls priced every draft out, and the scale then
+    stayed put (only draft steps teach it), across requests. So each step's ratio is winsorised
+    to ``[0, 2 * scale]``, symmetric about the current scale: jitter averages out as before, a
+    stall moves the scale by 10% at most, and a real change (long contexts) still gets through,
+    at up to 10% a step. ``step_s`` learns from times winsorised to within :data:`STALL` of it.
     """
 
     def __init__(self) -> None:
@@ -50,13 +74,14 @@ class StepCosts:
         """Learn from one verify step that took ``seconds`` for ``n_send`` draft tokens;
         returns its cost in this request's plain steps (``None`` before a plain step was timed)."""
         step_s = seconds / policy.cost[n_send]  # a one-token step's time, as this step tells it
-        self.step_s = step_s if self.step_s is None else 0.9 * self.step_s + 0.1 * step_s
+        self.step_s = step_s if self.step_s is None else 0.9 * self.step_s + 0.1 * _within_stall(step_s, self.step_s)
         if n_send == 0 or plain_s is None or not policy.adaptive:
             return None
         timed_cost = seconds / plain_s
         ratio = (timed_cost - 1.0) / max(policy.base_cost[n_send] - 1.0, 1e-3)
         bucket = context_len.bit_length()
         old = self.scale.get(bucket, 1.0)
+        ratio = min(max(ratio, 0.0), 2.0 * old)  # winsorised about the scale: a stall is not the draft's cost
         self.scale[bucket] = min(4.0, max(0.25, 0.9 * old + 0.1 * ratio))
         return timed_cost
 
@@ -91,6 +116,7 @@ class RequestDrafting:
         self.prefill_s = 0.0  # the request's prefill time, for the loss budget
         self.prefill_steps: float | None = None  # or its cost in plain steps, where the engine knows that instead
         self.plain_s: float | None = None  # running time of this request's plain (one-token) steps
+        self._since_plain = 0  # steps since this request last timed a plain step
         self._since_model = 0  # steps since a draft model was last asked
 
     @classmethod
@@ -195,8 +221,18 @@ class RequestDrafting:
     # 4. account
     def account(self, n_send: int, n_accepted: int, seconds: float, context_len: int) -> None:
         """The verify step of ``n_send`` draft tokens took ``seconds`` and accepted ``n_accepted``."""
-        timed_cost = self.costs.learn_step(self.policy, n_send, seconds, self.plain_s, context_len)
-        if n_send == 0:
-            self.plain_s = seconds if self.plain_s is None else 0.8 * self.plain_s + 0.2 * seconds
-        # The loss budget is charged what the step really took (in this request's plain steps).
+        engine_s = self.costs.step_s  # (before this step)
+        # A draft step is timed against plain steps timed near it, or not at all: the machine's speed drifts as
+        # other processes come and go, and a long run of drafted steps would meet a stale plain-step time.
+        self._since_plain = 0 if n_send == 0 else self._since_plain + 1
+        plain_s = self.plain_s if self._since_plain <= PLAIN_NEAR else None
+        timed_cost = self.costs.learn_step(self.policy, n_send, seconds, plain_s, context_len)
+        if n_send == 0:  # a stall moves the request's plain-step time by 20% at most; its first, by 2x the engine's
+            plain = self.plain_s
+            if plain is None:
+                self.plain_s = seconds if engine_s is None else _within_stall(seconds, engine_s)
+            else:
+                self.plain_s = 0.8 * plain + 0.2 * _within_stall(seconds, plain)
+        # The loss budget is charged what the step really took (in this request's plain steps), but for a
+        # stall: see DraftLengthPolicy.record.
         self.policy.record(n_send, n_accepted, timed_cost)
