@@ -199,8 +199,8 @@ def _median_of(runs: list[tuple[tuple[float, float, int], Any]]) -> tuple[tuple[
     from .bench.timing import median_run
 
     timings = [t for t, _ in runs]
-    middle = sorted(range(len(runs)), key=lambda i: timings[i])[(len(runs) - 1) // 2]
-    return median_run(timings), runs[middle][1]
+    median = median_run(timings)
+    return median, runs[timings.index(median[:3])][1]
 
 
 # A verify step may cost our loop a little less than a step of model.generate costs it (no logits processors):

@@ -28,7 +28,6 @@ DRAFTER_NAMES = (*COPY_DRAFTERS, "draft_model")
 # is opt-in (``"draft_model"`` added to ``drafters``, with a draft model loaded): measured at 1.39x greedy against
 # 1.38x without it on SmolLM2 (benchmarks/results/bench_cpu_smollm2_draft_models.md), 0.67x alone on Gemma.
 DEFAULT_COPY_DRAFTERS = ("reference", "frequency")
-DEFAULT_DRAFTERS = DEFAULT_COPY_DRAFTERS
 
 # The draft tokens a vLLM engine verifies at most a step (its num_speculative_tokens), the same on every way in
 # (rag-accel serve, VllmDecoder, the bench): the peers at 10 and at 24 (vLLM's own default for suffix decoding)
@@ -113,7 +112,7 @@ class DecoderConfig:
         ValueError: max_draft_tokens must be an integer >= 1 and <= 256 (a verification forward runs over 1 + max_draft_tokens tokens and the first call times forwards of up to that size; drafts that long are never accepted), got 0
     """
 
-    drafters: tuple[str, ...] = DEFAULT_DRAFTERS
+    drafters: tuple[str, ...] = DEFAULT_COPY_DRAFTERS
     max_draft_tokens: int = 32
     adaptive: bool = True
     cost_curve: tuple[float, ...] | None = None

@@ -179,8 +179,8 @@ class DraftLengthPolicy:
         exploration: plain steps any request may lose on top of its loss budget
             (default 0: the budget alone bounds the loss; it counts the prefill).
         request_prior: pseudo-hits behind :meth:`request_factor` (smaller: it
-            falls faster after the first misses of a request); ``None``: no
-            request factor, each drafter and bucket learns on its own.
+            falls faster after the first misses of a request; the pooling is always on: its
+            A/B, ``pool_misses`` until issue 55, measured no difference and it bounds failed drafts).
         request_decay: each observation's weight in :meth:`request_factor` is
             multiplied by this at every later one (``1.0``: all count alike;
             smaller: recent misses outweigh an early hit; see :data:`REQUEST_DECAY`).
@@ -195,7 +195,7 @@ class DraftLengthPolicy:
         prior_weight: float = 2.0,
         min_gain: float = 0.1,
         exploration: float = 0.0,
-        request_prior: float | None = 0.5,
+        request_prior: float = 0.5,
         request_decay: float = REQUEST_DECAY,
     ) -> None:
         self.base_cost = [float(c) / float(cost_curve[0]) for c in cost_curve]
@@ -229,8 +229,6 @@ class DraftLengthPolicy:
         """This request's first-token hits over those the learnt rates predicted, pooled over
         drafters and evidence, at most 1 (``1.0`` before anything is observed)."""
         k = self.request_prior
-        if k is None:
-            return 1.0
         return min(1.0, (self._hits + k) / (self._expected + k))
 
     def _learnt_rates(self, source: str, match_len: int) -> tuple[float, float]:

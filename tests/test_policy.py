@@ -153,13 +153,6 @@ def test_request_factor_never_raises_the_learnt_rates():
     assert p.rates("reference", 8) == before  # another drafter's bucket: unchanged, not raised
 
 
-def test_request_factor_can_be_turned_off():
-    p = DraftLengthPolicy(CPU_CURVE, request_prior=None)
-    for _ in range(5):
-        p.observe(Draft([1, 2], 2, "reference"), [9])
-    assert p.request_factor() == 1.0
-
-
 def _factor_after(outcomes, decay):
     p = DraftLengthPolicy(CPU_CURVE, request_decay=decay)
     for hit in outcomes:
