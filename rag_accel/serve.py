@@ -77,6 +77,23 @@ def model_vocab_size(model: str) -> int | None:
     return None
 
 
+def model_text_bound(model: str) -> str | None:
+    """``RAG_ACCEL_TEXT_BOUND`` for ``model``'s tokenizer: the lower bound on the tokens of text
+    (:func:`rag_accel.inputs.text_bound`) by which the server's admission counts text references
+    against ``--max-reference-tokens`` before any tokenising; ``None`` where the tokenizer cannot be
+    loaded here or has no certain bound (text then counts when the worker tokenises it)."""
+    from .inputs import text_bound
+    from .vllm.requests import encode_text_bound
+
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except Exception:  # noqa: BLE001 - a hub name offline, no tokenizer files: no bound
+        return None
+    return encode_text_bound(text_bound(tokenizer))
+
+
 def speculative_options(speculation: str, num_speculative_tokens: int = DEFAULT_K) -> list[str]:
     """The vLLM options of one speculation mode (:func:`rag_accel.vllm.speculative_config`: ``ours`` also
     loads the :class:`~rag_accel.vllm.RowTracker`).

@@ -85,12 +85,12 @@ def test_text_references_that_may_pass_the_limit_are_refused_at_the_call(dec):
 
 
 def test_a_failing_set_up_raises_from_the_stream_and_the_decoder_keeps_serving(dec, monkeypatch):
-    import rag_accel.hf.decoder as hf_decoder
+    import rag_accel.references as references
 
     def broken(*args):
         raise RuntimeError("tokenizer broke")
 
-    monkeypatch.setattr(hf_decoder, "tokenize_references", broken)
+    monkeypatch.setattr(references, "tokenize_references", broken)
     stream = dec.stream([1, 2, 3], references=["some text"], max_new_tokens=4)  # the call itself is fine
     with pytest.raises(RuntimeError, match="tokenizer broke"):
         next(iter(stream))

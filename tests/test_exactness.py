@@ -152,10 +152,10 @@ def test_references_are_set_up_during_the_prefill(tiny, monkeypatch):
     """The request's references are tokenised and indexed on another thread while the prefill
     runs (a long reference list costs its first token nothing up to the prefill's length): the
     prefill here waits for the set-up to have started, which a set-up run after it never would."""
-    import rag_accel.hf.decoder as hf_decoder
+    import rag_accel.references as references
 
     started, seen = threading.Event(), {}
-    tokenize, prefill = hf_decoder.tokenize_references, tiny._prefill
+    tokenize, prefill = references.tokenize_references, tiny._prefill
 
     def tokenize_and_tell(tokenizer, refs, max_tokens, stop=None, cache=None):
         seen["setup_thread"] = threading.current_thread().name
@@ -167,7 +167,7 @@ def test_references_are_set_up_during_the_prefill(tiny, monkeypatch):
         seen["prefill_thread"] = threading.current_thread().name
         return prefill(req)
 
-    monkeypatch.setattr(hf_decoder, "tokenize_references", tokenize_and_tell)
+    monkeypatch.setattr(references, "tokenize_references", tokenize_and_tell)
     monkeypatch.setattr(tiny, "_prefill", prefill_waiting)
     prompt = _prompts(1, tiny.vocab_size, seed=13)[0]
     want = hf_greedy(tiny.model, prompt, MAX_NEW)
@@ -186,10 +186,10 @@ def test_tokenising_a_big_reference_lets_the_prefill_run(tiny, monkeypatch):
     in its first half."""
     import time
 
-    import rag_accel.hf.decoder as hf_decoder
+    import rag_accel.references as references
 
     started, times = threading.Event(), {}
-    tokenize, prefill = hf_decoder.tokenize_references, tiny._prefill
+    tokenize, prefill = references.tokenize_references, tiny._prefill
 
     def timed_tokenize(tokenizer, refs, max_tokens, stop=None, cache=None):
         times["tokenise_start"] = time.perf_counter()
@@ -205,7 +205,7 @@ def test_tokenising_a_big_reference_lets_the_prefill_run(tiny, monkeypatch):
         times["prefill_start"] = time.perf_counter()
         return prefill(req)
 
-    monkeypatch.setattr(hf_decoder, "tokenize_references", timed_tokenize)
+    monkeypatch.setattr(references, "tokenize_references", timed_tokenize)
     monkeypatch.setattr(tiny, "_prefill", prefill_after_tokenising_began)
     text = " ".join(f"passage {i} says the river rises in the hills near town {i % 97}." for i in range(9000))
     out = tiny.generate([5, 6, 7], references=[text], max_new_tokens=4)
@@ -223,17 +223,17 @@ def _join_set_up_threads():
 
 def _held_tokenizing(monkeypatch):
     """``tokenize_references`` on the set-up thread held until the returned event is set."""
-    import rag_accel.hf.decoder as hf_decoder
+    import rag_accel.references as references
 
     release, calls = threading.Event(), []
-    tokenize = hf_decoder.tokenize_references
+    tokenize = references.tokenize_references
 
     def held(tokenizer, refs, max_tokens, stop=None, cache=None):
         calls.append(threading.current_thread().name)
         assert release.wait(timeout=60), "the decode loop waited for the references"
         return tokenize(tokenizer, refs, max_tokens, stop, cache)
 
-    monkeypatch.setattr(hf_decoder, "tokenize_references", held)
+    monkeypatch.setattr(references, "tokenize_references", held)
     return release, calls
 
 
@@ -241,7 +241,7 @@ def test_large_references_never_delay_the_first_token(tiny, monkeypatch):
     """References over WAITED_REFERENCE_SIZE are indexed off the loop and never waited for: with
     their tokenising held until the request is over, the request still completes, exactly greedy's,
     drafting from the prompt meanwhile (a loop that waited would block here for 60 s and fail)."""
-    from rag_accel.inputs import WAITED_REFERENCE_SIZE
+    from rag_accel.references import WAITED_REFERENCE_SIZE
 
     release, calls = _held_tokenizing(monkeypatch)
     prompt = _prompts(1, tiny.vocab_size, seed=14)[0]
@@ -260,7 +260,7 @@ def test_large_references_never_delay_the_first_token(tiny, monkeypatch):
 def test_large_references_join_the_request_when_ready(tiny, monkeypatch):
     """Held until the first token is out, then indexed: the reference drafter joins the request
     mid-way and its drafts (the answer itself) are accepted; the output stays greedy's."""
-    from rag_accel.inputs import WAITED_REFERENCE_SIZE
+    from rag_accel.references import WAITED_REFERENCE_SIZE
 
     release, _ = _held_tokenizing(monkeypatch)
     prompt = _prompts(1, tiny.vocab_size, seed=15)[0]
@@ -283,10 +283,10 @@ def test_large_references_join_the_request_when_ready(tiny, monkeypatch):
 def test_a_request_that_ends_stops_its_reference_indexing(tiny, monkeypatch):
     """A stream dropped half-read tells the set-up thread to stop: the texts not yet tokenised
     never are (each text asks before it is tokenised)."""
-    import rag_accel.hf.decoder as hf_decoder
+    import rag_accel.references as references
 
     release, started, asked = threading.Event(), threading.Event(), []
-    tokenize = hf_decoder.tokenize_references
+    tokenize = references.tokenize_references
 
     def held(tokenizer, refs, max_tokens, stop=None, cache=None):
         def stop_and_tell():
@@ -296,7 +296,7 @@ def test_a_request_that_ends_stops_its_reference_indexing(tiny, monkeypatch):
             return asked[-1]
         return tokenize(tokenizer, refs, max_tokens, stop_and_tell, cache)
 
-    monkeypatch.setattr(hf_decoder, "tokenize_references", held)
+    monkeypatch.setattr(references, "tokenize_references", held)
     texts = ["word " * 1000] * 3  # 15,000 characters: not waited for
     stream = tiny.stream([5, 6, 7], references=texts, max_new_tokens=MAX_NEW)
     pieces = iter(stream)

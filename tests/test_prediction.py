@@ -68,6 +68,7 @@ def test_the_servers_extra_args_carry_a_prediction_as_references(monkeypatch):
     with pytest.raises(ValueError, match="nothing would draft from it"):
         check_extra_args({"prediction": ["x"], "speculate": 0})
     monkeypatch.setenv("RAG_ACCEL_MAX_REFERENCE_TOKENS", "100")  # (rag-accel serve --max-reference-tokens)
+    monkeypatch.setenv("RAG_ACCEL_TEXT_BOUND", "[5, null]")  # (and its tokenizer's bound: 5 characters a token)
     check_extra_args({"prediction": ["word " * 100]})
     with pytest.raises(ValueError, match="prediction .with extra_args.'references'.. holds over 100 tokens"):
         check_extra_args({"prediction": ["word " * 200], "references": ["r"]})

@@ -53,6 +53,7 @@ N_ITEMS = 3
 MAX_NEW = 32
 MAX_MODEL_LEN = 2048
 MAX_REF = 20_000  # --max-reference-tokens: "too large" is cheap to send
+# (text certainly over it: SmolLM2's tokens cover at most 81 characters, so 20 * MAX_REF words of 5 characters)
 READY_TIMEOUT = float(os.environ.get("RAG_ACCEL_SERVE_TIMEOUT", "900"))  # a busy 2-core machine
 
 
@@ -330,19 +331,19 @@ def test_eight_concurrent_requests_each_with_its_references(client, baseline, it
 @pytest.mark.slow
 def test_bad_references_get_400_and_the_server_serves_on(server, client, baseline):
     bad = [{"references": 5}, {"references": [[1, 2]]}, {"speculate": "yes"},
-           {"references": ["word " * (10 * MAX_REF)]},  # over --max-reference-tokens
+           {"references": ["word " * (20 * MAX_REF)]},  # over --max-reference-tokens
            {"reference_ids": "[[1, 2"}, {"rag_accel": '{"bogus": 1}'}, {"memory_scope": 5},
            {"memory_scope": "x" * 300}, {"answers": 5}, {"answer_ids": "[[1, 2"},
-           {"answers": ["word " * (10 * MAX_REF)]},
-           {"references": ["word " * MAX_REF], "answers": ["word " * MAX_REF]}]  # together over the limit
+           {"answers": ["word " * (20 * MAX_REF)]},
+           {"references": ["word " * (12 * MAX_REF)], "answers": ["word " * (12 * MAX_REF)]}]  # together over the limit
     for xargs in bad:
         with pytest.raises(openai.BadRequestError) as e:
             _chat(client, baseline.msgs[0], xargs)
         assert e.value.status_code == 400
     with pytest.raises(RemoteError, match="max_reference_tokens|hold over"):
-        RemoteDecoder(server.base_url).generate(baseline.msgs[0], ["word " * (10 * MAX_REF)])
+        RemoteDecoder(server.base_url).generate(baseline.msgs[0], ["word " * (20 * MAX_REF)])
     with pytest.raises(RemoteError, match="hold over"):  # streamed: HTTP 200, then an error event (code 400)
-        list(RemoteDecoder(server.base_url).stream(baseline.msgs[0], ["word " * (10 * MAX_REF)]))
+        list(RemoteDecoder(server.base_url).stream(baseline.msgs[0], ["word " * (20 * MAX_REF)]))
     assert _chat(client, baseline.msgs[0], {"references": baseline.msgs[0][-1]["content"]}).token_ids == baseline.ids[0]
     assert RemoteDecoder(server.base_url).generate(baseline.msgs[0], answers=[baseline.msgs[0][-1]["content"]],
                                                    max_new_tokens=MAX_NEW).token_ids == baseline.ids[0]
@@ -521,7 +522,7 @@ def test_malformed_predictions_get_400_while_other_requests_are_served(server, c
     bad = [("text", "prediction must be an object"), ({"type": "content", "content": 5}, "prediction.content must"),
            ({"type": "image", "content": "x"}, "prediction.type must be 'content'"),
            ({"type": "content", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "must be text"),
-           (_prediction("word " * (10 * MAX_REF)), "holds over")]
+           (_prediction("word " * (20 * MAX_REF)), "holds over")]
     for prediction, words in bad:
         with pytest.raises(openai.BadRequestError, match=words) as e:
             client.chat.completions.create(model=MODEL, messages=baseline.msgs[0], max_tokens=MAX_NEW, temperature=0,

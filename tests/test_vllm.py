@@ -283,7 +283,7 @@ def test_large_text_references_are_indexed_off_the_step_loop():
     """Text references over WAITED_REFERENCE_SIZE characters are tokenised and indexed on a background
     thread: the row's steps go on (drafting from its prompt) while they are, and their reference drafts
     start once they are ready."""
-    from rag_accel.inputs import WAITED_REFERENCE_SIZE
+    from rag_accel.references import WAITED_REFERENCE_SIZE
 
     proposer = RagProposer(_fake_config(vocab=100))
     proposer.tracker = tracker = RowTracker(_fake_config())
@@ -295,10 +295,10 @@ def test_large_text_references_are_indexed_off_the_step_loop():
     tracker.update_state(BatchUpdate(batch_size=1, removed=[], moved=[], added=[(0, params, [3, 5, 6], [])]))
     first = proposer.propose([[3]], np.array([4]), tokens)  # returns while the tokenizer waits
     row = tracker.rows[0]
-    assert row.pending is not None and not row.pending.done()
+    assert row.pending is not None and not row.pending.done
     assert first[0][:2] == [5, 6]  # prompt lookup: "3" was followed by "5 6" in the prompt
     tok.go.set()
-    row.pending.result(10)
+    assert row.pending.wait(10)
     n = 4
     new = first[0][:2] + [40]  # the model accepted "5 6" (the prompt lookup), then said "40" itself
     tokens[0, n:n + 3] = new

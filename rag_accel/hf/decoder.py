@@ -19,14 +19,14 @@ import torch
 from .attention import install as install_packed_gqa
 from .attention import packed_gqa
 from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
-from ..drafters import Draft, Drafter, chain_order, reference_drafter
-from ..inputs import (WAITED_REFERENCE_SIZE, TokenCache, check_lengths, check_references, check_stops, encode_prompt,
+from ..drafters import Draft, Drafter, chain_order
+from ..inputs import (TokenCache, check_lengths, check_references, check_stops, encode_prompt,
                       encode_references, may_exceed, tokenize_references)
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .lm_head import install as install_transposed_head
 from .lm_head import transposed_head
-from ..memory import answers_drafter
 from ..prediction import with_prediction
+from ..references import ReferenceSetUp
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..policy import AcceptanceStats, leading_matches
 from ..protocol import batch_arguments, check_options, sampling_request
@@ -461,10 +461,11 @@ class ReferenceDecoder:
         1. draft, 2. verify, 3. accept, 4. roll back; then emit what the step produced.
 
         The first step waits for the drafters over the prompt (their work grows with the prompt, as
-        the prefill's does) and for references of up to :data:`WAITED_REFERENCE_SIZE` characters or
-        token ids (a few milliseconds). Larger references join the request's drafting at the first
-        step after they are indexed: until then it drafts from the prompt, so the first token never
-        waits for them, and a request that ends first stops their indexing.
+        the prefill's does) and for references of up to
+        :data:`~rag_accel.references.WAITED_REFERENCE_SIZE` characters or token ids (a few
+        milliseconds). Larger references join the request's drafting at the first step after they are
+        indexed: until then it drafts from the prompt, so the first token never waits for them, and a
+        request that ends first stops their indexing.
 
         The model lock is held for one step at a time and never across a ``yield``: a stream may
         be iterated from any thread (``run_in_executor(None, next, it)``), and one that is dropped
@@ -473,10 +474,11 @@ class ReferenceDecoder:
         t_start = self.clock()
         with self._lock, torch.inference_mode():
             req = self._start(prompt_ids, max_new_tokens, stops, cfg, sampling)
-            index_refs = None
+            refs_setup = None
             if custom_drafters is None and "reference" in cfg.drafters and any(len(r) for r in [*refs, *answers]):
-                index_refs = lambda stop: self._index_references(cfg, refs, answers, stop)  # noqa: E731
-            setup = _SetUp(lambda: self._set_up_drafting(req, custom_drafters), index_refs)
+                refs_setup = ReferenceSetUp(refs, answers, lambda: self.tokenizer, cfg.max_reference_tokens,
+                                            self.reference_tokens)
+            setup = _SetUp(lambda: self._set_up_drafting(req, custom_drafters), refs_setup)
             try:
                 new_tokens = self._prefill(req)
             except BaseException:
@@ -484,7 +486,7 @@ class ReferenceDecoder:
                 raise
             finally:  # (a failed prefill's error wins over the set-up's)
                 t0 = self.clock()
-                setup.wait(references=sum(len(r) for r in [*refs, *answers]) <= WAITED_REFERENCE_SIZE)
+                setup.wait()
             setup.check()
             req.stats.setup_wait_s = self.clock() - t0
             req.stats.setup_s += encode_s
@@ -535,7 +537,7 @@ class ReferenceDecoder:
 
     def _set_up_drafting(self, req: _Request, custom_drafters: Sequence[Drafter] | None) -> None:
         """The request's drafting over its prompt, its references left out (runs during the
-        prefill, which reads none of it; :meth:`_index_references` adds them)."""
+        prefill, which reads none of it; its :class:`~rag_accel.references.ReferenceSetUp` adds them)."""
         t0 = self.clock()
         cfg = req.cfg
         draft_model = (lambda: self._new_draft_drafter(cfg)) if self.draft_model is not None else None
@@ -543,21 +545,6 @@ class ReferenceDecoder:
                                                    self.step_costs, drafters=custom_drafters,
                                                    draft_model=draft_model)
         req.stats.setup_s = self.clock() - t0
-
-    def _index_references(self, cfg: DecoderConfig, refs: list[str | list[int]], answers: list[str | list[int]],
-                          stop: Callable[[], bool]) -> list[Drafter]:
-        """The request's references and answers tokenised and indexed (on the set-up thread, after
-        :meth:`_set_up_drafting`): its reference drafter and its answers' (drafted as the memory of
-        answers: :func:`~rag_accel.memory.answers_drafter`); none when ``stop`` said the request no
-        longer needs them."""
-        ids = tokenize_references(self.tokenizer, [*refs, *answers], cfg.max_reference_tokens, stop,
-                                  self.reference_tokens)
-        ref_ids, answer_ids = ids[:len(refs)], ids[len(refs):]
-        if stop():
-            return []
-        found = [reference_drafter(ref_ids) if any(ref_ids) else None,
-                 answers_drafter(answer_ids)]
-        return [d for d in found if d is not None]
 
     def _take_references(self, req: _Request, setup: _SetUp) -> None:
         """The reference and answers drafters join the request's drafting once they are indexed
@@ -567,7 +554,7 @@ class ReferenceDecoder:
             for drafter in drafters:
                 req.drafting.add_drafter(drafter, chain_order(req.cfg.drafters))
             if drafters:
-                req.stats.setup_s += setup.reference_s
+                req.stats.setup_s += setup.refs.seconds
 
     def _drafting_ready(self, req: _Request) -> None:
         """After the prefill and the set-up: drafting learns the prefill's time (sampling: the draft
@@ -638,57 +625,58 @@ class _Request:
 
 
 class _SetUp:
-    """A request's drafting set up on a thread of its own, started now: ``prompt_part()``, then
-    ``reference_part(stop)`` if given, which returns the reference and answers drafters (none: none needed).
+    """A request's drafting set up on a thread of its own, started now: ``prompt_part()``, then its
+    references' set-up (:class:`~rag_accel.references.ReferenceSetUp`), if it has one.
 
-    :meth:`wait` waits for the first part (and the second, if asked); :meth:`take` hands over the
-    reference and answers drafters once they are ready, without waiting; :meth:`stop` tells the second part that
-    the request needs it no more. What either part raises, :meth:`check` and :meth:`take` raise.
+    :meth:`wait` waits for the first part, and for the references too when they are small enough to
+    be waited for; :meth:`take` hands over their drafters once they are ready, without waiting;
+    :meth:`stop` tells the references' set-up that the request needs it no more. What the first part
+    raises, :meth:`check` raises; what the references' set-up raises, :meth:`take` raises.
     """
 
-    def __init__(self, prompt_part: Callable[[], None],
-                 reference_part: Callable[[Callable[[], bool]], list[Drafter]] | None) -> None:
-        self.pending = reference_part is not None  # reference and answers drafters may still come
-        self.reference_s = 0.0  # the second part's time
-        self._drafters: list[Drafter] = []
+    def __init__(self, prompt_part: Callable[[], None], refs: ReferenceSetUp | None) -> None:
+        self.refs = refs
+        self.pending = refs is not None  # reference and answers drafters may still come
         self._error: BaseException | None = None
-        self._prompt_done, self._done, self._stop = threading.Event(), threading.Event(), threading.Event()
+        self._prompt_done = threading.Event()
 
         def run() -> None:
             try:
                 prompt_part()
-                self._prompt_done.set()
-                if reference_part is not None:
-                    t0 = time.perf_counter()
-                    self._drafters = reference_part(self._stop.is_set)
-                    self.reference_s = time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001 - handed to the decode loop
                 self._error = e
+                if refs is not None:
+                    refs.stop()
             finally:
                 self._prompt_done.set()
-                self._done.set()
+            if refs is not None:
+                refs.run()
 
         threading.Thread(target=run, name="rag-accel-setup", daemon=True).start()
 
-    def wait(self, references: bool) -> None:
-        """Wait for the drafting over the prompt, and for the reference drafter too if
-        ``references`` (:meth:`check` raises what they raised)."""
-        (self._done if references else self._prompt_done).wait()
+    def wait(self) -> None:
+        """Wait for the drafting over the prompt, and for the references if they are waited for."""
+        self._prompt_done.wait()
+        if self.refs is not None and self.refs.waited and self._error is None:
+            self.refs.wait()
 
     def take(self) -> list[Drafter]:
         """The reference and answers drafters, once, when they are ready; none before (and after)."""
-        if not self._done.is_set():
-            return []
-        self.check()
-        self.pending = False
-        drafters, self._drafters = self._drafters, []
-        return drafters
+        assert self.refs is not None
+        drafters = None
+        try:
+            drafters = self.refs.take()
+        finally:
+            if drafters is not None or self.refs.done:
+                self.pending = False
+        return drafters or []
 
     def stop(self) -> None:
-        self._stop.set()
+        if self.refs is not None:
+            self.refs.stop()
 
     def check(self) -> None:
-        """Raise what the set-up raised, if it did."""
+        """Raise what the drafting over the prompt raised, if it did."""
         if self._error is not None:
             error, self._error = self._error, None
             self.pending = False

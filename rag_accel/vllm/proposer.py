@@ -5,11 +5,12 @@
 - :class:`RagProposer`: one :class:`~rag_accel.speculation.RequestDrafting` per row, driven
   through the same verbs as the HF decoder (``account``, ``learn``, ``choose``).
 
-A row's references of up to :data:`~rag_accel.inputs.WAITED_REFERENCE_SIZE` characters or ids
-in all are indexed in the step that starts it (about a millisecond), so a short prediction drafts
-from the first step; larger ones on a background thread (:meth:`RagProposer._prepare`), never in
-the engine's step loop: until their index is ready the row drafts from its prompt and output
-(the frequency drafter), and one big reference never stalls the other requests of the batch.
+A row's references are set up as the transformers decoder's are (:class:`~rag_accel.references.ReferenceSetUp`:
+one limit, one threshold): those of up to :data:`~rag_accel.references.WAITED_REFERENCE_SIZE` characters or
+ids in all in the step that starts it (about a millisecond), so a short prediction drafts from the first
+step; larger ones on a background thread, never in the engine's step loop: until their index is ready
+the row drafts from its prompt and output, and one big reference never stalls the other requests of the
+batch. A row that leaves the batch first stops their set-up.
 """
 
 from __future__ import annotations
@@ -18,16 +19,17 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..config import DecoderConfig
-from ..drafters import Drafter, chain_order, reference_drafter
-from ..inputs import WAITED_REFERENCE_SIZE, check_ids
-from ..memory import AnswerMemory, answers_drafter
+from ..drafters import Drafter, chain_order
+from ..inputs import TokenCache
+from ..memory import AnswerMemory
 from ..outputs import GenerationStats
 from ..policy import AcceptanceStats
+from ..references import ReferenceSetUp
 from ..speculation import RequestDrafting
 from . import patches
 from .costs import BatchStepCosts
@@ -75,7 +77,7 @@ class _Row:
         self.sent, self.source = 0, ""
         self.stats = GenerationStats(prompt_tokens=self.prompt_len or 0)
         self.error: str | None = None
-        self.pending: Future | None = None  # its reference and answers drafters, being built off the step loop
+        self.pending: ReferenceSetUp | None = None  # its reference and answers drafters, until they join
 
 
 class RowTracker(_LogitsProcessor):
@@ -163,7 +165,8 @@ class RagProposer:
         self.tracker: RowTracker | None = None
         self._tokenizer: Any = None
         self._tokenizer_name = vllm_config.model_config.tokenizer
-        self._refs_pool: ThreadPoolExecutor | None = None  # tokenises and indexes text references
+        self._refs_pool: ThreadPoolExecutor | None = None  # sets up references too big to wait for
+        self.reference_tokens = TokenCache()  # texts tokenised lately: a passage that comes back is tokenised once
         self._last_tokens: int | None = None  # tokens the step now running scheduled (None: not a decode step)
         self._last_t0: float | None = None  # when propose was last called
         self.draft_s = 0.0  # host time spent in propose, all rows
@@ -197,39 +200,11 @@ class RagProposer:
         return self._tokenizer
 
     # ---------------------------------------------------------------- references, off the step loop
-    def _prepare(self, refs: Sequence[Any], answers: Sequence[Any], config: DecoderConfig) -> list[Drafter]:
-        """Tokenise and index one request's references and answers (on :attr:`_refs_pool`'s thread):
-        its reference drafter and its answers' (:func:`~rag_accel.memory.answers_drafter`)."""
-        ref_ids, answer_ids = self._token_ids(refs, "reference"), self._token_ids(answers, "answer")
-        total = sum(len(r) for r in ref_ids) + sum(len(r) for r in answer_ids)
-        if total > config.max_reference_tokens:
-            raise ValueError(f"references and answers hold {total} tokens, over max_reference_tokens="
-                             f"{config.max_reference_tokens}")
-        if "reference" not in config.drafters or not total:
-            return []
-        found = [reference_drafter(ref_ids) if any(ref_ids) else None,
-                 answers_drafter(answer_ids)]
-        return [d for d in found if d is not None]
-
-    def _token_ids(self, texts: Sequence[Any], what: str) -> list[list[int]]:
-        ids = []
-        for r in texts:
-            if isinstance(r, str):
-                ids.append(self._ensure_tokenizer()(r, add_special_tokens=False)["input_ids"] if r else [])
-            else:
-                check_ids(r, what, self.vocab_size)
-                ids.append(list(r))
-        return ids
-
     def _attach(self, row: _Row) -> None:
-        """The row's reference and answers drafters are ready (or failed): put them in their place in
-        the row's chain."""
-        future, row.pending = row.pending, None
-        self._add_prepared(row, future.result)
-
-    def _add_prepared(self, row: _Row, prepared: Callable[[], list[Drafter]]) -> None:
+        """The row's references are set up (or failed): their drafters join the row's chain in their place."""
+        setup, row.pending = row.pending, None
         try:
-            drafters = prepared()
+            drafters = setup.take() or []
         except Exception as e:  # noqa: BLE001 - bad references cost this request its reference drafts only
             log.warning("rag_accel: references of a request not used: %s", e)
             return
@@ -249,6 +224,8 @@ class RagProposer:
         """Rows that left the batch: each drafted row's output joins its scope's memory (a preempted
         row's output so far too: it is what the model said, and it comes back as a new row)."""
         for row in rows:
+            if row.pending is not None:  # (its references are no longer needed)
+                row.pending.stop()
             if row.scope is not None and row.drafting is not None and row.prompt_len is not None:
                 self.memory.add(row.scope, row.context[row.prompt_len:])
 
@@ -275,11 +252,16 @@ class RagProposer:
         row.drafting.prefill_steps = self.costs.prefill_steps(row.prompt_len)
         self._insert_memory(row)  # (before the references: they go in front of it)
         given = [*row.refs, *row.answers]
-        tokenizer_ready = self._tokenizer is not None or all(not isinstance(r, str) for r in given)
-        if given and tokenizer_ready and sum(len(r) for r in given) <= WAITED_REFERENCE_SIZE:
-            self._add_prepared(row, lambda: self._prepare(row.refs, row.answers, row.config))
-        elif given:
-            row.pending = self._pool().submit(self._prepare, row.refs, row.answers, row.config)
+        if "reference" in row.config.drafters and any(len(r) for r in given):
+            setup = ReferenceSetUp(row.refs, row.answers, self._ensure_tokenizer, row.config.max_reference_tokens,
+                                   self.reference_tokens)
+            row.pending = setup
+            texts_ready = self._tokenizer is not None or all(not isinstance(r, str) for r in given)
+            if setup.waited and texts_ready:
+                setup.run()
+                self._attach(row)
+            else:
+                self._pool().submit(setup.run)
         if row.key is not None:
             self._keep_stats(row)
 
@@ -320,11 +302,13 @@ class RagProposer:
             else:  # the runner's view moved under us (should not happen): start again from it
                 log.warning("rag_accel: row %d out of step (%d + %d != %d); drafting restarted",
                             i, len(row.context), len(new), n)
+                if row.pending is not None:
+                    row.pending.stop()
                 row.drafting, row.context, row.pending = None, [], None
                 self._start(row, token_ids_cpu[i, :n].tolist())
                 if row.drafting is None:
                     return []
-        if row.pending is not None and row.pending.done():
+        if row.pending is not None and row.pending.done:
             self._attach(row)
         generated = n - row.prompt_len
         remaining = min(self.max_model_len - n, (row.max_tokens or 1 << 30) - generated)

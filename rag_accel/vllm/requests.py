@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from ..config import DecoderConfig
+from ..inputs import TextBound
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
 from ..protocol import REQUEST_FIELDS, WORKER_BASE, request_config  # (re-exported: the worker's names for them)
+from ..references import certain_tokens
 
 __all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION",
-           "TRACKER_PATH", "PIPELINE_REFUSED", "WORKER_BASE", "admission_vocab_size", "answer_memory_tokens",
-           "check_extra_args", "check_layout", "max_reference_tokens", "request_answers", "request_config",
+           "TRACKER_PATH", "PIPELINE_REFUSED", "WORKER_BASE", "admission_text_bound", "admission_vocab_size", "answer_memory_tokens",
+           "check_extra_args", "check_layout", "encode_text_bound", "max_reference_tokens", "request_answers", "request_config",
            "request_inputs", "request_scope", "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
@@ -97,6 +100,30 @@ def max_reference_tokens() -> int:
     return int(value) if value else _MAX_REFERENCE_TOKENS
 
 
+def admission_text_bound() -> TextBound | None:
+    """The served tokenizer's lower bound on the tokens of text (:func:`~rag_accel.inputs.text_bound`), by
+    which admission counts text references against the limit before any tokenising:
+    ``RAG_ACCEL_TEXT_BOUND``, ``[chars_per_token, dropped_pattern_or_null]`` as JSON (``rag-accel serve``
+    sets it from the model's tokenizer), else ``None``: text counts for nothing until the worker tokenises it.
+
+    Example:
+        >>> os.environ["RAG_ACCEL_TEXT_BOUND"] = "[81, null]"; admission_text_bound()
+        (81, None)
+        >>> del os.environ["RAG_ACCEL_TEXT_BOUND"]; admission_text_bound() is None
+        True
+    """
+    value = os.environ.get("RAG_ACCEL_TEXT_BOUND")
+    if not value:
+        return None
+    per_token, dropped = json.loads(value)
+    return int(per_token), (re.compile(dropped) if dropped else None)
+
+
+def encode_text_bound(bound: TextBound | None) -> str | None:
+    """``bound`` as :func:`admission_text_bound` reads it from ``RAG_ACCEL_TEXT_BOUND``."""
+    return None if bound is None else json.dumps([bound[0], bound[1].pattern if bound[1] else None])
+
+
 def admission_vocab_size() -> int | None:
     """The served model's vocabulary size for admission checks: ``RAG_ACCEL_VOCAB_SIZE``
     (``rag-accel serve`` sets it from the model's config), else ``None`` (the worker checks)."""
@@ -149,9 +176,10 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
     - ``speculate``: ``True``/``False`` or ``1``/``0``;
     - ``rag_accel``: DecoderConfig changes, a dict or a JSON string of one.
 
-    Size: references and answers together; token ids count as they are, text as one token per 8
-    characters (a cheap lower bound: nothing is tokenised here; the worker counts exactly, off its
-    step loop, and drops references and answers over the limit). With ``vocab_size``, ids outside
+    Size: references and answers together hold at most :func:`max_reference_tokens` tokens, the rule
+    of :mod:`rag_accel.references`: here, before any tokenising, token ids count as they are and text by
+    the served tokenizer's lower bound (:func:`admission_text_bound`); the worker counts exactly, off its
+    step loop, and drafts without references and answers over the limit. With ``vocab_size``, ids outside
     ``[0, vocab_size)`` are refused.
 
     Raises ``ValueError`` naming what is wrong (vLLM answers it with HTTP 400).
@@ -174,7 +202,7 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
     parts = _prediction(extra_args)
     if parts:
         refs.extend(parts)
-        total += sum(len(p) // 8 for p in parts)
+        total += certain_tokens(parts, admission_text_bound())
         if total > limit:
             raise ValueError(f"prediction (with extra_args['references']) holds over {limit} tokens, the most a "
                              "request's references may hold here")
@@ -254,10 +282,10 @@ def _sources(extra_args: Mapping[str, Any], key: str, ids_key: str, vocab_size: 
             raise ValueError(f"extra_args['{ids_key}'] must be a JSON string of token-id lists "
                              "or one list of token ids")
         refs.extend(list(r) for r in ids)
-    total = 0
+    total, bound = 0, admission_text_bound()
     for i, r in enumerate(refs):
         if isinstance(r, str):
-            total += len(r) // 8  # a cheap lower bound on its tokens; the worker counts exactly
+            total += certain_tokens([r], bound)  # its tokens for certain; the worker counts exactly
         elif _is_ids(r):
             if r and min(r) < 0:
                 raise ValueError(f"extra_args['{key}'][{i}] has a negative token id")

@@ -1,0 +1,132 @@
+"""One reference set-up for both engines (rag_accel/references.py): one limit rule, one threshold, one component.
+
+The transformers decoder's call checks, the vLLM server's admission and the set-up both engines run (tokenise,
+count, index) apply the same rule to the same text with the same tokenizer: refused before any tokenising only
+when certainly over the limit, counted exactly when tokenised.
+"""
+
+import threading
+
+import pytest
+
+from rag_accel.inputs import TokenCache, check_references, text_bound
+from rag_accel.references import WAITED_REFERENCE_SIZE, ReferenceSetUp, certain_tokens
+from rag_accel.serve import model_text_bound
+from rag_accel.vllm.requests import admission_text_bound, encode_text_bound, request_inputs
+
+LIMIT = 2000
+TEXTS = {
+    "prose, certainly over": "word " * 40_000,  # 200,000 characters: over even at 81 characters a token
+    "prose, over once tokenised": "word " * 3000,  # 3,000 tokens; 15,000 characters prove nothing
+    "indented code": ("    " * 8 + "x\n") * 600,  # 20,400 characters, 1,202 tokens: fits
+    "a run of spaces": " " * 20_000,  # 313 tokens: fits (a token per 8 characters refused it)
+    "a short passage": "The cost of a flea treatment varies. " * 10,
+}
+
+
+def _refused(check) -> bool:
+    try:
+        check()
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.fixture
+def served_bound(default_model_dir, monkeypatch):
+    """The admission's environment as `rag-accel serve --max-reference-tokens LIMIT` sets it for SmolLM2."""
+    bound = model_text_bound(default_model_dir)
+    assert bound is not None
+    monkeypatch.setenv("RAG_ACCEL_TEXT_BOUND", bound)
+    monkeypatch.setenv("RAG_ACCEL_MAX_REFERENCE_TOKENS", str(LIMIT))
+    return bound
+
+
+def test_serve_hands_the_tokenizers_bound_to_admission(tokenizer, served_bound):
+    assert admission_text_bound()[0] == text_bound(tokenizer)[0] == 81
+    assert encode_text_bound(admission_text_bound()) == served_bound  # read back as written
+    assert admission_text_bound()[1].pattern == text_bound(tokenizer)[1].pattern
+
+
+@pytest.mark.parametrize("name", list(TEXTS))
+def test_one_limit_rule_on_both_engines(tokenizer, served_bound, name):
+    """Before tokenising, the server's admission and the in-process call refuse the same texts: those
+    certainly over the limit, never one that fits; the set-up both engines run counts the rest exactly."""
+    text = TEXTS[name]
+    exact = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    at_admission = _refused(lambda: request_inputs({"references": [text]}))
+    in_process = _refused(lambda: check_references(tokenizer, [text], len(tokenizer), LIMIT))
+    assert at_admission == in_process
+    assert not at_admission or exact > LIMIT  # never refuses what fits
+    assert at_admission == (name == "prose, certainly over")
+    setup = ReferenceSetUp([text], [], lambda: tokenizer, LIMIT)
+    setup.run()
+    if exact > LIMIT:
+        with pytest.raises(ValueError, match=f"more than max_reference_tokens={LIMIT}"):
+            setup.take()
+    else:
+        assert [d.name for d in setup.take()] == ["reference"]
+
+
+def test_references_and_answers_count_together(tokenizer, served_bound):
+    half = "word " * (LIMIT // 2 + 100)  # each under the limit, together over it
+    setup = ReferenceSetUp([half], [half], lambda: tokenizer, LIMIT)
+    setup.run()
+    with pytest.raises(ValueError, match="more than max_reference_tokens"):
+        setup.take()
+    assert setup.take() == []  # raised once
+    big = "word " * 20_000  # certainly over together (2 x 1,235 tokens at least), neither alone
+    assert certain_tokens([big], admission_text_bound()) < LIMIT
+    with pytest.raises(ValueError, match="hold over"):
+        request_inputs({"references": [big], "answers": [big]})
+
+
+def test_the_threshold_is_one_size_in_one_unit():
+    ids = [[1] * (WAITED_REFERENCE_SIZE - 10)]
+    assert ReferenceSetUp(ids, ["x" * 10], None, 10**6).waited
+    assert not ReferenceSetUp(ids, ["x" * 11], None, 10**6).waited
+
+
+def test_the_set_up_tokenises_each_text_once_through_the_cache(tokenizer):
+    calls = []
+
+    def counting():
+        calls.append(1)
+        return tokenizer
+
+    cache = TokenCache()
+    passage = "A passage retrieved again for the next question. " * 3
+    for _ in range(2):
+        setup = ReferenceSetUp([passage], [[5, 6, 7, 8]], counting, LIMIT, cache)
+        setup.run()
+        assert [d.name for d in setup.take()] == ["reference", "memory"]
+    assert cache.get(passage) == tokenizer(passage, add_special_tokens=False)["input_ids"]
+    assert cache.tokens == len(cache.get(passage))
+
+
+def test_a_stopped_set_up_hands_over_no_drafters(tokenizer):
+    """A request that ends (or leaves vLLM's batch) before its references are indexed stops their set-up."""
+    started, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def __call__(self, text, **kwargs):
+            started.set()
+            release.wait(5)
+            return tokenizer(text, **kwargs)
+
+    setup = ReferenceSetUp(["first passage", "second passage"], [], Slow, LIMIT)
+    worker = threading.Thread(target=setup.run)
+    worker.start()
+    started.wait(5)
+    assert setup.take() is None and not setup.done  # not ready: nothing to take, nothing waited for
+    setup.stop()
+    release.set()
+    worker.join(5)
+    assert setup.done and setup.take() == []
+
+
+def test_a_text_reference_without_a_tokenizer_is_an_error_the_engine_sees():
+    setup = ReferenceSetUp(["text"], [], None, LIMIT)
+    setup.run()
+    with pytest.raises(TypeError):
+        setup.take()
