@@ -11,13 +11,16 @@ import json
 import math
 import numbers
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -57,14 +60,22 @@ def check_stops(stop: str | Sequence[str] | None) -> list[str]:
     return stops
 
 
+def _arrays() -> tuple[type, ...]:
+    """The array types token ids may come in: numpy's, and torch's tensor once torch is imported (a tensor
+    exists only then; this module never imports torch: the server's admission and the remote client read
+    requests without it)."""
+    torch = sys.modules.get("torch")
+    return (np.ndarray,) if torch is None else (torch.Tensor, np.ndarray)
+
+
 def _is_id(t: Any) -> bool:
     return isinstance(t, numbers.Integral) and not isinstance(t, bool)  # numpy integers too; np.bool_ is not
 
 
 def _array_ids(a: torch.Tensor | np.ndarray, what: str) -> list[int]:
     """A 1-D integer tensor/array, or a batch of one ([1, S]), as token ids."""
-    if isinstance(a, torch.Tensor):
-        kind, integer = "a tensor", not (a.is_floating_point() or a.is_complex() or a.dtype == torch.bool)
+    if not isinstance(a, np.ndarray):  # a torch tensor
+        kind, integer = "a tensor", not (a.is_floating_point() or a.is_complex() or str(a.dtype) == "torch.bool")
     else:
         kind, integer = "an array", np.issubdtype(a.dtype, np.integer)
     if not integer:
@@ -79,7 +90,7 @@ def _array_ids(a: torch.Tensor | np.ndarray, what: str) -> list[int]:
 
 def token_ids(value: Any, what: str, expected: str = "a list of token ids") -> list[int]:
     """Token ids from a list/tuple of integers (numpy integers too) or an integer tensor/array."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
+    if isinstance(value, _arrays()):
         return _array_ids(value, what)
     if all(type(t) is int for t in value):  # the common case, at C speed
         return list(value)
@@ -128,7 +139,7 @@ def encode_prompt(tokenizer: Any, prompt: Any, vocab_size: int) -> list[int]:
         raise TypeError("prompt is bytes; decode it to a string first (e.g. .decode('utf-8'))")
     elif is_chat(prompt):
         ids = _encode_chat(tokenizer, prompt)
-    elif isinstance(prompt, (Sequence, torch.Tensor, np.ndarray)):
+    elif isinstance(prompt, (Sequence, *_arrays())):
         ids = token_ids(prompt, "prompt", "a string, chat messages ({'role', 'content'}) or token ids")
     else:
         raise TypeError(
@@ -148,7 +159,7 @@ def check_reference(ref: Any, i: int, vocab_size: int, what: str = "reference") 
         return ref
     if isinstance(ref, (bytes, bytearray)):
         raise TypeError(f"{what} {i} is bytes; decode it to a string first (e.g. .decode('utf-8'))")
-    if isinstance(ref, (Sequence, torch.Tensor, np.ndarray)):
+    if isinstance(ref, (Sequence, *_arrays())):
         ids = token_ids(ref, f"{what} {i}", "a string or a list of token ids")
         check_ids(ids, f"{what} {i}", vocab_size)
         return ids
@@ -330,6 +341,16 @@ def text_bound(tokenizer: Any) -> TextBound | None:
     """
     try:
         spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return tokenizer_json_bound(spec)
+
+
+def tokenizer_json_bound(spec: Any) -> TextBound | None:
+    """:func:`text_bound` from a fast tokenizer's specification (its ``tokenizer.json``, parsed), where no
+    tokenizer is loaded (``rag-accel serve`` reads the served model's file: it loads neither torch nor
+    transformers)."""
+    try:
         model = spec["model"]
         shrink = _normalizer_shrink(spec.get("normalizer"))
         pre = _pre_tokenizer_types(spec.get("pre_tokenizer"))

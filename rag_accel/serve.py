@@ -80,18 +80,17 @@ def model_vocab_size(model: str) -> int | None:
 def model_text_bound(model: str) -> str | None:
     """``RAG_ACCEL_TEXT_BOUND`` for ``model``'s tokenizer: the lower bound on the tokens of text
     (:func:`rag_accel.inputs.text_bound`) by which the server's admission counts text references
-    against ``--max-reference-tokens`` before any tokenising; ``None`` where the tokenizer cannot be
-    loaded here or has no certain bound (text then counts when the worker tokenises it)."""
-    from .inputs import text_bound
+    against ``--max-reference-tokens`` before any tokenising, read from the model folder's
+    ``tokenizer.json``; ``None`` where there is none here or it has no certain bound (text then counts
+    when the worker tokenises it)."""
+    from .inputs import tokenizer_json_bound
     from .vllm.requests import encode_text_bound
 
     try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model)
-    except Exception:  # noqa: BLE001 - a hub name offline, no tokenizer files: no bound
+        spec = json.loads((Path(model) / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # a hub name, no fast tokenizer here: no bound
         return None
-    return encode_text_bound(text_bound(tokenizer))
+    return encode_text_bound(tokenizer_json_bound(spec))
 
 
 def speculative_options(speculation: str, num_speculative_tokens: int = DEFAULT_K) -> list[str]:

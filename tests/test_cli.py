@@ -412,6 +412,21 @@ def test_serve_dry_run_loads_neither_torch_nor_transformers(dtype):
     assert heavy == [], heavy
 
 
+def test_serve_hands_admission_the_tokenizers_bound_without_loading_it(default_model_dir, tokenizer):
+    """For a model folder, `rag-accel serve` reads the bound on text's tokens from its tokenizer.json (the
+    admission's limit rule, rag_accel/references.py), still importing neither torch nor transformers; the
+    request checks the admission runs import neither either."""
+    from rag_accel.inputs import text_bound
+    from rag_accel.vllm.requests import encode_text_bound
+
+    proc, heavy = _heavy_imports("-m", "rag_accel.cli", "serve", str(default_model_dir), "--dry-run")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert heavy == [], heavy
+    assert f"RAG_ACCEL_TEXT_BOUND={shlex.quote(encode_text_bound(text_bound(tokenizer)))} " in proc.stdout
+    proc, heavy = _heavy_imports("-c", "import rag_accel.vllm.requests, rag_accel.references, rag_accel.remote")
+    assert proc.returncode == 0 and heavy == [], (proc.stderr[-2000:], heavy)
+
+
 # ----------------------------------------------------------------------------- the bench keeps its work
 def _corpus_with_a_long_item(tmp_path: Path) -> tuple[Path, list]:
     """Three answered sample items; the second's passages padded past an 8,192-token context window."""
