@@ -290,7 +290,7 @@ def _refuse_certainly_too_long(tokenizer: Any, refs: Sequence[str | list[int]], 
     bound = text_bound(tokenizer)
     if bound is None:
         return
-    at_least = id_tokens + sum(min_tokens(t, bound) for t in texts)
+    at_least = certain_tokens(refs, bound)
     if at_least > max_tokens:
         ids = f" and {id_tokens} token ids" if id_tokens else ""
         raise ValueError(
@@ -301,6 +301,21 @@ def _refuse_certainly_too_long(tokenizer: Any, refs: Sequence[str | list[int]], 
 
 
 TextBound = tuple[int, re.Pattern[str] | None]
+
+
+def certain_tokens(refs: Sequence[str | Sequence[int]], bound: TextBound | None) -> int:
+    """The tokens ``refs`` hold for certain, before any tokenising: token ids as they are, text by
+    the tokenizer's lower bound (``bound``: :func:`text_bound`; ``None``, no bound known: text counts
+    for nothing until it is tokenised). The one count both engines refuse by before tokenising
+    (:mod:`rag_accel.references`).
+
+    Example:
+        >>> certain_tokens(["a" * 100, [1, 2, 3]], (10, None))
+        13
+        >>> certain_tokens(["a" * 100, [1, 2, 3]], None)
+        3
+    """
+    return sum(len(r) if not isinstance(r, str) else (min_tokens(r, bound) if bound else 0) for r in refs)
 
 
 def min_tokens(text: str, bound: TextBound) -> int:

@@ -3,8 +3,8 @@ set-up for both engines (the transformers decoder and the vLLM proposer).
 
 - **One limit rule.** References and answers together hold at most ``max_reference_tokens``
   tokens: token ids count as they are, text as the tokens it encodes to. It is applied where it
-  can first be told: before any tokenising, by :func:`certain_tokens` (ids counted, text by its
-  tokenizer's lower bound, :func:`~rag_accel.inputs.min_tokens`), then exactly, as
+  can first be told: before any tokenising, by :func:`~rag_accel.inputs.certain_tokens` (ids counted,
+  text by its tokenizer's lower bound), then exactly, as
   :func:`~rag_accel.inputs.tokenize_references` counts. A call is refused; a request that a vLLM
   worker already runs is drafted without them (a warning says so).
 - **One threshold, one unit.** References of up to :data:`WAITED_REFERENCE_SIZE` characters of
@@ -22,30 +22,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .drafters import Drafter, reference_drafter
-from .inputs import TextBound, TokenCache, min_tokens, tokenize_references
+from .inputs import TokenCache, tokenize_references
 from .memory import answers_drafter
 
-__all__ = ["WAITED_REFERENCE_SIZE", "ReferenceSetUp", "certain_tokens", "reference_drafters"]
+__all__ = ["WAITED_REFERENCE_SIZE", "ReferenceSetUp", "reference_drafters"]
 
 #: A request's references (and answers) of up to this many characters of text or token ids in all are
 #: tokenised and indexed before its first draft, by either engine: a few milliseconds, less than a step.
 #: Larger ones are indexed off the hot path and join the request's drafting when they are ready, so that
 #: no token waits for them.
 WAITED_REFERENCE_SIZE = 8192
-
-
-def certain_tokens(refs: Sequence[str | Sequence[int]], bound: TextBound | None) -> int:
-    """The tokens ``refs`` hold for certain, before any tokenising: token ids as they are, text by
-    the tokenizer's lower bound (``bound``: :func:`~rag_accel.inputs.text_bound`; ``None``, no bound
-    known: text counts for nothing until it is tokenised).
-
-    Example:
-        >>> certain_tokens(["a" * 100, [1, 2, 3]], (10, None))
-        13
-        >>> certain_tokens(["a" * 100, [1, 2, 3]], None)
-        3
-    """
-    return sum(len(r) if not isinstance(r, str) else (min_tokens(r, bound) if bound else 0) for r in refs)
 
 
 def reference_drafters(ref_ids: Sequence[Sequence[int]], answer_ids: Sequence[Sequence[int]]) -> list[Drafter]:

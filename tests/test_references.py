@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from rag_accel.inputs import TokenCache, check_references, text_bound
-from rag_accel.references import WAITED_REFERENCE_SIZE, ReferenceSetUp, certain_tokens
+from rag_accel.inputs import TokenCache, certain_tokens, check_references, text_bound
+from rag_accel.references import WAITED_REFERENCE_SIZE, ReferenceSetUp
 from rag_accel.serve import model_text_bound
 from rag_accel.vllm.requests import admission_text_bound, encode_text_bound, request_inputs
 

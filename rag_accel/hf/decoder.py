@@ -662,14 +662,10 @@ class _SetUp:
 
     def take(self) -> list[Drafter]:
         """The reference and answers drafters, once, when they are ready; none before (and after)."""
-        assert self.refs is not None
-        drafters = None
-        try:
-            drafters = self.refs.take()
-        finally:
-            if drafters is not None or self.refs.done:
-                self.pending = False
-        return drafters or []
+        if self.refs is None or not self.refs.done:
+            return []
+        self.pending = False
+        return self.refs.take() or []  # (raises what their set-up raised)
 
     def stop(self) -> None:
         if self.refs is not None:

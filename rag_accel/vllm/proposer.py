@@ -234,7 +234,6 @@ class RagProposer:
         leaves out the reference drafter leaves out the memory too), drafting with the frequency drafter's
         settings."""
         if row.scope is not None and "reference" in row.config.drafters:
-            cfg = row.config
             self._insert(row, self.memory.drafter(row.scope))
 
     # ---------------------------------------------------------------- per row
@@ -359,6 +358,8 @@ class RagProposer:
                 drafts.append(self._step(row, list(new), int(num_tokens_no_spec[i]), token_ids_cpu, i, dt))
             except Exception as e:  # noqa: BLE001 - one request's drafting must never stop the engine
                 log.warning("rag_accel: drafting off for a request after an error: %r", e)
+                if row.pending is not None:
+                    row.pending.stop()
                 row.error, row.drafting, row.sent, row.pending = repr(e), None, 0, None
                 drafts.append([])
         self._last_tokens = n_rows + sum(len(d) for d in drafts)

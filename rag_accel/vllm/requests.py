@@ -14,15 +14,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import DecoderConfig
-from ..inputs import TextBound
+from ..inputs import TextBound, certain_tokens
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
 from ..protocol import REQUEST_FIELDS, WORKER_BASE, request_config  # (re-exported: the worker's names for them)
-from ..references import certain_tokens
 
 __all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION",
-           "TRACKER_PATH", "PIPELINE_REFUSED", "WORKER_BASE", "admission_text_bound", "admission_vocab_size", "answer_memory_tokens",
-           "check_extra_args", "check_layout", "encode_text_bound", "max_reference_tokens", "request_answers", "request_config",
-           "request_inputs", "request_scope", "speculative_config"]
+           "TRACKER_PATH", "PIPELINE_REFUSED", "WORKER_BASE", "admission_text_bound", "admission_vocab_size",
+           "answer_memory_tokens", "check_extra_args", "check_layout", "encode_text_bound", "max_reference_tokens",
+           "request_answers", "request_config", "request_inputs", "request_scope", "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
