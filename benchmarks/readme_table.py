@@ -86,7 +86,6 @@ def engine_section(path: Path) -> str:
     lines = [
         f"**{env['model'].split('/')[-1]}, {env['dtype']}, {env['device']} ({env['cpu_threads']} threads), "
         f"{r['items']} MS-MARCO items, {r['max_new_tokens']} new tokens"
-        f"{', target-forced: ' + r['target_forced'] if r.get('target_forced') else ''}"
         f"{', draft model: ' + env['draft_model'] if env.get('draft_model') else ''}"
         f"{repeats}, {env['date']}** "
         f"([json]({path.name}))",

@@ -232,8 +232,7 @@ def _timing_verdict(speedup: float, greedy_passes: int, ours_passes: int, spread
 
 @app.command(short_help="Time greedy, the peers and ours on the same items; write JSON, markdown, a plot.")
 def bench(
-    model: str = typer.Option("smollm2-135m-instruct", help="HF name, local folder, offline default, or "
-                              "random:<tiny|llama-1b|llama-8b> (random weights; use with --target-forced)."),
+    model: str = typer.Option("smollm2-135m-instruct", help="HF name, local folder or offline default."),
     device: Optional[str] = typer.Option(None, help=DEVICE_HELP),
     dtype: Optional[str] = typer.Option(None, help=DTYPE_HELP),
     items: int = typer.Option(50, min=1, help="Answered sample items to run."),
@@ -242,10 +241,8 @@ def bench(
                                 help="Comma-separated, from: " + ", ".join(ALL_METHODS) + " (see docs/usage.md, "
                                 "Command line section). greedy always runs (it is the reference)."),
     corpus: Optional[Path] = typer.Option(None, help="MS-MARCO RAG jsonl (default: the bundled sample)."),
-    target_forced: Optional[str] = typer.Option(
-        None, help="'human': force every method to decode the item's human answer; 'saved:FILE': force the "
-                   "token ids saved by --save-outputs (e.g. SmolLM2's own answers)."),
-    save_outputs: Optional[Path] = typer.Option(None, help="Write greedy's token ids per item (JSON) here."),
+    save_outputs: Optional[Path] = typer.Option(None, help="Write greedy's token ids per item (JSON) here (what "
+                                                "the replays in benchmarks/experiments/ read)."),
     draft_model: Optional[str] = typer.Option(
         None, help="A draft model for ours-draft, ours-hybrid and hf-assisted: a model path/name (its own "
                    "tokenizer; a different one means universal drafting), or 'int8': an int8 copy of the model (CPU)."),
@@ -275,7 +272,6 @@ def bench(
         VLLM_HINT,
         BenchReport,
         environment,
-        forced_targets,
         loadavg,
         run_benchmark,
         run_concurrency,
@@ -289,13 +285,6 @@ def bench(
     unknown = [m for m in method_list if m not in ALL_METHODS]
     if unknown:
         _fail(f"unknown method(s) {unknown}; choose from {list(ALL_METHODS)}")
-    if model.startswith("random:") and target_forced is None:
-        _fail("a random-weight model only makes sense with --target-forced (its own outputs copy nothing): add "
-              "--target-forced human")
-    if target_forced is not None and target_forced != "human" and not target_forced.startswith("saved:"):
-        _fail(f"--target-forced must be 'human' or 'saved:FILE', got {target_forced!r}")
-    if unanswered and target_forced == "human":
-        _fail("--target-forced human decodes each item's human answer: it cannot take --unanswered items")
     try:
         levels = [int(c) for c in concurrency.split(",") if c.strip()]
     except ValueError:
@@ -330,7 +319,6 @@ def bench(
         # answer to a timed one): the item after them, or with --last the ones before them, nearest first
         timed, spare = (sample[-items:], sample[-items - 1::-1]) if last else (sample[:items], sample[items:])
         dec = _load_decoder(model, device, dtype, draft_model)
-        targets = forced_targets(target_forced, dec.tokenizer, timed, max_new_tokens) if target_forced else None
         if uses_vllm:
             engines = vllm_engines(method_list, model, dtype or "float32", k=num_speculative_tokens,
                                    max_model_len=max_model_len, spare_first=True)
@@ -351,9 +339,9 @@ def bench(
             env["draft_model"] = draft_model
         report = BenchReport(out, "rag-accel bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]), env,
                              method_list, [it.id for it in timed], max_new_tokens, repeats=repeats,
-                             target_forced=target_forced, cold=cold, last=last, reworded=reworded,
+                             cold=cold, last=last, reworded=reworded,
                              concurrency_items=concurrency_items, skipped=skipped)
-        runs = run_benchmark(dec, timed, method_list, max_new_tokens, targets=targets, repeats=repeats,
+        runs = run_benchmark(dec, timed, method_list, max_new_tokens, repeats=repeats,
                              progress=lambda s: typer.echo(s, err=True), engines=engines, reworded=reworded,
                              warmup=warmup, cold=cold, on_item=lambda rs: report.write(rs, cost_curves=dec.cost_curves))
         batch_runs = run_concurrency(engines, dec, timed, levels, max_new_tokens, concurrency_items,

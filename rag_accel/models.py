@@ -177,46 +177,14 @@ def _convert(name: str, folder: Path, gguf_file: str, target: Path) -> Path:
     return target
 
 
-# Llama-shaped configs for timing with random weights (target-forced benchmarks): no download needed.
-RANDOM_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2),
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8),
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8),
-}
-
-
-def random_model(preset: str, tokenizer: Any, dtype: torch.dtype, device: torch.device) -> Any:
-    """A randomly initialised Llama-shaped model with the tokenizer's vocabulary."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    if preset not in RANDOM_PRESETS:
-        raise ValueError(f"unknown random model preset {preset!r}; choose from {sorted(RANDOM_PRESETS)}")
-    cfg = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
-                      **RANDOM_PRESETS[preset])
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.eos_token_id
-    return model.eval()
-
-
 def load_model_and_tokenizer(
     name_or_path: str, device: torch.device, dtype: torch.dtype, **model_kwargs: Any
 ) -> tuple[Any, Any]:
-    """Load from a hub name / local folder; ``"smollm2-135m-instruct"`` is the offline default;
-    ``"random:<preset>"`` a random-weight Llama-shaped model with its tokenizer (for target-forced timing)."""
+    """Load from a hub name / local folder; ``"smollm2-135m-instruct"`` is the offline default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a string or path, got {type(name_or_path).__name__}")
-    if str(name_or_path).startswith("random:"):
-        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-        return random_model(str(name_or_path)[len("random:"):], tokenizer, dtype, device), tokenizer
     path = local_model(name_or_path)
     if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
         raise FileNotFoundError(

@@ -66,6 +66,36 @@ def shared_decoders():
     mp.undo()
 
 
+def _tiny_random_model(tokenizer):
+    """A 2-layer Llama with random weights (seed 0) and the offline model's vocabulary and tokenizer: the
+    bench's bookkeeping runs on it in a blink (its answers are noise, the same for every method)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    eos = tokenizer.eos_token_id
+    cfg = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = eos
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, tokenizer):
+    """The tiny random model as a local model folder, for the command line (``--model FOLDER``)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    _tiny_random_model(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _tiny_decoder(tokenizer):
+    from rag_accel.hf.decoder import ReferenceDecoder
+
+    return ReferenceDecoder(_tiny_random_model(tokenizer), tokenizer)
+
+
 @pytest.mark.slow
 def test_bench_all_methods_writes_json_md_png(tmp_path, shared_decoders):
     # The transformers methods (the vllm-* ones need the vLLM venv: tests/test_vllm.py runs them).
@@ -90,53 +120,7 @@ def test_bench_all_methods_writes_json_md_png(tmp_path, shared_decoders):
     assert len(saved) == 1
 
 
-def test_target_forced_makes_every_method_decode_the_target(tmp_path):
-    from rag_accel.bench import run_benchmark
-    from rag_accel.config import DecoderConfig
-    from rag_accel.data import load_msmarco_sample
-    from rag_accel.hf.decoder import ReferenceDecoder
-    from rag_accel.models import load_model_and_tokenizer
-
-    model, tok = load_model_and_tokenizer("random:tiny", torch.device("cpu"), torch.float32)
-    # A verify step costs the same with or without a draft, as the curve says and as the decoder's
-    # clock (advanced only by verify steps) measures: the policy's choice does not depend on how
-    # busy the machine is (on a loaded one the timed costs made ours back off to 1.00 tokens/step).
-    dec = ReferenceDecoder(model, tok, DecoderConfig(cost_curve=(1.0,) * 9, max_draft_tokens=8))
-    now = [0.0]
-    verify = dec._verify
-
-    def timed_verify(req, draft_tokens):
-        now[0] += 1.0
-        return verify(req, draft_tokens)
-
-    dec._verify, dec.clock = timed_verify, lambda: now[0]
-    items = load_msmarco_sample(with_answers=True, limit=3)
-    targets = {it.id: tok(it.answers[0], add_special_tokens=False)["input_ids"][:30] for it in items}
-    runs = run_benchmark(dec, items, ["greedy", "hf-pld", "ours"], 40, targets=targets)
-    for r in runs:
-        assert r.token_ids == targets[r.item] + [tok.eos_token_id], r.method
-    ours = [r for r in runs if r.method == "ours"]
-    assert sum(r.new_tokens for r in ours) > 1.5 * sum(r.steps for r in ours)  # the answers copy from passages
-
-
-def test_readme_gpu_bench_command_runs_on_the_cpu_with_a_small_model(tmp_path):
-    """The README's target-forced command (random weights of a real size, the human answers as
-    targets), here with random:tiny: its untimed warm-up item has no target of its own (it once
-    ended the run with a bare KeyError before any item was timed)."""
-    from typer.testing import CliRunner
-
-    from rag_accel.cli import app
-
-    out = tmp_path / "forced"
-    res = CliRunner().invoke(app, ["bench", "--model", "random:tiny", "--target-forced", "human", "--items", "2",
-                                   "--max-new-tokens", "8", "--methods", "greedy,ours", "--out", str(out)])
-    assert res.exit_code == 0, res.output
-    result = json.loads(out.with_suffix(".json").read_text())
-    assert set(result["summary"]) >= {"greedy", "ours"} and result["target_forced"] == "human"
-    assert all(r["identical"] for r in result["runs"])  # every method decoded the forced target
-
-
-def test_bench_cold_on_the_last_items(tmp_path, monkeypatch):
+def test_bench_cold_on_the_last_items(tmp_path, monkeypatch, tiny_model):
     """--last times the sample's last items (untuned), --cold makes each of our runs a fresh process's
     first request: the decoder forgets its acceptance rates and step costs before each one."""
     from typer.testing import CliRunner
@@ -149,9 +133,8 @@ def test_bench_cold_on_the_last_items(tmp_path, monkeypatch):
     reset = ReferenceDecoder.reset_learning
     monkeypatch.setattr(ReferenceDecoder, "reset_learning", lambda self: (resets.append(1), reset(self)))
     out = tmp_path / "cold"
-    res = CliRunner().invoke(app, ["bench", "--model", "random:tiny", "--target-forced", "human", "--items", "2",
-                                   "--max-new-tokens", "6", "--methods", "greedy,ours,ours-ref", "--cold", "--last",
-                                   "--out", str(out)])
+    res = CliRunner().invoke(app, ["bench", "--model", tiny_model, "--items", "2", "--max-new-tokens", "6",
+                                   "--methods", "greedy,ours,ours-ref", "--cold", "--last", "--out", str(out)])
     assert res.exit_code == 0, res.output
     result = json.loads(out.with_suffix(".json").read_text())
     assert result["cold"] and result["item_ids"] == [it.id for it in load_msmarco_sample(with_answers=True)[-2:]]
@@ -162,12 +145,7 @@ def test_bench_cold_on_the_last_items(tmp_path, monkeypatch):
 @pytest.mark.parametrize("args, msg", [
     (["bench", "--model", "/no/such/model", "--items", "1"], "'/no/such/model' is not a local folder"),
     (["bench", "--methods", "greedy,warp-drive", "--items", "1"], "unknown method"),
-    (["bench", "--model", "random:tiny", "--items", "1"], "only makes sense with --target-forced (its own outputs "
-                                                           "copy nothing): add --target-forced human"),
-    (["bench", "--items", "1", "--target-forced", "psychic"], "must be 'human' or 'saved:FILE'"),
     (["bench", "--items", "1", "--methods", "greedy,ours-hybrid"], "needs a draft model: pass --draft-model PATH"),
-    (["bench", "--model", "random:tiny", "--items", "1", "--target-forced", "saved:/no/such.json"],
-     "/no/such.json does not exist; write it first with rag-accel bench ... --save-outputs /no/such.json"),
     (["demo", "--corpus", "/no/such/corpus.jsonl"], "does not exist"),
 ])
 def test_bad_arguments_give_a_clear_message(args, msg):
@@ -273,17 +251,13 @@ def test_bench_vllm_methods_are_judged_against_vllm_greedy_per_item_too():
     assert "| 1.26x; 0.80x |" in markdown_table(summarize(rs))
 
 
-def test_bench_repeats_runs_every_method_per_round():
+def test_bench_repeats_runs_every_method_per_round(tokenizer):
     from rag_accel.bench import run_benchmark
     from rag_accel.data import load_msmarco_sample
-    from rag_accel.hf.decoder import ReferenceDecoder
-    from rag_accel.models import load_model_and_tokenizer
 
-    model, tok = load_model_and_tokenizer("random:tiny", torch.device("cpu"), torch.float32)
-    dec = ReferenceDecoder(model, tok)
+    dec = _tiny_decoder(tokenizer)
     items = load_msmarco_sample(with_answers=True, limit=2)
-    targets = {it.id: tok(it.answers[0], add_special_tokens=False)["input_ids"][:20] for it in items}
-    runs = run_benchmark(dec, items, ["greedy", "ours"], 24, targets=targets, repeats=3)
+    runs = run_benchmark(dec, items, ["greedy", "ours"], 24, repeats=3)
     assert sorted((r.item, r.method, r.repeat) for r in runs) == sorted(
         (it.id, m, k) for it in items for m in ("greedy", "ours") for k in range(3))
     assert all(r.identical for r in runs)
@@ -291,15 +265,7 @@ def test_bench_repeats_runs_every_method_per_round():
         run_benchmark(dec, items, ["greedy"], 4, repeats=0)
 
 
-def _tiny_decoder():
-    from rag_accel.hf.decoder import ReferenceDecoder
-    from rag_accel.models import load_model_and_tokenizer
-
-    model, tok = load_model_and_tokenizer("random:tiny", torch.device("cpu"), torch.float32)
-    return ReferenceDecoder(model, tok)
-
-
-def test_bench_reworded_case_gives_the_cached_answer_outside_the_prompt():
+def test_bench_reworded_case_gives_the_cached_answer_outside_the_prompt(tokenizer):
     from rag_accel.bench import REWORDED, reworded_items, run_benchmark, summarize
     from rag_accel.data import load_msmarco_sample, rag_messages
 
@@ -309,7 +275,7 @@ def test_bench_reworded_case_gives_the_cached_answer_outside_the_prompt():
     assert refs == [*items[0].passages, "the cached answer"]
     assert "the cached answer" not in str(rag_messages(item.query, item.passages))
 
-    dec = _tiny_decoder()
+    dec = _tiny_decoder(tokenizer)
     runs = run_benchmark(dec, items, ["greedy", "ours"], 12, reworded=1)
     cases = sorted({(r.case, r.item) for r in runs})
     assert cases == sorted([("rag", items[0].id), ("rag", items[1].id), ("reworded", f"{items[0].id}~reworded")])
@@ -321,18 +287,15 @@ def test_bench_reworded_case_gives_the_cached_answer_outside_the_prompt():
         run_benchmark(dec, items, ["greedy"], 4, reworded=3)
 
 
-def test_bench_vllm_methods_need_their_engines_and_cannot_be_target_forced():
+def test_bench_vllm_methods_need_their_engines(tokenizer, tiny_model):
     from rag_accel.bench import run_benchmark
     from rag_accel.data import load_msmarco_sample
 
-    dec = _tiny_decoder()
+    dec = _tiny_decoder(tokenizer)
     items = load_msmarco_sample(with_answers=True, limit=1)
     with pytest.raises(ValueError, match="needs its vLLM engine"):
         run_benchmark(dec, items, ["greedy", "vllm-ours"], 4)
-    with pytest.raises(ValueError, match="cannot force vLLM"):
-        run_benchmark(dec, items, ["vllm-ours"], 4, targets={items[0].id: [1, 2]})
-    code, out = run("bench", "--model", "random:tiny", "--target-forced", "human", "--items", "1",
-                    "--methods", "greedy,ours", "--concurrency", "4")
+    code, out = run("bench", "--model", tiny_model, "--items", "1", "--methods", "greedy,ours", "--concurrency", "4")
     assert code == 2 and "--concurrency measures the vLLM methods" in out
     try:
         import vllm  # noqa: F401
@@ -342,14 +305,14 @@ def test_bench_vllm_methods_need_their_engines_and_cannot_be_target_forced():
 
 
 @pytest.mark.parametrize("suffix", ["vllm-suffix", "vllm-suffix-f3", "vllm-suffix-elsewhere"])
-def test_bench_never_shows_vllm_suffix_a_prompt_twice(suffix):
+def test_bench_never_shows_vllm_suffix_a_prompt_twice(suffix, tokenizer):
     """vLLM's suffix decoding copies its own earlier answers: a second round of an item, or a warm-up
     on a timed item, would let it copy the answer. Refused before any engine is needed; its tuned
     setting (vllm-suffix-f3) alike."""
     from rag_accel.bench import run_benchmark
     from rag_accel.data import load_msmarco_sample
 
-    dec = _tiny_decoder()
+    dec = _tiny_decoder(tokenizer)
     items = load_msmarco_sample(with_answers=True, limit=3)
     reworded = 1 if suffix == "vllm-suffix-elsewhere" else 0  # (it runs the reworded case only)
     with pytest.raises(ValueError, match="repeats=1"):
@@ -440,15 +403,15 @@ def _corpus_with_a_long_item(tmp_path: Path) -> tuple[Path, list]:
     return corpus, items
 
 
-def test_bench_skips_items_too_long_for_the_model_and_writes_without_matplotlib(tmp_path, monkeypatch):
+def test_bench_skips_items_too_long_for_the_model_and_writes_without_matplotlib(tmp_path, monkeypatch, tiny_model):
     """An item whose prompt + --max-new-tokens exceeds the context window is left out before any timing and
     listed (printed and in the JSON); without matplotlib the JSON and markdown are written all the same and
     one line says the plot was skipped and how to add it."""
     corpus, items = _corpus_with_a_long_item(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails, as when not installed
     out = tmp_path / "b"
-    code, output = run("bench", "--model", "random:tiny", "--target-forced", "human", "--corpus", str(corpus),
-                       "--items", "2", "--max-new-tokens", "4", "--methods", "greedy", "--out", str(out))
+    code, output = run("bench", "--model", tiny_model, "--corpus", str(corpus), "--items", "2", "--max-new-tokens", "4",
+                       "--methods", "greedy", "--out", str(out))
     assert code == 0, output
     result = json.loads(out.with_suffix(".json").read_text())
     assert result["complete"] and result["item_ids"] == [items[0].id]
@@ -462,9 +425,9 @@ def test_bench_skips_items_too_long_for_the_model_and_writes_without_matplotlib(
     assert "| greedy |" in md and f"- {items[1].id}: prompt " in md and ".png" not in md and "incomplete" not in md
 
 
-def test_bench_unanswered_runs_items_without_a_human_answer(tmp_path):
+def test_bench_unanswered_runs_items_without_a_human_answer(tmp_path, tiny_model):
     """The TREC DL sample has no human answers: by default the bench takes only answered items (and says how
-    to take the others when none is), --unanswered runs them all; a human-answer target cannot take them."""
+    to take the others when none is), --unanswered runs them all."""
     from rag_accel.data import load_msmarco_sample
 
     items = load_msmarco_sample(with_answers=True, limit=2)
@@ -472,10 +435,7 @@ def test_bench_unanswered_runs_items_without_a_human_answer(tmp_path):
     records[0]["answers"] = ["an answer"]
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
-    saved = tmp_path / "saved.json"  # what --save-outputs writes: a target for each item, forced on random:tiny
-    saved.write_text(json.dumps({"outputs": {it.id: [5, 6, 7, 8] for it in items}}))
-    common = ["bench", "--model", "random:tiny", "--target-forced", f"saved:{saved}", "--corpus", str(corpus),
-              "--max-new-tokens", "4", "--methods", "greedy"]
+    common = ["bench", "--model", tiny_model, "--corpus", str(corpus), "--max-new-tokens", "4", "--methods", "greedy"]
     for flags, expected in (([], [items[0].id]), (["--unanswered"], [it.id for it in items])):
         out = tmp_path / f"b{len(flags)}"
         code, output = run(*common, "--items", "2", "--last", *flags, "--out", str(out))
@@ -484,11 +444,9 @@ def test_bench_unanswered_runs_items_without_a_human_answer(tmp_path):
     corpus.write_text(json.dumps(records[1]) + "\n")  # no answered item at all
     code, output = run(*common, "--items", "1", "--out", str(tmp_path / "none"))
     assert code == 2 and "no answered items in the corpus (--unanswered runs items without a human answer)" in output
-    code, output = run("bench", "--model", "random:tiny", "--target-forced", "human", "--unanswered", "--items", "1")
-    assert code == 2 and "cannot take --unanswered items" in output
 
 
-def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch):
+def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch, tiny_model):
     """The files are rewritten after each item: a run interrupted on its second item keeps the first,
     marked incomplete."""
     from rag_accel.hf.decoder import ReferenceDecoder
@@ -504,8 +462,8 @@ def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ReferenceDecoder, "generate", interrupted)
     out = tmp_path / "stopped"
-    code, output = run("bench", "--model", "random:tiny", "--target-forced", "human", "--items", "2",
-                       "--max-new-tokens", "4", "--methods", "greedy,ours", "--out", str(out))
+    code, output = run("bench", "--model", tiny_model, "--items", "2", "--max-new-tokens", "4",
+                       "--methods", "greedy,ours", "--out", str(out))
     assert code != 0 and len(calls) == 3, output
     result = json.loads(out.with_suffix(".json").read_text())
     assert result["complete"] is False and len(result["item_ids"]) == 2
@@ -516,13 +474,13 @@ def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch):
     assert "- incomplete: 1 of 2 items measured so far" in md and "| ours |" in md
 
 
-def test_run_benchmark_refuses_an_item_too_long_before_timing_anything(tmp_path):
+def test_run_benchmark_refuses_an_item_too_long_before_timing_anything(tmp_path, tokenizer):
     from rag_accel.bench import run_benchmark, too_long
     from rag_accel.data import load_msmarco_sample
 
     corpus, _ = _corpus_with_a_long_item(tmp_path)
     items = load_msmarco_sample(corpus)
-    dec = _tiny_decoder()
+    dec = _tiny_decoder(tokenizer)
     assert [s["item"] for s in too_long(dec, items, 4)] == [items[1].id]
     assert too_long(dec, items[:1], 8192 - 50) and not too_long(dec, items[:1], 4)
     timed = []
@@ -552,16 +510,14 @@ def bench_commands(text: str) -> list[tuple[int, str]]:
 
 
 def shrunk(command: str, out: Path) -> list[str]:
-    """The command's arguments with the same flags, made small: 1 item, 4 new tokens, random:tiny for a
-    random:... model, the CPU for CUDA, the output in ``out``."""
+    """The command's arguments with the same flags, made small: 1 item, 4 new tokens, the CPU for CUDA, the
+    output in ``out``."""
     args = shlex.split(command)[2:]
     small = {"--items": "1", "--max-new-tokens": "4", "--reworded": "1", "--concurrency-items": "1",
              "--out": str(out)}
     for i, a in enumerate(args[:-1]):
         if a in small:
             args[i + 1] = small[a]
-        elif a == "--model" and args[i + 1].startswith("random:"):
-            args[i + 1] = "random:tiny"
         elif a == "--device" and args[i + 1].startswith("cuda"):
             args[i + 1] = "cpu"
     return args + [x for flag in ("--items", "--max-new-tokens", "--out") if flag not in args
@@ -576,7 +532,7 @@ def methods_of(command: str) -> list[str]:
 def _marks(command: str) -> list:
     if any(m.startswith("vllm-") for m in methods_of(command)):
         return [pytest.mark.skip(reason=VLLM_SKIP)]
-    return [] if "--model random:" in command else [pytest.mark.slow]  # (the offline default model)
+    return [pytest.mark.slow]  # (the offline default model)
 
 
 DOC_COMMANDS = [pytest.param(cmd, id=f"{page.stem}-line{n}", marks=_marks(cmd))
@@ -585,18 +541,18 @@ DOC_COMMANDS = [pytest.param(cmd, id=f"{page.stem}-line{n}", marks=_marks(cmd))
 
 def test_bench_commands_are_found_in_the_docs():
     text = ("Run `rag-accel bench --items 3\n  --methods greedy,ours` or `rag-accel bench [--items 50]`;\n"
-            "```bash\n$ rag-accel bench --model random:tiny --target-forced human\n```\n`rag-accel bench`\n")
+            "```bash\n$ rag-accel bench --last --cold\n```\n`rag-accel bench`\n")
     assert bench_commands(text) == [(1, "rag-accel bench --items 3 --methods greedy,ours"),
-                                    (4, "rag-accel bench --model random:tiny --target-forced human")]
-    assert shrunk("rag-accel bench --model random:llama-1b --device cuda --items 30", Path("o")) == [
-        "--model", "random:tiny", "--device", "cpu", "--items", "1", "--max-new-tokens", "4", "--out", "o"]
-    assert len(DOC_COMMANDS) >= 4
+                                    (4, "rag-accel bench --last --cold")]
+    assert shrunk("rag-accel bench --device cuda --items 30", Path("o")) == [
+        "--device", "cpu", "--items", "1", "--max-new-tokens", "4", "--out", "o"]
+    assert len(DOC_COMMANDS) >= 3  # (the README's and docs/'s; the target-forced one left with its flag)
 
 
 @pytest.mark.parametrize("command", DOC_COMMANDS)
 def test_docs_bench_command_runs_shrunk(command, tmp_path, shared_decoders):
     """Every `rag-accel bench` command in the README and docs/ runs through the CLI, with the same flags on
-    1 item of 4 new tokens (a tiny random model for random:..., the CPU for CUDA): every method decodes
+    1 item of 4 new tokens (the CPU for CUDA): every method decodes
     greedy's output."""
     out = tmp_path / "doc"
     code, output = run("bench", *shrunk(command, out))

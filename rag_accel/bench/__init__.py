@@ -3,7 +3,7 @@
 One place for the benchmark tooling, split by concept:
 
 - :mod:`~rag_accel.bench.harness`: the loop (:func:`run_benchmark`, :func:`run_concurrency`),
-  target forcing, the vLLM engines, the items too long for the model (:func:`too_long`).
+  the vLLM engines, the items too long for the model (:func:`too_long`).
 - :mod:`~rag_accel.bench.results`: the records (:class:`Run`, :class:`BatchRun`), their summaries
   and the markdown tables (plain Python).
 - :mod:`~rag_accel.bench.report`: the files a ``rag-accel bench`` run writes (:class:`BenchReport`)
@@ -31,10 +31,8 @@ from .harness import (
     REWORDED,
     VLLM_ENV_RECORDED,
     VLLM_HINT,
-    TargetForcing,
     baseline_of,
     environment,
-    forced_targets,
     peer_environment,
     reworded_items,
     run_benchmark,
@@ -62,9 +60,8 @@ from .timing import ForwardTimes, median_run, where_the_time_went
 __all__ = [
     "ALL_METHODS", "BASELINES", "DEFAULT_COPY_DRAFTERS", "ENGINES_LEGEND", "NEEDS_DRAFT_MODEL", "OUR_METHODS",
     "PLOT_HINT", "REMEMBERS_OUTPUTS", "REWORDED", "SPLIT_LEGEND", "TABLE_LEGEND", "VLLM_ENV_RECORDED", "VLLM_HINT",
-    "VLLM_METHODS", "BatchRun", "BenchReport", "ForwardTimes", "Run", "TargetForcing", "baseline_of",
-    "concurrency_table", "environment", "forced_targets", "item_seconds", "loadavg", "markdown_table", "median_run",
-    "peer_environment", "plot", "propose_cost", "propose_table", "reworded_items", "run_benchmark",
+    "VLLM_METHODS", "BatchRun", "BenchReport", "ForwardTimes", "Run", "baseline_of", "concurrency_table",
+    "environment", "item_seconds", "loadavg", "markdown_table", "median_run", "peer_environment", "plot", "propose_cost", "propose_table", "reworded_items", "run_benchmark",
     "run_concurrency", "spare_engine", "split_table", "summarize", "summarize_concurrency", "too_long",
     "vllm_engines", "where_the_time_went", "write_drafting_report",
 ]

@@ -16,13 +16,11 @@ requests in flight.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,51 +74,6 @@ class _ForwardCounter:
 
     def close(self) -> None:
         self._handle.remove()
-
-
-class TargetForcing:
-    """The LLMA paper's target-guided simulation: every forward pass of the model
-    returns logits whose argmax is the target token for each position, so every
-    method decodes exactly ``target`` (then EOS), whatever the weights.
-
-    Applied as hooks on the model itself, identically for all methods, and
-    invisible to drafters (a logits processor would be shown to Hugging Face's
-    prompt-lookup candidate generator, which uses it to filter its drafts).
-    Randomly initialised models of real sizes then time realistically.
-    """
-
-    def __init__(self, model: torch.nn.Module, eos_token_id: int) -> None:
-        from ..hf.kv import cache_of  # (the bench's hooks sit on a transformers model)
-
-        self._cache_of = cache_of
-        self.model, self.eos = model, eos_token_id
-        self.prompt_len = 0
-        self.target: list[int] = []
-        self._past = 0
-        self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
-                         model.register_forward_hook(self._post, with_kwargs=True)]
-
-    def set(self, prompt_len: int, target: Sequence[int]) -> None:
-        self.prompt_len, self.target = prompt_len, list(target)
-
-    def _pre(self, module: Any, args: Any, kwargs: dict) -> None:
-        cache = self._cache_of(kwargs)
-        self._past = cache.get_seq_length() if cache is not None else 0
-
-    def _post(self, module: Any, args: Any, kwargs: dict, output: Any) -> Any:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        logits = output.logits  # [1, R, V]: the last R of the S input positions
-        seq, rows = ids.shape[1], logits.shape[1]
-        for r in range(rows):
-            p = self._past + seq - rows + r + 1 - self.prompt_len  # index in the output of the token predicted here
-            tok = self.target[p] if 0 <= p < len(self.target) else self.eos
-            logits[0, r].fill_(-1e4)
-            logits[0, r, tok] = 0.0
-        return output
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 # (ids, references) -> (output ids, steps or None: counted by hook, our stats or None)
@@ -291,7 +244,6 @@ def run_benchmark(
     methods: Sequence[str],
     max_new_tokens: int,
     progress: Callable[[str], None] | None = None,
-    targets: dict[str, list[int]] | None = None,
     repeats: int = 1,
     engines: dict[str, Any] | None = None,
     reworded: int = 0,
@@ -299,10 +251,9 @@ def run_benchmark(
     cold: bool = False,
     on_item: Callable[[list[Run]], None] | None = None,
 ) -> list[Run]:
-    """Run ``methods`` on ``items``, ``repeats`` rounds per item; with ``targets``
-    (item id -> token ids) every method is forced to decode that target (see
-    :class:`TargetForcing`). Every run's output is compared with the item's first run of
-    its engine's greedy (:func:`baseline_of`) and with transformers' greedy. ``engines``:
+    """Run ``methods`` on ``items``, ``repeats`` rounds per item. Every run's output is compared
+    with the item's first run of its engine's greedy (:func:`baseline_of`) and with transformers'
+    greedy. ``engines``:
     the vLLM methods' decoders (:func:`vllm_engines`). ``reworded``: then that many of the
     items again as :func:`reworded_items` (references: the passages + greedy's answer to the
     original question), all methods, ``case="reworded"``. ``warmup``: the item of the untimed
@@ -319,9 +270,6 @@ def run_benchmark(
         methods = ["greedy", *methods]
     if any(m in VLLM_METHODS for m in methods) and "vllm-greedy" not in methods:
         methods = [*methods, "vllm-greedy"]
-    if targets is not None and any(m in VLLM_METHODS for m in methods):
-        raise ValueError("--target-forced hooks the transformers model; it cannot force vLLM's engines: drop "
-                         "--target-forced, or the vllm-* methods")
     if reworded < 0 or reworded > len(items):
         raise ValueError(f"reworded must be in [0, {len(items)}] (the items run), got {reworded}: lower --reworded "
                          "or raise --items")
@@ -343,13 +291,6 @@ def run_benchmark(
         raise ValueError(f"{len(too)} item(s) do not fit the context window, e.g. {too[0]['item']}: {too[0]['why']}; "
                          "leave them out (rag_accel.bench.too_long lists them) or lower max_new_tokens")
     cases = [(it, list(it.passages), "rag") for it in items]
-    forcing = None
-    if targets is not None:
-        missing = [it.id for it in items if it.id not in targets]
-        if missing:
-            raise ValueError(f"no target for {len(missing)} item(s), e.g. {missing[0]}: --target-forced saved:FILE "
-                             "needs a FILE written by --save-outputs over the same items (--corpus, --items, --last)")
-        forcing = TargetForcing(dec.model, next(iter(dec.eos_token_ids), 0))
     counter = _ForwardCounter(dec.model, torch.cuda.synchronize if dec.device.type == "cuda" else (lambda: None))
     runs: list[Run] = []
     answers: dict[str, list[int]] = {}  # item id -> greedy's output (the cached answer of the reworded case)
@@ -358,15 +299,11 @@ def run_benchmark(
         first = warmup or items[0]
         ids0 = dec.encode_prompt(rag_input(dec.tokenizer, first.query, first.passages))
         for m in methods:
-            if forcing is not None:  # (the warm-up item may have no target of its own: any target warms up)
-                forcing.set(len(ids0), targets.get(first.id, targets[items[0].id]))
             runners[m](ids0, list(first.passages), None)
         i = 0
         while i < len(cases):
             item, refs, case = cases[i]
             ids = dec.encode_prompt(rag_input(dec.tokenizer, item.query, item.passages))
-            if forcing is not None:
-                forcing.set(len(ids), targets[item.id])
             item_runs = []
             for rep in range(repeats):
                 k = (i * repeats + rep) % len(methods)
@@ -413,8 +350,6 @@ def run_benchmark(
                 cases += [(it, refs, "reworded") for it, refs in reworded_items(items[:reworded], texts)]
     finally:
         counter.close()
-        if forcing is not None:
-            forcing.close()
     return runs
 
 
@@ -484,22 +419,3 @@ def environment(dec: ReferenceDecoder, model_name: str | None = None, *,
         env["num_speculative_tokens"] = num_speculative_tokens
     return env
 
-
-def forced_targets(spec: str, tokenizer: Any, items: Sequence[RagItem], max_new_tokens: int) -> dict[str, list[int]]:
-    """``--target-forced``'s targets (item id -> token ids, at most ``max_new_tokens``): ``"human"``,
-    each item's first human answer, tokenised; ``"saved:FILE"``, the token ids ``--save-outputs``
-    wrote to FILE (e.g. a real model's own answers, to force on a random-weight one)."""
-    if spec == "human":
-        return {it.id: tokenizer(it.answers[0], add_special_tokens=False)["input_ids"][:max_new_tokens] for it in items}
-    if not spec.startswith("saved:"):
-        raise ValueError(f"--target-forced must be 'human' or 'saved:FILE', got {spec!r}")
-    path = Path(spec[len("saved:"):])
-    if not path.is_file():
-        raise FileNotFoundError(f"--target-forced {spec}: {path} does not exist; write it first with "
-                                f"rag-accel bench ... --save-outputs {path}")
-    try:
-        outputs = json.loads(path.read_text())["outputs"]
-        return {str(k): list(v)[:max_new_tokens] for k, v in outputs.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"--target-forced {spec}: {path} is not a file written by --save-outputs "
-                         f"({type(e).__name__}: {e}); write it with rag-accel bench ... --save-outputs {path}") from e

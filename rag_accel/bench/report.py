@@ -92,7 +92,6 @@ class BenchReport:
     item_ids: list[str]
     max_new_tokens: int
     repeats: int = 1
-    target_forced: str | None = None
     cold: bool = False
     last: bool = False
     reworded: int = 0
@@ -129,8 +128,7 @@ class BenchReport:
         return (f"{env['model']} {env['dtype']} on {env['device']}, {len(self.item_ids)} "
                 f"{'last ' if self.last else ''}MS-MARCO items"
                 f"{' (cold: our methods forget what earlier requests taught before each run)' if self.cold else ''}, "
-                f"{self.max_new_tokens} "
-                f"tokens{', target-forced: ' + self.target_forced if self.target_forced else ''}, {env['date']}")
+                f"{self.max_new_tokens} tokens, {env['date']}")
 
     def write(self, runs: Sequence[Run], batch_runs: Sequence[BatchRun] = (),
               cost_curves: Mapping[tuple[int, bool, bool], Any] | None = None, *, complete: bool = False,
@@ -142,7 +140,7 @@ class BenchReport:
         summary = summarize(runs)
         result = {"environment": env, "command": self.command, "complete": complete, "items": len(self.item_ids),
                   "max_new_tokens": self.max_new_tokens, "repeats": self.repeats,
-                  "target_forced": self.target_forced, "cold": self.cold, "last": self.last,
+                  "cold": self.cold, "last": self.last,
                   "item_ids": self.item_ids, "skipped": self.skipped, "cost_curve": {
                       f"{n}{'' if packed else '-unpacked'}{'' if head else '-nohead'}": v
                       for (n, packed, head), v in (cost_curves or {}).items()},
@@ -192,7 +190,8 @@ class BenchReport:
         return tables
 
     def save_outputs(self, path: str | Path, runs: Sequence[Run]) -> None:
-        """Greedy's token ids per item (``--save-outputs``), for ``--target-forced saved:FILE``."""
+        """Greedy's token ids per item (``--save-outputs``): the answers the replays of
+        :mod:`rag_accel.bench.replay` and ``benchmarks/experiments/`` draft against."""
         Path(path).write_text(json.dumps({"model": self.env["model"], "date": self.env["date"],
                                           "outputs": {r.item: r.token_ids for r in runs if r.method == "greedy"}}))
 
