@@ -303,9 +303,10 @@ def vllm_python_or_skip() -> str:
 def shared_test_server() -> Server:
     """The adapters' test server: ``rag-accel serve`` with our proposer and the offline model in float32
     (2048 tokens, eager), started with :func:`vllm_python_or_skip`'s Python, one per test process
-    (:func:`shared_server`). ``VLLM_CPU_KVCACHE_SPACE`` (default 2 GiB), ``VLLM_CPU_OMP_THREADS_BIND``
-    (default: cores 0-1, or 0 on one core) and ``RAG_ACCEL_SERVE_TIMEOUT`` (seconds to start, default 900)
-    are read from the environment."""
+    (:func:`shared_server`; a test module that uses it is marked ``xdist_group("rag-accel-serve")``, so
+    that under ``-n 2 --dist loadgroup`` one worker runs them all and starts one). ``VLLM_CPU_KVCACHE_SPACE`` (default
+    2 GiB), ``VLLM_CPU_OMP_THREADS_BIND`` (default: cores 0-1, or 0 on one core) and
+    ``RAG_ACCEL_SERVE_TIMEOUT`` (seconds to start, default 900) are read from the environment."""
     python = vllm_python_or_skip()
     bind = "0-1" if (os.cpu_count() or 1) >= 2 else "0"
     env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),

@@ -26,7 +26,9 @@ def prediction(text: str) -> dict:
     return {"type": "content", "content": text}
 
 
-pytestmark = pytest.mark.slow
+# the slow mark; and one test process runs every module that uses the shared server (pyproject's --dist loadgroup),
+# so a run with two workers starts it once (rag_accel.server_process.shared_test_server)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rag-accel-serve")]
 
 
 @pytest.fixture(scope="module")

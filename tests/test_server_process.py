@@ -88,3 +88,40 @@ def test_in_process_vllm_is_imported_skipped_or_required(monkeypatch):
     monkeypatch.setenv("RAG_ACCEL_REQUIRE_VLLM", "1")
     with pytest.raises(ImportError):
         import_vllm_or_skip()
+
+
+def test_every_module_on_the_shared_test_server_runs_in_its_one_worker():
+    """Under ``-n 2 --dist loadgroup`` (the README's test command) only modules marked
+    ``xdist_group("rag-accel-serve")`` share a worker: one left unmarked would start a second server."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    users = [p for d in ("tests", "integrations") for p in sorted((root / d).rglob("test_*.py"))
+             if p.name != Path(__file__).name and ("remote_server" in p.read_text() or "shared_test_server(" in
+                                                   p.read_text())]
+    assert len(users) >= 4  # the stock clients' Predicted Outputs, the adapters' remote tests
+    unmarked = [str(p.relative_to(root)) for p in users if 'xdist_group("rag-accel-serve")' not in p.read_text()]
+    assert unmarked == []
+
+
+def test_the_suites_configuration_runs_a_group_in_one_worker(tmp_path):
+    """The mark works: under this repository's pytest configuration and the README's ``-n 2 --dist
+    loadgroup``, two modules marked ``xdist_group("rag-accel-serve")`` run in one worker. (pytest 9.2
+    with pytest-xdist 3.8 silently ignores the mark, pytest-xdist issue 1386: the dev extra keeps
+    pytest below 9.2 until that is fixed.)"""
+    from pathlib import Path
+
+    body = ("import os, pytest\n{mark}\n"
+            + "".join(f"def test_{i}():\n    open('{{out}}', 'a').write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+                      for i in range(4)))
+    for name, mark in (("a", 'pytestmark = pytest.mark.xdist_group("rag-accel-serve")'),
+                       ("b", 'pytestmark = pytest.mark.xdist_group("rag-accel-serve")'), ("c", "")):
+        (tmp_path / f"test_{name}.py").write_text(body.format(mark=mark, out=tmp_path / f"{name}.log"))
+    config = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-c", str(config),
+                           "--rootdir", str(tmp_path), "-p", "no:cacheprovider", "-q", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    workers = {name: set((tmp_path / f"{name}.log").read_text().split()) for name in "abc"}
+    assert len(workers["a"] | workers["b"]) == 1, workers  # the group: one worker
+    assert workers["c"] <= {"gw0", "gw1"} and len(workers["c"]) >= 1

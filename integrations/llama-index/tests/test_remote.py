@@ -20,6 +20,7 @@ from rag_accel.remote import RemoteDecoder
 
 MAX_NEW = 32
 MODEL = "smollm2-135m-instruct"
+pytestmark = pytest.mark.xdist_group("rag-accel-serve")  # one test process runs the shared server's modules
 
 
 class SeenReferences(RemoteDecoder):

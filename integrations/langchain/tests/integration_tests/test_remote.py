@@ -18,6 +18,7 @@ from rag_accel.data import load_msmarco_sample
 
 MAX_NEW = 32
 MODEL = "smollm2-135m-instruct"
+pytestmark = pytest.mark.xdist_group("rag-accel-serve")  # one test process runs the shared server's modules
 
 
 class SampleRetriever(BaseRetriever):

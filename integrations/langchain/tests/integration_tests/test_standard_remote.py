@@ -10,6 +10,8 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 
 from rag_accel import DEFAULT_MODEL
 
+pytestmark = pytest.mark.xdist_group("rag-accel-serve")  # one test process runs the shared server's modules
+
 
 class TestChatRagAccelRemoteStandard(ChatModelIntegrationTests):
     base_url: str | None = None
