@@ -36,3 +36,16 @@ def e5():
     from rag_accel.retrieval import OFFLINE_E5, Embedder
 
     return Embedder(OFFLINE_E5)
+
+
+@pytest.fixture(scope="session")
+def vllm_greedy():
+    """vLLM's own greedy decoding, the vLLM suites' reference: the offline model in float32 on an engine
+    without a speculative config (2048 tokens, eager). One engine for the run: tests/test_vllm.py and
+    tests/test_serve.py compare with it (a start takes 40-140 s on this 2-core machine)."""
+    from rag_accel.vllm import VllmDecoder
+
+    dec = VllmDecoder.from_pretrained("smollm2-135m-instruct", speculation="off", max_model_len=2048,
+                                      enforce_eager=True)
+    yield dec
+    dec.close()

@@ -3,7 +3,7 @@
 One server for the module, started as a user would (`python -m rag_accel.cli serve ...` in a
 subprocess, on a free loopback port), called with the real `openai` client and with
 RemoteDecoder; its outputs are compared token for token with vLLM's greedy output in this
-process (VllmDecoder, speculation off; one engine, shut down before the server starts). CPU,
+process (VllmDecoder, speculation off: the run's engine, tests/conftest.py). CPU,
 float32, SmolLM2-135M-Instruct, a few MS-MARCO items, 32 new tokens.
 
 Without vLLM installed the module is skipped, unless RAG_ACCEL_REQUIRE_VLLM=1 (CI), where that
@@ -37,7 +37,6 @@ from rag_accel.vllm.requests import MIDDLEWARE_PATH  # noqa: E402
 from rag_accel.vllm import (  # noqa: E402
     PROPOSER_PATH,
     TRACKER_PATH,
-    VllmDecoder,
     check_extra_args,
     request_answers,
     request_inputs,
@@ -202,18 +201,17 @@ def started_server():
 
 
 @pytest.fixture(scope="module")
-def baseline(items, started_server):
-    """vLLM's own greedy outputs in this process, speculation off: the reference for every comparison."""
-    dec = VllmDecoder.from_pretrained(MODEL, speculation="off", max_model_len=MAX_MODEL_LEN, enforce_eager=True)
-    try:
-        msgs = [rag_messages(it.query, it.passages) for it in items[:N_ITEMS]]
-        outs = [dec.generate(m, max_new_tokens=MAX_NEW) for m in msgs]
-        text = dec.generate("The capital of France is", max_new_tokens=8)
-        return SimpleNamespace(ids=[o.token_ids for o in outs], texts=[o.text for o in outs],
-                               prompt_ids=[dec.encode_prompt(m) for m in msgs], msgs=msgs,
-                               finish=[o.finish_reason for o in outs], text_prompt=text)
-    finally:
-        dec.close()
+def baseline(items, started_server, vllm_greedy):
+    """vLLM's own greedy outputs in this process, speculation off (the run's engine, tests/conftest.py,
+    at the server's MAX_MODEL_LEN): the reference for every comparison."""
+    dec = vllm_greedy
+    assert dec.context_window == MAX_MODEL_LEN
+    msgs = [rag_messages(it.query, it.passages) for it in items[:N_ITEMS]]
+    outs = [dec.generate(m, max_new_tokens=MAX_NEW) for m in msgs]
+    text = dec.generate("The capital of France is", max_new_tokens=8)
+    return SimpleNamespace(ids=[o.token_ids for o in outs], texts=[o.text for o in outs],
+                           prompt_ids=[dec.encode_prompt(m) for m in msgs], msgs=msgs,
+                           finish=[o.finish_reason for o in outs], text_prompt=text)
 
 
 @pytest.fixture(scope="module")

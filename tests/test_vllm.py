@@ -3,7 +3,8 @@
 Exactness: greedy outputs with our proposer equal vLLM's own greedy outputs with speculation
 off, token for token, whatever the references (right, wrong, another question's), at batch 1
 and with 8 concurrent requests. One engine per kind, shared by the module (a start takes
-1-2 minutes on a busy 2-core machine). Unit tests of the pieces run without an engine.
+1-2 minutes on a busy 2-core machine; the speculation-off one is the run's, tests/conftest.py,
+which tests/test_serve.py compares with too). Unit tests of the pieces run without an engine.
 
 Without vLLM installed the module is skipped, unless RAG_ACCEL_REQUIRE_VLLM=1 (CI), where
 that is an error.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -340,19 +340,18 @@ def items():
 
 
 @pytest.fixture(scope="module")
-def baseline(items):
-    """vLLM's own greedy outputs, speculation off (an engine without a speculative config):
-    each item alone (batch 1), and the 8 concurrent requests of the batch test."""
-    t0 = time.perf_counter()
-    dec = VllmDecoder.from_pretrained(MODEL, speculation="off", **ENGINE)
-    start = time.perf_counter() - t0
+def baseline(items, vllm_greedy):
+    """vLLM's own greedy outputs, speculation off (the run's engine without a speculative config,
+    tests/conftest.py, the same ENGINE settings): each item alone (batch 1), and the 8 concurrent
+    requests of the batch test."""
+    dec = vllm_greedy
+    assert dec.context_window == ENGINE["max_model_len"]
     alone = [dec.generate(rag_messages(it.query, it.passages), max_new_tokens=MAX_NEW).token_ids
              for it in items[:N_ITEMS]]
     batch = [o.token_ids for o in dec.generate_batch([rag_messages(it.query, it.passages) for it in items[:8]],
                                                      max_new_tokens=MAX_NEW)]
     texts = [dec.tokenizer.decode(ids, skip_special_tokens=True) for ids in alone]
-    yield SimpleNamespace(alone=alone, batch=batch, texts=texts, start_s=start, plain=dec)
-    _shutdown(dec)
+    return SimpleNamespace(alone=alone, batch=batch, texts=texts, plain=dec)
 
 
 @pytest.fixture(scope="module")
