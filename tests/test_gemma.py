@@ -18,7 +18,9 @@ from helpers import OracleDrafter, rag_completion_ids
 from rag_accel import DecoderConfig, ReferenceDecoder
 from rag_accel.models import GEMMA_MODEL
 
-pytestmark = pytest.mark.slow
+# one worker runs the module (the README's --dist loadgroup): its fixtures convert and load the model and decode
+# the greedy answers once, not once per worker (117-143 s each in CI)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gemma")]
 
 MAX_NEW = 64
 WRONG = "The quick brown fox jumps over the lazy dog. " * 8

@@ -10,6 +10,9 @@ from rag_accel.bench import run_benchmark, summarize
 from rag_accel.data import load_msmarco_sample, rag_messages
 
 MAX_NEW = 48
+# one worker runs the module (the README's --dist loadgroup): the greedy answers are decoded once, not once per
+# worker (37 s each in CI)
+pytestmark = pytest.mark.xdist_group("real-model")
 
 
 @pytest.fixture(scope="module")
