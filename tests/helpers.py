@@ -9,14 +9,15 @@ import torch
 from rag_accel import Draft
 
 
-def tiny_model(arch: str, vocab_size: int, seed: int = 0, eos_token_id=None):
-    """A randomly initialised 2-layer model of the given architecture (no download)."""
+def tiny_model(arch: str, vocab_size: int, seed: int = 0, eos_token_id=None, context: int = 1024):
+    """A randomly initialised 2-layer model of the given architecture (no download); ``context``: the
+    Llama's context window."""
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
     common = dict(vocab_size=vocab_size, bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
     if arch == "llama":
         cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, max_position_embeddings=1024, **common)
+                          num_key_value_heads=2, max_position_embeddings=context, **common)
     elif arch == "qwen2":
         cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=1024, use_sliding_window=False, **common)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_model
 from typer.testing import CliRunner
 
 from rag_accel.bench import ALL_METHODS, VLLM_METHODS
@@ -66,26 +67,17 @@ def shared_decoders():
     mp.undo()
 
 
-def _tiny_random_model(tokenizer):
-    """A 2-layer Llama with random weights (seed 0) and the offline model's vocabulary and tokenizer: the
-    bench's bookkeeping runs on it in a blink (its answers are noise, the same for every method)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(0)
-    eos = tokenizer.eos_token_id
-    cfg = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=8192, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = model.generation_config.pad_token_id = eos
-    return model
+def _tiny_llama(tokenizer):
+    """helpers.tiny_model's Llama with the offline model's vocabulary and an 8,192-token window: the bench's
+    bookkeeping runs on it in a blink (its answers are noise, the same for every method)."""
+    return tiny_model("llama", len(tokenizer), eos_token_id=tokenizer.eos_token_id, context=8192)
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, tokenizer):
-    """The tiny random model as a local model folder, for the command line (``--model FOLDER``)."""
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """The tiny Llama as a local model folder, for the command line (``--model FOLDER``)."""
     folder = tmp_path_factory.mktemp("tiny-llama")
-    _tiny_random_model(tokenizer).save_pretrained(folder)
+    _tiny_llama(tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
 
@@ -93,7 +85,7 @@ def tiny_model(tmp_path_factory, tokenizer):
 def _tiny_decoder(tokenizer):
     from rag_accel.hf.decoder import ReferenceDecoder
 
-    return ReferenceDecoder(_tiny_random_model(tokenizer), tokenizer)
+    return ReferenceDecoder(_tiny_llama(tokenizer), tokenizer)
 
 
 @pytest.mark.slow
@@ -120,7 +112,7 @@ def test_bench_all_methods_writes_json_md_png(tmp_path, shared_decoders):
     assert len(saved) == 1
 
 
-def test_bench_cold_on_the_last_items(tmp_path, monkeypatch, tiny_model):
+def test_bench_cold_on_the_last_items(tmp_path, monkeypatch, tiny_model_dir):
     """--last times the sample's last items (untuned), --cold makes each of our runs a fresh process's
     first request: the decoder forgets its acceptance rates and step costs before each one."""
     from typer.testing import CliRunner
@@ -133,7 +125,7 @@ def test_bench_cold_on_the_last_items(tmp_path, monkeypatch, tiny_model):
     reset = ReferenceDecoder.reset_learning
     monkeypatch.setattr(ReferenceDecoder, "reset_learning", lambda self: (resets.append(1), reset(self)))
     out = tmp_path / "cold"
-    res = CliRunner().invoke(app, ["bench", "--model", tiny_model, "--items", "2", "--max-new-tokens", "6",
+    res = CliRunner().invoke(app, ["bench", "--model", tiny_model_dir, "--items", "2", "--max-new-tokens", "6",
                                    "--methods", "greedy,ours,ours-ref", "--cold", "--last", "--out", str(out)])
     assert res.exit_code == 0, res.output
     result = json.loads(out.with_suffix(".json").read_text())
@@ -287,7 +279,7 @@ def test_bench_reworded_case_gives_the_cached_answer_outside_the_prompt(tokenize
         run_benchmark(dec, items, ["greedy"], 4, reworded=3)
 
 
-def test_bench_vllm_methods_need_their_engines(tokenizer, tiny_model):
+def test_bench_vllm_methods_need_their_engines(tokenizer, tiny_model_dir):
     from rag_accel.bench import run_benchmark
     from rag_accel.data import load_msmarco_sample
 
@@ -295,7 +287,8 @@ def test_bench_vllm_methods_need_their_engines(tokenizer, tiny_model):
     items = load_msmarco_sample(with_answers=True, limit=1)
     with pytest.raises(ValueError, match="needs its vLLM engine"):
         run_benchmark(dec, items, ["greedy", "vllm-ours"], 4)
-    code, out = run("bench", "--model", tiny_model, "--items", "1", "--methods", "greedy,ours", "--concurrency", "4")
+    code, out = run("bench", "--model", tiny_model_dir, "--items", "1", "--methods", "greedy,ours",
+                    "--concurrency", "4")
     assert code == 2 and "--concurrency measures the vLLM methods" in out
     try:
         import vllm  # noqa: F401
@@ -403,15 +396,15 @@ def _corpus_with_a_long_item(tmp_path: Path) -> tuple[Path, list]:
     return corpus, items
 
 
-def test_bench_skips_items_too_long_for_the_model_and_writes_without_matplotlib(tmp_path, monkeypatch, tiny_model):
+def test_bench_skips_items_too_long_for_the_model_and_writes_without_matplotlib(tmp_path, monkeypatch, tiny_model_dir):
     """An item whose prompt + --max-new-tokens exceeds the context window is left out before any timing and
     listed (printed and in the JSON); without matplotlib the JSON and markdown are written all the same and
     one line says the plot was skipped and how to add it."""
     corpus, items = _corpus_with_a_long_item(tmp_path)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails, as when not installed
     out = tmp_path / "b"
-    code, output = run("bench", "--model", tiny_model, "--corpus", str(corpus), "--items", "2", "--max-new-tokens", "4",
-                       "--methods", "greedy", "--out", str(out))
+    code, output = run("bench", "--model", tiny_model_dir, "--corpus", str(corpus), "--items", "2",
+                       "--max-new-tokens", "4", "--methods", "greedy", "--out", str(out))
     assert code == 0, output
     result = json.loads(out.with_suffix(".json").read_text())
     assert result["complete"] and result["item_ids"] == [items[0].id]
@@ -425,7 +418,7 @@ def test_bench_skips_items_too_long_for_the_model_and_writes_without_matplotlib(
     assert "| greedy |" in md and f"- {items[1].id}: prompt " in md and ".png" not in md and "incomplete" not in md
 
 
-def test_bench_unanswered_runs_items_without_a_human_answer(tmp_path, tiny_model):
+def test_bench_unanswered_runs_items_without_a_human_answer(tmp_path, tiny_model_dir):
     """The TREC DL sample has no human answers: by default the bench takes only answered items (and says how
     to take the others when none is), --unanswered runs them all."""
     from rag_accel.data import load_msmarco_sample
@@ -435,7 +428,8 @@ def test_bench_unanswered_runs_items_without_a_human_answer(tmp_path, tiny_model
     records[0]["answers"] = ["an answer"]
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in records))
-    common = ["bench", "--model", tiny_model, "--corpus", str(corpus), "--max-new-tokens", "4", "--methods", "greedy"]
+    common = ["bench", "--model", tiny_model_dir, "--corpus", str(corpus), "--max-new-tokens", "4",
+              "--methods", "greedy"]
     for flags, expected in (([], [items[0].id]), (["--unanswered"], [it.id for it in items])):
         out = tmp_path / f"b{len(flags)}"
         code, output = run(*common, "--items", "2", "--last", *flags, "--out", str(out))
@@ -446,7 +440,7 @@ def test_bench_unanswered_runs_items_without_a_human_answer(tmp_path, tiny_model
     assert code == 2 and "no answered items in the corpus (--unanswered runs items without a human answer)" in output
 
 
-def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch, tiny_model):
+def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch, tiny_model_dir):
     """The files are rewritten after each item: a run interrupted on its second item keeps the first,
     marked incomplete."""
     from rag_accel.hf.decoder import ReferenceDecoder
@@ -462,7 +456,7 @@ def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch, tin
 
     monkeypatch.setattr(ReferenceDecoder, "generate", interrupted)
     out = tmp_path / "stopped"
-    code, output = run("bench", "--model", tiny_model, "--items", "2", "--max-new-tokens", "4",
+    code, output = run("bench", "--model", tiny_model_dir, "--items", "2", "--max-new-tokens", "4",
                        "--methods", "greedy,ours", "--out", str(out))
     assert code != 0 and len(calls) == 3, output
     result = json.loads(out.with_suffix(".json").read_text())

@@ -96,12 +96,11 @@ def test_every_module_on_the_shared_test_server_runs_in_its_one_worker():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    users = [p for d in ("tests", "integrations") for p in sorted((root / d).rglob("test_*.py"))
-             if p.name != Path(__file__).name and ("remote_server" in p.read_text() or "shared_test_server(" in
-                                                   p.read_text())]
+    texts = {p: p.read_text() for d in ("tests", "integrations") for p in sorted((root / d).rglob("test_*.py"))
+             if p.name != Path(__file__).name}
+    users = [p for p, text in texts.items() if "remote_server" in text or "shared_test_server(" in text]
     assert len(users) >= 4  # the stock clients' Predicted Outputs, the adapters' remote tests
-    unmarked = [str(p.relative_to(root)) for p in users if 'xdist_group("rag-accel-serve")' not in p.read_text()]
-    assert unmarked == []
+    assert [str(p.relative_to(root)) for p in users if 'xdist_group("rag-accel-serve")' not in texts[p]] == []
 
 
 def test_the_suites_configuration_runs_a_group_in_one_worker(tmp_path):
