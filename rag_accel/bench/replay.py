@@ -338,10 +338,10 @@ SIZES = (1, 2, 3, 4, 6, 8, 11, 12, 16, 22, 24, 32)
 
 
 def forward_costs(dec: Any, context: int, repeats: int, sizes: Sequence[int] = SIZES, *, pack_gqa: bool = True,
-                  fast_head: bool = True) -> dict[int, float]:
+                  fast_linears: bool = True) -> dict[int, float]:
     """A forward of the transformers decoder ``dec`` over ``N`` tokens on a cached ``context``, relative to
     ``N = 1`` (which ``sizes`` must hold), for ``N`` in ``sizes``: round-robin, the first round a warm-up, the least
-    disturbed of ``repeats``. ``pack_gqa``, ``fast_head``: the forward path, by default the decoder's own."""
+    disturbed of ``repeats``. ``pack_gqa``, ``fast_linears``: the forward path, by default the decoder's own."""
     import torch
 
     from ..hf.kv import rollback_cache
@@ -355,7 +355,7 @@ def forward_costs(dec: Any, context: int, repeats: int, sizes: Sequence[int] = S
             for n in sizes:
                 ids = torch.randint(0, dec.vocab_size, (n,), generator=gen).tolist()
                 t0 = time.perf_counter()
-                dec._forward(ids, cache, pack_gqa=pack_gqa, fast_head=fast_head)
+                dec._forward(ids, cache, pack_gqa=pack_gqa, fast_linears=fast_linears)
                 if r:
                     samples[n].append(time.perf_counter() - t0)
                 rollback_cache(cache, n)

@@ -3,8 +3,9 @@
 - :mod:`~rag_accel.hf.decoder`: the loop (prefill, then per step: choose a draft, verify it in one forward pass,
   accept the longest greedy-equal prefix plus the model's own token, roll the KV cache back).
 - :mod:`~rag_accel.hf.kv`: the model's KV cache as the loop uses it (make, roll back, the window).
-- :mod:`~rag_accel.hf.attention`, :mod:`~rag_accel.hf.lm_head`: faster verification forwards on a CPU,
-  same numbers (packed grouped-query attention, the output projection as one GEMM).
+- :mod:`~rag_accel.hf.attention`, :mod:`~rag_accel.hf.linears`: faster forwards on a CPU, same numbers
+  up to float rounding (packed grouped-query attention; each projection's few-row products in the layout
+  measured fastest for its weight).
 - :mod:`~rag_accel.hf.draft_models`: small transformers models as drafters (same or another tokenizer).
 
 What both engines share (drafters, matching kernels, the draft-length policy, a request's drafting verbs) sits

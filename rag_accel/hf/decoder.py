@@ -23,8 +23,8 @@ from ..drafters import Draft, Drafter, chain_order
 from ..inputs import (TokenCache, check_lengths, check_references, check_stops, encode_prompt,
                       encode_references, may_exceed, tokenize_references)
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
-from .lm_head import install as install_transposed_head
-from .lm_head import transposed_head
+from .linears import install as install_linear_plans
+from .linears import plan_linears, planned_linears
 from ..prediction import with_prediction
 from ..references import ReferenceSetUp
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
@@ -100,11 +100,12 @@ class ReferenceDecoder:
     # pack_gqa: grouped-query attention reads the cached keys/values in place instead of copying them per query
     # head (rag_accel.hf.attention): ours 4.0% faster than without, on 39 of 50 items, in the same run
     # (benchmarks/results/bench_cpu_smollm2_50x128_ab_pool.md, as the bench method ``ours-nopack`` then).
-    # fast_head: on a CPU in float32 the output projection runs as ``weight @ hidden.T`` (rag_accel.hf.lm_head):
-    # verifying 8 draft tokens cost 1.42x a plain step with it on Gemma 3 270M, 2.64x without
-    # (benchmarks/experiments/head_cost_curves.py).
+    # fast_linears: on a CPU every projection computes its few rows in the layout measured fastest for its weight
+    # shape (rag_accel.hf.linears): Qwen2.5-Coder-1.5B in float32, a plain step 293 -> 215 ms and a 2-token verify
+    # 574 -> 250 ms; the output projection alone (its layout was the rule before): Gemma 3 270M verifying 8 draft
+    # tokens 1.42x a plain step with it, 2.64x without (benchmarks/experiments/head_cost_curves.py).
     pack_gqa: bool = True
-    fast_head: bool = True
+    fast_linears: bool = True
 
     def __init__(self, model: Any, tokenizer: Any, config: DecoderConfig | None = None, *,
                  draft_model: Any = None, draft_tokenizer: Any = None) -> None:
@@ -141,8 +142,8 @@ class ReferenceDecoder:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kwarg = cache_kwarg(model)
         install_packed_gqa()  # inert until a forward of ours asks for it (see _forward)
-        install_transposed_head(model)  # likewise
-        # (max_draft, pack_gqa, fast_head) -> curve: each forward path is timed as it runs
+        self._linear_plans: dict | None = None  # measured before the first forward that takes them (plan_linears)
+        # (max_draft, pack_gqa, fast_linears) -> curve: each forward path is timed as it runs
         self._cost_curves: dict[tuple[int, bool, bool], tuple[float, ...]] = {}
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
         self.reference_tokens = TokenCache()  # reference texts tokenised lately (a passage that comes back)
@@ -206,9 +207,10 @@ class ReferenceDecoder:
         tokenizer (a different tokenizer selects universal drafting), or ``"int8"``: an
         int8 dynamically quantised copy of the model itself (CPU only; HF backend).
 
-        ``calibrate``: time what verifying 1..``max_draft_tokens`` draft tokens costs now, at load
-        (about a second for a small model on a CPU), so that no request pays it and the first one
-        already drafts by the measured costs (``False``: the first adaptive request measures it)."""
+        ``calibrate``: at load, time the layouts of the model's projections (on a CPU, :mod:`rag_accel.hf.linears`)
+        and what verifying 1..``max_draft_tokens`` draft tokens costs (about a second for a small model on a
+        CPU, ~15 s for a 1.5B one), so that no request pays it and the first one already drafts by the
+        measured costs (``False``: the first request measures them)."""
         if "backend" in model_kwargs:
             raise ValueError(f"ReferenceDecoder is the transformers decoder and takes no backend= (got "
                              f"{model_kwargs['backend']!r}): for vLLM use rag_accel.vllm.VllmDecoder.from_pretrained"
@@ -235,8 +237,18 @@ class ReferenceDecoder:
 
     @property
     def cost_curves(self) -> dict[tuple[int, bool, bool], tuple[float, ...]]:
-        """The cost curves measured so far: ``(max_draft, pack_gqa, fast_head) -> curve``."""
+        """The cost curves measured so far: ``(max_draft, pack_gqa, fast_linears) -> curve``."""
         return dict(self._cost_curves)
+
+    def plan_linears(self) -> dict:
+        """The layout of each projection's few-row products (:mod:`rag_accel.hf.linears`), timed on this
+        model once (on a CPU; elsewhere none) and installed; what :attr:`fast_linears` forwards take."""
+        with self._lock:
+            if self._linear_plans is None:
+                plans = plan_linears(self.model) if self.device.type == "cpu" else {}
+                install_linear_plans(self.model, plans)
+                self._linear_plans = plans
+            return self._linear_plans
 
     @property
     def device(self) -> torch.device:
@@ -421,27 +433,29 @@ class ReferenceDecoder:
 
     # ------------------------------------------------------------ the engine
     def _forward(self, ids: list[int], cache: Any, last_only: bool = False, pack_gqa: bool = False,
-                 fast_head: bool = True) -> torch.Tensor:
+                 fast_linears: bool = True) -> torch.Tensor:
+        if fast_linears and self._linear_plans is None:
+            self.plan_linears()
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
         kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
         if last_only and self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
-        with packed_gqa(pack_gqa), transposed_head(fast_head):
+        with packed_gqa(pack_gqa), planned_linears(fast_linears):
             return self.model(input_ids=input_ids, **kwargs).logits[0]  # [S or 1, V]
 
     def _new_cache(self) -> Any:
         return new_cache(self.model)
 
     def cost_curve(self, max_draft: int, pack_gqa: bool | None = None,
-                   fast_head: bool | None = None) -> tuple[float, ...]:
+                   fast_linears: bool | None = None) -> tuple[float, ...]:
         """Relative cost of verifying 0..max_draft draft tokens; measured once per length bound
-        and forward path (``pack_gqa``, ``fast_head``: by default the decoder's)."""
+        and forward path (``pack_gqa``, ``fast_linears``: by default the decoder's)."""
         if self.config.cost_curve is not None:
             return self.config.cost_curve
         key = (max_draft, self.pack_gqa if pack_gqa is None else pack_gqa,
-               self.fast_head if fast_head is None else fast_head)
+               self.fast_linears if fast_linears is None else fast_linears)
         if key not in self._cost_curves:
-            self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_head=key[2])
+            self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_linears=key[2])
         return self._cost_curves[key]
 
     def reset_learning(self) -> None:
@@ -567,7 +581,7 @@ class ReferenceDecoder:
     def _prefill(self, req: _Request) -> list[int]:
         """The whole prompt in one forward; its argmax (or a sample) is the first new token."""
         t0 = self.clock()
-        last = self._forward(req.context, req.cache, last_only=True, fast_head=self.fast_head)[-1:]  # [1, V]
+        last = self._forward(req.context, req.cache, last_only=True, fast_linears=self.fast_linears)[-1:]  # [1, V]
         if req.sampling is None:
             new_tokens = [int(last[0].argmax())]
         else:  # one Gumbel noise vector per output position (see rag_accel.hf.sampling)
@@ -589,7 +603,7 @@ class ReferenceDecoder:
         """2. One forward over [last token + draft] on top of the cache: the model's token at each
         position (its argmax, or its sample for that position)."""
         logits = self._forward([req.context[-1]] + sent, req.cache, pack_gqa=self.pack_gqa,
-                               fast_head=self.fast_head)  # [1 + len(sent), V]
+                               fast_linears=self.fast_linears)  # [1 + len(sent), V]
         if req.sampling is None:
             return logits.argmax(-1).tolist()
         pos = len(req.out.token_ids)
@@ -681,7 +695,7 @@ class _SetUp:
 
 def measure_cost_curve(
     decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2, pack_gqa: bool = True,
-    fast_head: bool = True,
+    fast_linears: bool = True,
 ) -> tuple[float, ...]:
     """Time a forward over 1, 2, 4, ... tokens on a cached context, relative to 1 token.
 
@@ -699,14 +713,14 @@ def measure_cost_curve(
     samples: dict[int, list[float]] = {s: [] for s in sizes}
     with torch.inference_mode():
         cache = decoder._new_cache()
-        decoder._forward(ctx, cache, last_only=True, fast_head=fast_head)
+        decoder._forward(ctx, cache, last_only=True, fast_linears=fast_linears)
         # Round-robin over sizes, the first round a warm-up, so drift hits all sizes alike.
         for r in range(repeats + 1):
             for size in sizes:
                 ids = torch.randint(0, decoder.vocab_size, (size,), generator=gen).tolist()
                 sync()
                 t0 = time.perf_counter()
-                decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_head=fast_head)
+                decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_linears=fast_linears)
                 sync()
                 if r:
                     samples[size].append(time.perf_counter() - t0)

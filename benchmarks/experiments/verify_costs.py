@@ -1,0 +1,114 @@
+"""What a plain step and a verify forward cost per model and dtype, with the planned projections and without.
+
+    python benchmarks/experiments/verify_costs.py --models qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct \\
+        --dtypes float32,bfloat16 --out benchmarks/results/verify_costs_cpu
+
+For each model and dtype: how long :meth:`rag_accel.ReferenceDecoder.plan_linears` takes and what it chose
+(per weight shape, the row counts it moves off the library's own ``F.linear``), then a forward over ``N``
+new tokens on a cached context of ``--context`` random tokens (an answer's context in the bundled sample
+is 700-900), ``N`` in ``--sizes``, with ``fast_linears`` on (the planned layouts) and off (the model's own
+projections): milliseconds (the least disturbed of ``--repeats`` rounds, round-robin over sizes and arms,
+after a warm-up round) and the ratio to the same arm's one-token forward, the price the draft-length policy
+pays for ``N - 1`` draft tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import transformers
+
+from rag_accel import ReferenceDecoder
+from rag_accel.hf.kv import rollback_cache
+
+SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)
+
+
+def measure(dec: ReferenceDecoder, context: int, sizes: tuple[int, ...], repeats: int) -> dict[str, dict[int, float]]:
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, dec.vocab_size, (context,), generator=gen).tolist()
+    samples: dict[str, dict[int, list[float]]] = {arm: {n: [] for n in sizes} for arm in ("planned", "library")}
+    with torch.inference_mode():
+        cache = dec._new_cache()
+        dec._forward(ctx, cache, last_only=True)
+        for r in range(repeats + 1):
+            for n in sizes:
+                for arm in (("planned", "library") if r % 2 else ("library", "planned")):
+                    ids = torch.randint(0, dec.vocab_size, (n,), generator=gen).tolist()
+                    t0 = time.perf_counter()
+                    dec._forward(ids, cache, pack_gqa=dec.pack_gqa, fast_linears=arm == "planned")
+                    if r:
+                        samples[arm][n].append(time.perf_counter() - t0)
+                    rollback_cache(cache, n)
+    return {arm: {n: min(v) * 1e3 for n, v in by.items()} for arm, by in samples.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--context", type=int, default=849)
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", required=True, help="path without suffix: writes .json and .md")
+    args = ap.parse_args()
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    runs = []
+    for name in args.models.split(","):
+        for dtype in args.dtypes.split(","):
+            dec = ReferenceDecoder.from_pretrained(name, device="cpu", dtype=dtype, calibrate=False)
+            t0 = time.perf_counter()
+            plans = dec.plan_linears()
+            plan_s = time.perf_counter() - t0
+            chosen = {f"{o}x{i}": {n: (f"{p.rows[n]} rows" if p.rows[n] != n else "") +
+                                   (" transposed" if p.transposed[n] else "")
+                                   for n in range(1, len(p.rows)) if p.rows[n]}
+                      for (o, i, _), p in plans.items()}
+            ms = measure(dec, args.context, sizes, args.repeats)
+            runs.append({"model": name, "dtype": dtype, "plan_s": round(plan_s, 2), "plans": chosen,
+                         "ms": {arm: {str(n): round(v, 1) for n, v in by.items()} for arm, by in ms.items()}})
+            print(json.dumps(runs[-1]["ms"]), flush=True)
+            del dec
+    env = {"date": datetime.now(timezone.utc).date().isoformat(), "machine": platform.machine(),
+           "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "load_before": load_before, "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+    out = Path(args.out)
+    command = "python benchmarks/experiments/verify_costs.py " + " ".join(
+        f"--{k} {v}" for k, v in (("models", args.models), ("dtypes", args.dtypes), ("context", args.context),
+                                  ("repeats", args.repeats), ("out", args.out)))
+    out.with_suffix(".json").write_text(json.dumps({"environment": env, "command": command, "context": args.context,
+                                                    "sizes": sizes, "runs": runs}, indent=1))
+    lines = [f"# Plain and verify forwards, planned projections and the library's, cpu ({env['cpu_threads']} threads), "
+             f"{env['date']}", "",
+             f"- command: `{command}`",
+             f"- torch {env['torch']}, transformers {env['transformers']}; machine load (1/5/15 min) before "
+             f"{load_before}, after {env['load_after']}",
+             f"- a forward over N new tokens (N - 1 draft tokens) on a {args.context}-token cached context: ms, and "
+             "in brackets over the same arm's N = 1", ""]
+    head = "| model | dtype | projections | " + " | ".join(f"N={n}" for n in sizes) + " |"
+    lines += [head, "|---|---|---|" + "---|" * len(sizes)]
+    for run in runs:
+        for arm in ("library", "planned"):
+            by = run["ms"][arm]
+            base = by["1"]
+            lines.append(f"| {run['model']} | {run['dtype']} | {arm} | " +
+                         " | ".join(f"{by[str(n)]:.0f} ({by[str(n)] / base:.2f})" for n in sizes) + " |")
+    lines += ["", "What the plans chose (per weight shape, the row counts moved off `F.linear`) and how long planning took:", ""]
+    for run in runs:
+        lines.append(f"- {run['model']}, {run['dtype']}: {run['plan_s']} s; " + "; ".join(
+            f"{shape}: " + (", ".join(f"{n}: {how.strip()}" for n, how in by.items()) or "none")
+            for shape, by in run["plans"].items()))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

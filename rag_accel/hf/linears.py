@@ -1,0 +1,196 @@
+"""Few-row projections on a CPU, each weight shape in the layout and row count measured fastest for it.
+
+A decoding step multiplies 1 row (a plain step) or ``1 + L`` rows (a verify step) by every weight of the
+model. On a CPU, with that few rows, the library's own ``hidden @ weight.T`` runs far below the memory
+speed for some shapes and row counts, and ``weight @ hidden.T`` (the weight streamed once, the rows as the
+narrow operand) runs near it for others. Measured on this project's 2-core CPU, float32, Qwen2.5-Coder-1.5B
+(in the model, all 28 layers' weights of a shape in turn; milliseconds per layer, ``F.linear`` against
+``weight @ hidden.T``):
+
+====================  ==========  ==========  ==========
+weight (out x in)     1 row       2 rows      3 rows
+====================  ==========  ==========  ==========
+8960 x 1536 (MLP up)  2.99 / 1.52 5.85 / 2.35 9.38 / 3.03
+1536 x 8960 (down)    2.04 / 1.92 4.00 / 1.92 5.99 / 2.44
+====================  ==========  ==========  ==========
+
+A whole step of that model went from 293 ms to 215 ms (one token) and from 574 to 250 ms (a 2-token
+verify); from 8 rows on the library's layout is as fast or faster. Which layout wins, and where, differs by
+shape, dtype and machine, so nothing here is a rule: :func:`plan_linears` times both layouts on the model's
+own weights, at :data:`MEASURED_ROWS` rows, once per decoder, and a row count may also be padded up to a
+measured one that is cheaper (3 rows computed as 4). :func:`install` then wraps the ``forward`` of every
+``nn.Linear`` whose shape gained, and the wrapper takes its plan only inside :func:`planned_linears`, a
+context variable the decoder sets around its own forwards: ``model.generate``, other callers of the same
+model and other threads compute exactly what they did before.
+
+The logits differ from the library's layout by float rounding only, as a verify step's do from one-token
+steps; the exactness tests hold the decoder to ``generate``'s token ids (float32).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._context import scoped
+
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("rag_accel_planned_linears", default=False)
+
+#: Row counts timed per weight shape; a count between two is computed as the one above it, or in the
+#: library's layout (``1 + max_draft_tokens`` is 33 by default; a prefill, past the last, never takes a plan).
+MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 33)
+#: Weights of one shape timed in turn (each one read from memory, as in a forward, not from the cache).
+CYCLE = 8
+#: Rounds of the timing; each (rows, layout) keeps its least disturbed round (the first one warms up: only a
+#: round of its own would change nothing the minimum does not).
+REPEATS = 2
+#: A plan is taken where it is at least this much faster than the library's own layout (timing noise stays out).
+MARGIN = 0.95
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How a weight computes ``n`` rows, for ``n`` up to ``len(rows) - 1``: ``rows[n]`` rows (``n`` or a
+    padded count; ``0``: the library's own ``F.linear``), in the transposed layout if ``transposed[n]``."""
+
+    rows: tuple[int, ...]
+    transposed: tuple[bool, ...]
+
+    @property
+    def changes(self) -> bool:
+        """Whether any row count leaves the library's own path."""
+        return any(self.rows)
+
+    @classmethod
+    def from_times(cls, times: dict[tuple[int, bool], float], margin: float = MARGIN) -> LinearPlan:
+        """The plan that ``times`` (seconds of ``(rows, transposed)`` at the measured rows) make fastest:
+        for each ``n``, the cheapest measured ``(m >= n, layout)``, where it beats the library's layout at
+        ``n`` (or, ``n`` not measured, at the next measured count) by ``margin``.
+
+        Example:
+            >>> t = {(1, False): 3.0, (1, True): 1.5, (2, False): 6.0, (2, True): 2.0, (4, False): 5.0, (4, True): 5.5}
+            >>> plan = LinearPlan.from_times(t)
+            >>> [(plan.rows[n], plan.transposed[n]) for n in range(1, 5)]
+            [(1, True), (2, True), (0, False), (0, False)]
+        """
+        measured = sorted({m for m, _ in times})
+        rows, transposed = [0], [False]
+        for n in range(1, measured[-1] + 1):
+            at = next(m for m in measured if m >= n)
+            default = times[(at, False)]
+            cost, m, t = min((times[(m, t)], m, t) for m in measured if m >= n for t in (False, True))
+            better = cost < margin * default and (m, t) != (n, False)
+            rows.append(m if better else 0)
+            transposed.append(t if better else False)
+        return cls(tuple(rows), tuple(transposed))
+
+
+def _compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+             transposed: bool) -> torch.Tensor:
+    """``F.linear(hidden, weight, bias)`` over ``rows`` rows (``hidden``'s, padded with zeros), in the
+    transposed layout if ``transposed``; the first ``len(hidden)`` rows, contiguous."""
+    n = hidden.shape[0]
+    x = hidden.contiguous()
+    if rows > n:
+        x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
+    out = (weight @ x.t()).t() if transposed else torch.nn.functional.linear(x, weight)
+    out = out[:n].contiguous()
+    return out if bias is None else out + bias
+
+
+def planned_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   plan: LinearPlan) -> torch.Tensor:
+    """``F.linear(hidden, weight, bias)`` as ``plan`` says for ``hidden``'s number of rows.
+
+    Example:
+        >>> w, x = torch.randn(6, 4), torch.randn(1, 3, 4)
+        >>> plan = LinearPlan((0, 2, 4, 4), (False, True, True, False))
+        >>> torch.allclose(planned_linear(x, w, None, plan), torch.nn.functional.linear(x, w), atol=1e-6)
+        True
+    """
+    n = hidden.numel() // hidden.shape[-1]
+    if n >= len(plan.rows) or not plan.rows[n]:
+        return torch.nn.functional.linear(hidden, weight, bias)
+    out = _compute(hidden.reshape(n, hidden.shape[-1]), weight, bias, plan.rows[n], plan.transposed[n])
+    return out.reshape(*hidden.shape[:-1], weight.shape[0])
+
+
+def forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """``forward`` of a wrapped ``nn.Linear``: its plan inside :func:`planned_linears`, else its own."""
+    plan = self.__dict__.get("_rag_accel_plan")
+    if (plan is not None and _ACTIVE.get() and hidden.dtype == self.weight.dtype and hidden.device.type == "cpu"
+            and not torch.is_grad_enabled()):
+        return planned_linear(hidden, self.weight, self.bias, plan)
+    return torch.nn.Linear.forward(self, hidden)
+
+
+def linears(model: Any) -> dict[tuple[int, int, torch.dtype], list[torch.nn.Linear]]:
+    """The model's plain ``nn.Linear`` modules on a CPU, by weight shape and dtype."""
+    groups: dict[tuple[int, int, torch.dtype], list[torch.nn.Linear]] = {}
+    if not isinstance(model, torch.nn.Module):
+        return groups
+    for m in model.modules():
+        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu":
+            groups.setdefault((*m.weight.shape, m.weight.dtype), []).append(m)  # type: ignore[arg-type]
+    return groups
+
+
+def time_layouts(modules: Sequence[torch.nn.Linear], rows: Sequence[int] = MEASURED_ROWS,
+                 repeats: int = REPEATS) -> dict[tuple[int, bool], float]:
+    """Seconds one weight of ``modules``' shape takes for each ``(rows, transposed)``: the least disturbed
+    of ``repeats`` rounds, each a pass over up to :data:`CYCLE` of the weights (round-robin over the
+    candidates, so that drift hits them alike)."""
+    cycle = list(modules)[:CYCLE]
+    weight = cycle[0].weight
+    gen = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(n, weight.shape[1], generator=gen).to(weight.dtype) for n in rows}
+    best: dict[tuple[int, bool], float] = {}
+    with torch.inference_mode():
+        _compute(inputs[rows[0]], weight, cycle[0].bias, rows[0], False)  # (the first call of all pays set-ups)
+        for _ in range(repeats):
+            for n in rows:
+                for transposed in (False, True):
+                    t0 = time.perf_counter()
+                    for m in cycle:
+                        _compute(inputs[n], m.weight, m.bias, n, transposed)
+                    seconds = (time.perf_counter() - t0) / len(cycle)
+                    key = (n, transposed)
+                    best[key] = min(best.get(key, seconds), seconds)
+    return best
+
+
+def plan_linears(model: Any, rows: Sequence[int] = MEASURED_ROWS) -> dict[tuple[int, int, torch.dtype], LinearPlan]:
+    """A plan per weight shape of ``model``'s linears on a CPU, from timing both layouts on its own weights
+    (on a 2-core CPU, float32: about 1 s for SmolLM2-135M, 9 s for a 1.5B model)."""
+    return {shape: LinearPlan.from_times(time_layouts(mods, rows)) for shape, mods in linears(model).items()}
+
+
+def install(model: Any, plans: dict[tuple[int, int, torch.dtype], LinearPlan]) -> int:
+    """Give each linear of ``model`` its shape's plan, wrapping the ``forward`` of those whose plan changes
+    anything (idempotent; a plan that changes nothing unwraps none but is not taken). Returns how many
+    modules a plan changes.
+
+    The wrapper is a method bound to its module, so ``copy.deepcopy`` and pickling carry it (and the plan)
+    over to the copy's own weights."""
+    changed = 0
+    for shape, mods in linears(model).items():
+        plan = plans.get(shape)
+        for m in mods:
+            m.__dict__["_rag_accel_plan"] = plan if plan is not None and plan.changes else None
+            if plan is not None and plan.changes:
+                changed += 1
+                if "forward" not in vars(m):
+                    m.forward = types.MethodType(forward, m)
+    return changed
+
+
+def planned_linears(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Within this block (this thread / context only) wrapped linears compute as their plan says."""
+    return scoped(_ACTIVE, enabled)
