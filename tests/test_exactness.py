@@ -28,6 +28,16 @@ def tiny(request, tokenizer):
     return ReferenceDecoder(model, tokenizer, DecoderConfig(adaptive=False, max_draft_tokens=8))
 
 
+def test_the_tiny_qwen2_has_the_traits_of_the_deployed_model_class(tokenizer):
+    """The Qwen2-shaped model of this suite stands for Qwen2.5 (issue 63): grouped KV heads (4 query heads over
+    2), biases on q/k/v and none on o, an output head of its own (untied)."""
+    model = tiny_model("qwen2", vocab_size=len(tokenizer))
+    attn = model.model.layers[0].self_attn
+    assert model.config.num_attention_heads == 2 * model.config.num_key_value_heads == 4
+    assert all(getattr(attn, f"{p}_proj").bias is not None for p in "qkv") and attn.o_proj.bias is None
+    assert model.get_output_embeddings().weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+
+
 def _prompts(n, vocab, seed):
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(rng.randrange(3, 60))] for _ in range(n)]

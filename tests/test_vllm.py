@@ -795,6 +795,39 @@ def test_gemma3_across_its_sliding_window_is_exact_with_right_wrong_and_mixed_re
 
 
 @pytest.mark.slow
+def test_qwen_05b_is_exact_with_right_wrong_and_mixed_references(items):
+    """Qwen2.5-Coder-0.5B-Instruct (issue 63: the model class users deploy; grouped KV heads, q/k/v biases, an
+    untied head, ChatML), float32: two of the sample's chat prompts, 32-token answers; each request equals the
+    same request with speculation off on the same engine, with references always right (the answer's context),
+    always wrong, mixed, and as text."""
+    from rag_accel.models import QWEN_DRAFT_MODEL
+
+    dec = VllmDecoder.from_pretrained(QWEN_DRAFT_MODEL, num_speculative_tokens=8, max_model_len=2048,
+                                      enforce_eager=True)
+    try:
+        vocab = dec.vocab_size
+        for it in items[:2]:
+            ids = dec.encode_prompt(rag_messages(it.query, it.passages))
+            off = dec.generate(ids, max_new_tokens=32, speculate=False).token_ids
+            context = ids + off
+            wrong = [context[len(ids) + j - 4:len(ids) + j] + [(t + 1) % vocab for t in off[j:j + 8]]
+                     for j in range(0, len(off), 2)]  # every step's context tail, then wrong tokens
+            mixed = [[t if i % 7 != 3 else (t + 1) % vocab for i, t in enumerate(context)]]
+            for kind, refs in (("right", [context]), ("wrong", wrong), ("mixed", mixed),
+                               ("text", [dec.tokenizer.decode(off)])):
+                on = dec.generate(ids, refs, max_new_tokens=32)
+                assert on.token_ids == off, (it.id, kind)
+                st = on.stats
+                if kind == "right" and len(off) > 8:  # (another drafter may send a draft too; the copy wins)
+                    ref = st.by_drafter["reference"]
+                    assert ref["accepted"] >= 0.9 * ref["drafted"] > 0 and st.steps <= len(off) / 2, st
+                if kind in ("wrong", "mixed"):
+                    assert st.drafted > st.accepted, st
+    finally:
+        _shutdown(dec)
+
+
+@pytest.mark.slow
 def test_bench_runs_the_vllm_methods_beside_the_transformers_ones(dec, items, baseline):
     """``rag-accel bench``'s loop with vLLM engines: the same prompt ids for every method,
     vLLM outputs compared with vllm-greedy (and with transformers' greedy), steps from the

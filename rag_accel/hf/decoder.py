@@ -242,11 +242,14 @@ class ReferenceDecoder:
 
     def plan_linears(self) -> dict:
         """The layout of each projection's few-row products (:mod:`rag_accel.hf.linears`), timed on this
-        model once (on a CPU; elsewhere none) and installed; what :attr:`fast_linears` forwards take."""
+        model once (on a CPU; elsewhere none) and installed; what :attr:`fast_linears` forwards take. A draft
+        model's are planned too (its drafting forwards take them: :class:`~rag_accel.hf.draft_models.ModelDrafter`)."""
         with self._lock:
             if self._linear_plans is None:
                 plans = plan_linears(self.model) if self.device.type == "cpu" else {}
                 install_linear_plans(self.model, plans)
+                if self.draft_model is not None:
+                    install_linear_plans(self.draft_model, plan_linears(self.draft_model))
                 self._linear_plans = plans
             return self._linear_plans
 

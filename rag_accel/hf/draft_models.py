@@ -36,6 +36,7 @@ DRAFT_CONFIDENCE = 0.4
 
 from ..drafters import NO_DRAFT, Draft
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
+from .linears import planned_linears
 from ..policy import leading_matches
 from .sampling import GumbelNoise, warp
 from ..stopping import IncrementalDetokenizer
@@ -100,7 +101,8 @@ class ModelDrafter:
         kwargs: dict[str, Any] = {self._cache_kwarg: self._cache, "use_cache": True}
         if self._keep:
             kwargs["logits_to_keep"] = 1
-        return self.model(input_ids=x, **kwargs).logits[0, -1]  # [V_draft]
+        with planned_linears():  # (the decoder planned the draft model's projections, on a CPU)
+            return self.model(input_ids=x, **kwargs).logits[0, -1]  # [V_draft]
 
     def _sync(self, ids: Sequence[int], stable: int) -> torch.Tensor:
         """Bring the cache to ``ids[:-1]`` + feed the rest; logits after ``ids``.
