@@ -343,11 +343,13 @@ class DraftLengthPolicy:
         ``draft_cost``: time of one drafted token in plain steps (``None``: not
         measured yet). Drafting ``L`` tokens costs ``L * draft_cost`` on top of
         verifying them, so the window maximises ``E(L) / (cost[L] + L * draft_cost)``.
-        A source never observed starts at the speed ratio of the two models,
-        ``1 / draft_cost`` (PEARL's optimal window). ``catch_up``: plain steps the draft
-        model needs to process context it has not seen (the prompt, at a request's first
-        ask), paid once and spread over the ``remaining`` tokens it may draft for.
-        A ``probe`` asks even when the
+        ``catch_up``: plain steps the draft model needs to process context it has not
+        seen (the prompt, at a request's first ask: a prefill of the draft model), paid
+        once and spread over the ``remaining`` tokens it may draft for. A source never
+        observed is priced the same way at :data:`COLD_RATES`' rates for drafts without
+        copy evidence (PEARL's window of ``1 / draft_cost`` tokens, the rule until issue
+        63, asked a 0.5B draft model of a 1.5B target to prefill an 849-token prompt,
+        24 of the target's steps, for a 64-token answer). A ``probe`` asks even when the
         model falls short by up to 20%, so that rates near the edge can recover. All
         of it is charged to the same loss budget as failed drafts.
         """
@@ -356,10 +358,8 @@ class DraftLengthPolicy:
             return 0
         if not self.adaptive:
             return max_len
-        if draft_cost is None:
+        if draft_cost is None:  # (a decoder that has not measured its draft model: the first request does)
             return min(4, max_len)
-        if source not in self._overall:
-            return max(1, min(max_len, round(1.0 / max(draft_cost, 1e-3))))
         best_value, best_len = self._best_length(*self.rates(source, 0), max_len, draft_cost,
                                                  catch_up / max(1, remaining))
         threshold = (1.0 + self.min_gain) / self.cost[0]

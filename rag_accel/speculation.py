@@ -60,11 +60,14 @@ class StepCosts:
     at up to 10% a step. ``step_s`` learns from times winsorised to within :data:`STALL` of it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, step_s: float | None = None, draft_token_s: float | None = None,
+                 catchup_token_s: float | None = None) -> None:
+        """The three times may start from a measurement (the transformers decoder's calibration at load), so that a
+        fresh engine's first request prices a draft model's tokens and catch-up before it first asks it."""
         self.scale: dict[int, float] = {}
-        self.step_s: float | None = None
-        self.draft_token_s: float | None = None
-        self.catchup_token_s: float | None = None
+        self.step_s = step_s
+        self.draft_token_s = draft_token_s
+        self.catchup_token_s = catchup_token_s
 
     def scale_at(self, context_len: int) -> float:
         return self.scale.get(context_len.bit_length(), 1.0)

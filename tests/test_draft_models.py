@@ -161,8 +161,12 @@ def test_real_model_with_int8_draft_and_hybrid_is_exact(real_decoder):
 def test_window_policy():
     curve = [1.0 + 0.05 * i for i in range(17)]
     pol = DraftLengthPolicy(curve)
-    assert pol.model_window("draft_model", 0.25, 16) == 4  # never observed: the speed ratio (PEARL)
+    # never observed: priced at the cold rates of a draft without copy evidence (0.5 a token): 1 token pays
+    assert pol.model_window("draft_model", 0.25, 16) == 1
     assert pol.model_window("draft_model", None, 16) == 4  # cost not measured yet
+    # ... but not when its first ask must catch up on a prompt of 24 plain steps for a 64-token answer
+    assert pol.model_window("draft_model", 0.25, 16, catch_up=24.0, remaining=64) == 0
+    assert pol.model_window("draft_model", 0.25, 16, catch_up=24.0, remaining=100_000) == 1
     from rag_accel.drafters import Draft
 
     d = Draft(list(range(8)), 0, "draft_model")
@@ -184,6 +188,37 @@ def test_window_policy():
     assert lately_wrong.model_window("draft_model", 0.25, 16, probe=True) == 0
     near.charge(10.0)  # the loss budget is spent: not even a probe
     assert near.model_window("draft_model", 0.25, 16, loss_budget=1.0, probe=True) == 0
+
+
+def test_the_draft_models_costs_are_measured_at_load_and_price_its_first_ask(tokenizer):
+    """Issue 63: a fresh decoder knows what its draft model's token and its catch-up on a prompt cost before its
+    first request asks it (measured with the cost curve; kept by reset_learning). Where catching up on the prompt
+    costs more than its drafts could save in the answer, a first request never runs the draft model at all."""
+    from rag_accel.speculation import StepCosts
+
+    target, small = tiny_model("llama", len(tokenizer), seed=0), tiny_model("llama", len(tokenizer), seed=3)
+    dec = ReferenceDecoder(target, tokenizer, DecoderConfig(drafters=("draft_model",), max_draft_tokens=8),
+                           draft_model=small)
+    dec.cost_curve(8)
+    measured = dec.draft_costs
+    assert measured.step_s > 0 and measured.draft_token_s > 0 and measured.catchup_token_s > 0
+    assert (dec.step_costs.draft_token_s, dec.step_costs.catchup_token_s) == (measured.draft_token_s,
+                                                                              measured.catchup_token_s)
+    dec.reset_learning()
+    assert dec.step_costs.catchup_token_s == measured.catchup_token_s  # a fresh process's decoder: measured at load
+    calls = []
+    small.register_forward_hook(lambda *_: calls.append(1))
+    prompt, flat = list(range(5, 205)), (1.0,) * 9
+    # a draft token a tenth of a step, but catching up on a prompt token a whole step: 200 steps to gain on 30
+    dec.draft_costs = StepCosts(step_s=0.01, draft_token_s=0.001, catchup_token_s=0.01)
+    dec.reset_learning()
+    out = dec.generate(prompt, max_new_tokens=30, config={"cost_curve": flat})
+    assert out.token_ids == hf_greedy(target, prompt, 30) and calls == [] and "draft_model" not in out.stats.by_drafter
+    # the same draft model whose catch-up is cheap is asked from the first steps
+    dec.draft_costs = StepCosts(step_s=0.01, draft_token_s=0.001, catchup_token_s=0.00001)
+    dec.reset_learning()
+    out = dec.generate(prompt, max_new_tokens=30, config={"cost_curve": flat})
+    assert out.token_ids == hf_greedy(target, prompt, 30) and calls and out.stats.by_drafter["draft_model"]["drafted"]
 
 
 def test_draft_model_errors(tokenizer, bpe):

@@ -148,6 +148,9 @@ class ReferenceDecoder:
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
         self.reference_tokens = TokenCache()  # reference texts tokenised lately (a passage that comes back)
         self.clock = time.perf_counter  # what the step timing reads (a test may inject its own)
+        # what a draft model's token and catch-up cost, and a plain step, measured at calibration (the learnt
+        # step costs start from it: a first request prices the draft model before it asks it)
+        self.draft_costs: StepCosts | None = None
         self.step_costs = StepCosts()  # what verify steps and draft-model tokens really cost, learnt online
         # Serialises the model's use: held for one step of a call, never across a stream's yield (see _decode).
         self._lock = threading.RLock()
@@ -459,14 +462,26 @@ class ReferenceDecoder:
                self.fast_linears if fast_linears is None else fast_linears)
         if key not in self._cost_curves:
             self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_linears=key[2])
+        if self.draft_model is not None and self.draft_costs is None:
+            self.draft_costs = measure_draft_costs(self)
+            self._seed_step_costs(self.step_costs)
         return self._cost_curves[key]
+
+    def _seed_step_costs(self, costs: StepCosts) -> None:
+        """Learnt step costs not learnt yet start from the calibration's measurement."""
+        if self.draft_costs is not None:
+            for name in ("step_s", "draft_token_s", "catchup_token_s"):
+                if getattr(costs, name) is None:
+                    setattr(costs, name, getattr(self.draft_costs, name))
 
     def reset_learning(self) -> None:
         """Forget what earlier requests taught: the acceptance rates, the learnt step costs and the
-        reference texts tokenised (the decoder of a fresh process; the measured cost curve is kept)."""
+        reference texts tokenised (the decoder of a fresh process; the measurements at load, the cost curve and
+        a draft model's costs, are kept)."""
         with self._lock:
             self.acceptance = AcceptanceStats()
             self.step_costs = StepCosts()
+            self._seed_step_costs(self.step_costs)
             self.reference_tokens.clear()
 
     # ------------------------------------------------------------ the loop
@@ -739,3 +754,36 @@ def measure_cost_curve(
         curve.append(max(1.0, t / base, curve[-1] if curve else 1.0))
     curve[0] = 1.0
     return tuple(curve)
+
+
+def measure_draft_costs(decoder: ReferenceDecoder, context_len: int = 256, repeats: int = 3) -> StepCosts:
+    """What the decoder's draft model costs against the model, timed now: a one-token step of each (the least
+    disturbed of ``repeats``, on a ``context_len``-token cache) and the draft model's prefill of that context
+    per token (what catching up on a prompt costs it), as the :class:`StepCosts` a fresh engine starts from."""
+    from .draft_models import ModelDrafter
+
+    draft_model = decoder.draft_model
+    gen = torch.Generator().manual_seed(1)
+    rows = int(draft_model.get_input_embeddings().weight.shape[0])
+    ctx = torch.randint(0, min(rows, decoder.vocab_size), (context_len,), generator=gen).tolist()
+    drafter = ModelDrafter(draft_model)
+    with torch.inference_mode():
+        drafter._forward(ctx[:8])  # (the first forward of all pays set-ups)
+        drafter._cache, drafter._cached = new_cache(draft_model), []
+        t0 = time.perf_counter()
+        drafter._forward(ctx)
+        catchup = (time.perf_counter() - t0) / len(ctx)
+        draft_s = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            drafter._forward(ctx[:1])
+            draft_s.append(time.perf_counter() - t0)
+        cache = decoder._new_cache()
+        decoder._forward(ctx, cache, last_only=True, fast_linears=decoder.fast_linears)
+        step_s = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            decoder._forward(ctx[:1], cache, fast_linears=decoder.fast_linears)
+            step_s.append(time.perf_counter() - t0)
+            rollback_cache(cache, 1)
+    return StepCosts(step_s=min(step_s), draft_token_s=min(draft_s), catchup_token_s=catchup)
