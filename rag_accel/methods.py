@@ -17,6 +17,9 @@ OUR_METHODS: dict[str, dict[str, Any]] = {
     # With a draft model (--draft-model): the draft model alone, and the copy drafters first, then the draft model.
     "ours-draft": {"drafters": ("draft_model",)},
     "ours-hybrid": {"drafters": (*DEFAULT_COPY_DRAFTERS, "draft_model")},
+    # No drafting: our decoder's plain steps alone (on a CPU its projections take the planned layouts, hf/linears.py),
+    # what of ours' lead over greedy is not the drafts'.
+    "ours-plain": {"drafters": ()},
 }
 BASELINES = ("greedy", "hf-pld", "hf-assisted")
 NEEDS_DRAFT_MODEL = ("ours-draft", "ours-hybrid", "hf-assisted")
