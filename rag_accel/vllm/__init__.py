@@ -43,10 +43,10 @@ Sampled requests (``temperature > 0``) stay lossless: vLLM verifies a draft with
 draft probabilities as a point mass (accept with the target probability, else sample
 the rest of the distribution), as for its own n-gram proposer.
 
-Every parallel layout runs the proposer where vLLM samples: tensor parallel (every rank of the
-last stage drafts the same), pipeline parallel (the last stage; the others build no proposer and
-no tracker), data parallel (each engine its own proposer). See docs/vllm-and-serving.md, "Beyond one machine"
-for what was run.
+Tensor parallel (every rank drafts the same) and data parallel (each engine its own proposer) layouts run the
+proposer where vLLM samples; pipeline parallelism is refused before an engine starts (vLLM runs no speculative
+decoding with it: :data:`~rag_accel.vllm.requests.PIPELINE_REFUSED`). See docs/vllm-and-serving.md, "Beyond one
+machine", for what was run.
 """
 
 from typing import Any

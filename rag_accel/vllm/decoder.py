@@ -180,7 +180,8 @@ class VllmDecoder:
 
         Args:
             prompt: string, chat messages, or token ids.
-            references: documents to copy from: strings or token-id lists.
+            references: documents to copy from: a list of strings or token-id lists; one string is one
+                reference.
             answers: earlier answers to copy from (a cached answer), drafted as the memory of
                 answers drafts (:meth:`ReferenceDecoder.stream`).
             prediction: OpenAI's Predicted Outputs shape; each text part is one more reference
