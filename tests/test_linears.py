@@ -160,7 +160,7 @@ def test_the_decoder_plans_once_on_its_model_and_each_path_is_timed_on_its_own(t
     dec = ReferenceDecoder(model, tokenizer, DecoderConfig(max_draft_tokens=4))
     prompt = list(range(5, 25))
     first = dec.generate(prompt, max_new_tokens=3)
-    fast_key = (4, dec.pack_gqa, True)
+    fast_key = (4, dec.pack_gqa, True, False)
     assert planned == [model] and first.stats.calibration_s > 0 and set(dec._cost_curves) == {fast_key}
     assert set(dec.plan_linears()) == set(linears.linears(model))  # every shape has its plan
     assert dec.generate(prompt, max_new_tokens=3).stats.calibration_s == 0  # measured once
@@ -168,6 +168,6 @@ def test_the_decoder_plans_once_on_its_model_and_each_path_is_timed_on_its_own(t
     count = _Count(monkeypatch)
     plain = dec.generate(prompt, max_new_tokens=3)
     assert plain.stats.calibration_s > 0 and planned == [model]
-    assert set(dec._cost_curves) == {fast_key, (4, dec.pack_gqa, False)}
+    assert set(dec._cost_curves) == {fast_key, (4, dec.pack_gqa, False, False)}
     assert count.rows == []  # timed, and decoded, on the model's own projections
     assert plain.token_ids == first.token_ids == hf_greedy(model, prompt, 3)

@@ -31,11 +31,16 @@ from rag_accel.hf.kv import rollback_cache
 SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 33)
 
 
-def measure(dec: ReferenceDecoder, context: int, sizes: tuple[int, ...], repeats: int) -> tuple[dict, float]:
-    """(arm -> N -> ms, the prefill's ms)."""
+ARMS = {"library": dict(fast_linears=False), "planned": dict(fast_linears=True), "exact": dict(exact=True)}
+
+
+def measure(dec: ReferenceDecoder, context: int, sizes: tuple[int, ...], repeats: int,
+            arms: tuple[str, ...]) -> tuple[dict, float, dict]:
+    """(arm -> N -> ms, the prefill's ms, arm -> N -> rows of an N-token forward bit-equal to one-token steps)."""
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, dec.vocab_size, (context,), generator=gen).tolist()
-    samples: dict[str, dict[int, list[float]]] = {arm: {n: [] for n in sizes} for arm in ("planned", "library")}
+    samples: dict[str, dict[int, list[float]]] = {arm: {n: [] for n in sizes} for arm in arms}
+    equal: dict[str, dict[int, int]] = {arm: {} for arm in arms}
     with torch.inference_mode():
         dec._forward(ctx[:16], dec._new_cache(), last_only=True)  # (the first forward of all pays set-ups)
         cache = dec._new_cache()
@@ -44,14 +49,24 @@ def measure(dec: ReferenceDecoder, context: int, sizes: tuple[int, ...], repeats
         prefill_ms = (time.perf_counter() - t0) * 1e3
         for r in range(repeats + 1):
             for n in sizes:
-                for arm in (("planned", "library") if r % 2 else ("library", "planned")):
+                for arm in (arms if r % 2 else arms[::-1]):
                     ids = torch.randint(0, dec.vocab_size, (n,), generator=gen).tolist()
                     t0 = time.perf_counter()
-                    dec._forward(ids, cache, pack_gqa=dec.pack_gqa, fast_linears=arm == "planned")
+                    dec._forward(ids, cache, pack_gqa=dec.pack_gqa, **ARMS[arm])
                     if r:
                         samples[arm][n].append(time.perf_counter() - t0)
                     rollback_cache(cache, n)
-    return {arm: {n: min(v) * 1e3 for n, v in by.items()} for arm, by in samples.items()}, prefill_ms
+        seq = torch.randint(0, dec.vocab_size, (max(sizes),), generator=gen).tolist()
+        for arm in arms:  # each row of an N-token forward against the same token's one-token step
+            alone = []
+            for t in seq:
+                alone.append(dec._forward([t], cache, pack_gqa=dec.pack_gqa, **ARMS[arm])[-1])
+            rollback_cache(cache, len(seq))
+            for n in sizes:
+                logits = dec._forward(seq[:n], cache, pack_gqa=dec.pack_gqa, **ARMS[arm])
+                rollback_cache(cache, n)
+                equal[arm][n] = sum(torch.equal(logits[i], alone[i]) for i in range(n))
+    return ({arm: {n: min(v) * 1e3 for n, v in by.items()} for arm, by in samples.items()}, prefill_ms, equal)
 
 
 def main() -> None:
@@ -61,6 +76,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=849)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--arms", default="library,planned", help=f"from {','.join(ARMS)}: the model's own projections, "
+                    "the planned ones (hf/linears.py), exact steps (hf/attention.py's row attention, invariant plans)")
     ap.add_argument("--out", required=True, help="path without suffix: writes .json and .md")
     args = ap.parse_args()
     sizes = tuple(int(s) for s in args.sizes.split(","))
@@ -68,7 +85,9 @@ def main() -> None:
     runs = []
     for name in args.models.split(","):
         for dtype in args.dtypes.split(","):
-            dec = ReferenceDecoder.from_pretrained(name, device="cpu", dtype=dtype, calibrate=False)
+            arms = tuple(args.arms.split(","))
+            dec = ReferenceDecoder.from_pretrained(name, device="cpu", dtype=dtype, calibrate=False,
+                                                   exact="exact" in arms)
             t0 = time.perf_counter()
             plans = dec.plan_linears()
             plan_s = time.perf_counter() - t0
@@ -76,9 +95,10 @@ def main() -> None:
                                    (" transposed" if p.transposed[n] else "")
                                    for n in range(1, len(p.rows)) if p.rows[n]}
                       for (o, i, _), p in plans.items()}
-            ms, prefill_ms = measure(dec, args.context, sizes, args.repeats)
+            ms, prefill_ms, equal = measure(dec, args.context, sizes, args.repeats, arms)
             runs.append({"model": name, "dtype": dtype, "plan_s": round(plan_s, 2), "prefill_ms": round(prefill_ms),
-                         "plans": chosen,
+                         "plans": chosen, "bit_equal_rows": {arm: {str(n): e for n, e in by.items()}
+                                                             for arm, by in equal.items()},
                          "ms": {arm: {str(n): round(v, 1) for n, v in by.items()} for arm, by in ms.items()}})
             print(json.dumps(runs[-1]["ms"]), flush=True)
             del dec
@@ -88,10 +108,10 @@ def main() -> None:
     out = Path(args.out)
     command = "python benchmarks/experiments/verify_costs.py " + " ".join(
         f"--{k} {v}" for k, v in (("models", args.models), ("dtypes", args.dtypes), ("context", args.context),
-                                  ("repeats", args.repeats), ("out", args.out)))
+                                  ("repeats", args.repeats), ("arms", args.arms), ("out", args.out)))
     out.with_suffix(".json").write_text(json.dumps({"environment": env, "command": command, "context": args.context,
                                                     "sizes": sizes, "runs": runs}, indent=1))
-    lines = [f"# Plain and verify forwards, planned projections and the library's, cpu ({env['cpu_threads']} threads), "
+    lines = [f"# Plain and verify forwards by arm (the library's projections, planned ones, exact steps), cpu ({env['cpu_threads']} threads), "
              f"{env['date']}", "",
              f"- command: `{command}`",
              f"- torch {env['torch']}, transformers {env['transformers']}; machine load (1/5/15 min) before "
@@ -101,11 +121,18 @@ def main() -> None:
     head = "| model | dtype | prefill (s) | projections | " + " | ".join(f"N={n}" for n in sizes) + " |"
     lines += [head, "|---|---|---|---|" + "---|" * len(sizes)]
     for run in runs:
-        for arm in ("library", "planned"):
+        for arm in run["ms"]:
             by = run["ms"][arm]
             base = by["1"]
             lines.append(f"| {run['model']} | {run['dtype']} | {run['prefill_ms'] / 1e3:.1f} | {arm} | " +
                          " | ".join(f"{by[str(n)]:.0f} ({by[str(n)] / base:.2f})" for n in sizes) + " |")
+    lines += ["", "Rows of an N-token forward bit-equal (`torch.equal`) to the same tokens' one-token steps, per arm:", "",
+              "| model | dtype | arm | " + " | ".join(f"N={n}" for n in sizes) + " |",
+              "|---|---|---|" + "---|" * len(sizes)]
+    for run in runs:
+        for arm, by in run.get("bit_equal_rows", {}).items():
+            lines.append(f"| {run['model']} | {run['dtype']} | {arm} | " + " | ".join(f"{by[str(n)]}/{n}" for n in sizes)
+                         + " |")
     lines += ["", "What the plans chose (per weight shape, the row counts moved off `F.linear`) and how long planning took:", ""]
     for run in runs:
         lines.append(f"- {run['model']}, {run['dtype']}: {run['plan_s']} s; " + "; ".join(

@@ -131,7 +131,7 @@ class BenchReport:
                 f"{self.max_new_tokens} tokens, {env['date']}")
 
     def write(self, runs: Sequence[Run], batch_runs: Sequence[BatchRun] = (),
-              cost_curves: Mapping[tuple[int, bool, bool], Any] | None = None, *, complete: bool = False,
+              cost_curves: Mapping[tuple[int, bool, bool, bool], Any] | None = None, *, complete: bool = False,
               plotted: bool = False) -> str:
         """Rewrite ``out.json`` and ``out.md`` with ``runs`` (all so far); returns the tables."""
         self.env["load_after"] = loadavg()
@@ -142,8 +142,8 @@ class BenchReport:
                   "max_new_tokens": self.max_new_tokens, "repeats": self.repeats,
                   "cold": self.cold, "last": self.last,
                   "item_ids": self.item_ids, "skipped": self.skipped, "cost_curve": {
-                      f"{n}{'' if packed else '-unpacked'}{'' if head else '-nohead'}": v
-                      for (n, packed, head), v in (cost_curves or {}).items()},
+                      f"{n}{'' if packed else '-unpacked'}{'' if fast else '-library'}{'-exact' if exact else ''}": v
+                      for (n, packed, fast, exact), v in (cost_curves or {}).items()},
                   "summary": summary, "reworded": self.reworded,
                   # where the cached answer went: answers= (the runs before 2026-11-27 passed it as a reference)
                   "cached_answer_as": "answers" if self.reworded else None,
@@ -191,12 +191,19 @@ class BenchReport:
 
     def save_outputs(self, path: str | Path, runs: Sequence[Run]) -> None:
         """Greedy's token ids per item (``--save-outputs``): the answers the replays of
-        :mod:`rag_accel.bench.replay` and ``benchmarks/experiments/`` draft against."""
+        :mod:`rag_accel.bench.replay` and ``benchmarks/experiments/`` draft against; and every method's (its first
+        run of each item), which ``benchmarks/compare_outputs.py`` holds against another run's (another dtype's)."""
+        first = [r for r in runs if r.repeat == 0 and r.case == "rag"]
+        by_method: dict[str, dict[str, list[int]]] = {}
+        for r in first:
+            by_method.setdefault(r.method, {})[r.item] = r.token_ids
         Path(path).write_text(json.dumps({"model": self.env["model"], "date": self.env["date"],
-                                          "outputs": {r.item: r.token_ids for r in runs if r.method == "greedy"}}))
+                                          "dtype": self.env.get("dtype"),
+                                          "outputs": {r.item: r.token_ids for r in first if r.method == "greedy"},
+                                          "by_method": by_method}))
 
     def finish(self, runs: Sequence[Run], batch_runs: Sequence[BatchRun] = (),
-               cost_curves: Mapping[tuple[int, bool, bool], Any] | None = None) -> tuple[str, str | None]:
+               cost_curves: Mapping[tuple[int, bool, bool, bool], Any] | None = None) -> tuple[str, str | None]:
         """The plot, then both files complete; returns the tables and, where the plot could not be
         made (no matplotlib), the line that says so and how to add it."""
         skipped_plot = None

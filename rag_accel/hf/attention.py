@@ -31,6 +31,7 @@ import torch
 from .._context import scoped
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("rag_accel_packed_gqa", default=False)
+_EXACT: contextvars.ContextVar[bool] = contextvars.ContextVar("rag_accel_exact_attention", default=False)
 _HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 _ORIGINAL: Callable[..., Any] | None = None
 # kwargs that change the computation: with any of them set, the original function runs
@@ -64,10 +65,46 @@ def pack_gqa_attention(
     return out.reshape(b, h, q, d).transpose(1, 2).contiguous()
 
 
+def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                  window: int | None = None) -> torch.Tensor:
+    """Attention of each of ``query``'s ``Q`` rows [B, H, Q, D] over the keys before it and its own (the last ``Q``
+    of ``key``/``value`` [B, Hkv, T, D] are the rows' own, in order; ``window``: a sliding window of that many keys),
+    each row as ONE query of its own, exactly as a one-token step computes it: the query heads of a key/value head
+    packed as its queries (transformers' layout for one token), over exactly the keys that row sees, no mask. So
+    row ``i``'s values are bit for bit a one-token step's at its position, whatever ``Q``. Returns [B, Q, H, D].
+
+    Example:
+        >>> q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+        >>> rows = row_attention(q, k, v, None)
+        >>> one = row_attention(q[:, :, 1:2], k[:, :, :6], v[:, :, :6], None)  # row 1 as a one-token step
+        >>> torch.equal(rows[:, 1:2], one)
+        True
+    """
+    b, h, q_len, d = query.shape
+    hkv, t = key.shape[1], key.shape[2]
+    rep = h // hkv
+    rows = []
+    for i in range(q_len):
+        end = t - q_len + i + 1
+        start = max(0, end - window) if window else 0
+        q = query[:, :, i:i + 1].reshape(b, hkv, rep, d)
+        out = torch.nn.functional.scaled_dot_product_attention(q, key[:, :, start:end], value[:, :, start:end],
+                                                               scale=scaling)
+        rows.append(out.reshape(b, h, 1, d))
+    return (rows[0] if q_len == 1 else torch.cat(rows, 2)).transpose(1, 2).contiguous()
+
+
 def _wrapper(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
              **kwargs: Any) -> tuple[torch.Tensor, Any]:
     assert _ORIGINAL is not None
+    if _EXACT.get():
+        special = [k for k in _SPECIAL if kwargs.get(k) is not None] + (["dropout"] if dropout else [])
+        if special or query.shape[1] % key.shape[1]:
+            raise ValueError(f"exact steps (ReferenceDecoder(exact=True)) cannot compute this model's attention "
+                             f"row by row ({', '.join(special) or 'query heads not a multiple of key heads'}); "
+                             "pass exact=False")
+        return row_attention(query, key, value, scaling, getattr(module, "sliding_window", None)), None
     groups = getattr(module, "num_key_value_groups", 1)
     if (not _ACTIVE.get() or query.shape[2] == 1 or groups <= 1 or attention_mask is None or dropout
             or attention_mask.ndim != 4 or query.shape[1] != key.shape[1] * groups
@@ -98,3 +135,8 @@ def install() -> bool:
 def packed_gqa(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within this block (this thread / task only), multi-token SDPA attention packs GQA heads."""
     return scoped(_ACTIVE, enabled)
+
+
+def exact_attention(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Within this block (this thread / task only), SDPA attention runs row by row (:func:`row_attention`)."""
+    return scoped(_EXACT, enabled)

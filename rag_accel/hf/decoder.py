@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
+from .attention import exact_attention, packed_gqa
 from .attention import install as install_packed_gqa
-from .attention import packed_gqa
 from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
 from ..drafters import Draft, Drafter, chain_order
 from ..inputs import (TokenCache, check_lengths, check_references, check_stops, encode_prompt,
                       encode_references, may_exceed, tokenize_references)
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
+from .linears import exact_linears, exact_plans, install_exact, plan_linears, planned_linears
 from .linears import install as install_linear_plans
-from .linears import plan_linears, planned_linears
 from ..prediction import with_prediction
 from ..references import ReferenceSetUp
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
@@ -36,6 +36,10 @@ from ..stopping import OutputText
 
 __all__ = ["GenerationOutput", "GenerationStats", "GenerationStream", "ReferenceDecoder", "context_window",
            "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
+
+# The dtypes whose verify steps run exact by default (ReferenceDecoder(exact=None)): a verify's products and attention
+# computed so that each row is bit for bit a one-token step's (benchmarks/experiments/exact_steps.py).
+EXACT_DEFAULT_DTYPES = (torch.bfloat16, torch.float16)
 
 # Generation-config settings that change greedy outputs and that this decoder
 # does not apply (yet): refuse rather than silently differ from generate().
@@ -108,7 +112,7 @@ class ReferenceDecoder:
     fast_linears: bool = True
 
     def __init__(self, model: Any, tokenizer: Any, config: DecoderConfig | None = None, *,
-                 draft_model: Any = None, draft_tokenizer: Any = None) -> None:
+                 draft_model: Any = None, draft_tokenizer: Any = None, exact: bool | None = None) -> None:
         if not hasattr(model, "forward") or not hasattr(model, "config"):
             raise TypeError(f"model must be a Hugging Face causal LM, got {type(model).__name__}")
         if not callable(getattr(tokenizer, "decode", None)) or not callable(tokenizer):
@@ -142,9 +146,10 @@ class ReferenceDecoder:
         self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._cache_kwarg = cache_kwarg(model)
         install_packed_gqa()  # inert until a forward of ours asks for it (see _forward)
+        self.exact = self._exact_steps(model, exact)
         self._linear_plans: dict | None = None  # measured before the first forward that takes them (plan_linears)
-        # (max_draft, pack_gqa, fast_linears) -> curve: each forward path is timed as it runs
-        self._cost_curves: dict[tuple[int, bool, bool], tuple[float, ...]] = {}
+        # (max_draft, pack_gqa, fast_linears, exact) -> curve: each forward path is timed as it runs
+        self._cost_curves: dict[tuple[int, bool, bool, bool], tuple[float, ...]] = {}
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
         self.reference_tokens = TokenCache()  # reference texts tokenised lately (a passage that comes back)
         self.clock = time.perf_counter  # what the step timing reads (a test may inject its own)
@@ -158,6 +163,28 @@ class ReferenceDecoder:
         self._universal = False
         if draft_model is not None:
             self._universal = self._check_draft_model(draft_model, draft_tokenizer)
+
+    @staticmethod
+    def _exact_steps(model: Any, exact: bool | None) -> bool:
+        """Whether steps run exact (:data:`EXACT_DEFAULT_DTYPES` by default): the model must route its attention
+        through transformers' "sdpa" function, which the row-by-row attention replaces."""
+        if exact is not None and not isinstance(exact, bool):
+            raise TypeError(f"exact must be a bool or None, got {type(exact).__name__}")
+        dtype = next(model.parameters()).dtype
+        impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        if exact is None:
+            exact = dtype in EXACT_DEFAULT_DTYPES
+            if exact and impl != "sdpa":
+                import warnings
+
+                warnings.warn(f"this model's attention is {impl!r}, not 'sdpa': its {dtype} verify steps are not "
+                              "made exact (drafting on may differ from drafting off by a near tie); load it with "
+                              "attn_implementation='sdpa' for exact steps", stacklevel=3)
+                return False
+        elif exact and impl != "sdpa":
+            raise ValueError(f"exact=True needs the model's attention on transformers' 'sdpa' function, not {impl!r}: "
+                             "load it with attn_implementation='sdpa'")
+        return exact
 
     def _check_draft_model(self, draft_model: Any, draft_tokenizer: Any) -> bool:
         """Validate the draft model; True when it needs the universal (different-tokenizer) drafter."""
@@ -198,6 +225,7 @@ class ReferenceDecoder:
         config: DecoderConfig | None = None,
         draft_model: str | None = None,
         calibrate: bool = True,
+        exact: bool | None = None,
         **model_kwargs: Any,
     ) -> ReferenceDecoder:
         """Load model and tokenizer from a hub name or local folder (``"smollm2-135m-instruct"``:
@@ -213,7 +241,13 @@ class ReferenceDecoder:
         ``calibrate``: at load, time the layouts of the model's projections (on a CPU, :mod:`rag_accel.hf.linears`)
         and what verifying 1..``max_draft_tokens`` draft tokens costs (about a second for a small model on a
         CPU, ~15 s for a 1.5B one), so that no request pays it and the first one already drafts by the
-        measured costs (``False``: the first request measures them)."""
+        measured costs (``False``: the first request measures them).
+
+        ``exact``: every verify step computes, row for row, bit for bit what a one-token step at that position
+        computes, so drafting changes no logit (:mod:`rag_accel.hf.attention`'s row attention, the invariant plans
+        of :mod:`rag_accel.hf.linears`). ``None`` (the default): on in bfloat16 and float16, off in float32 (where
+        invariant products cost a chunk of at most three rows on this CPU; float32's outputs equal
+        ``model.generate``'s in every exactness test). ``False`` opts out."""
         if "backend" in model_kwargs:
             raise ValueError(f"ReferenceDecoder is the transformers decoder and takes no backend= (got "
                              f"{model_kwargs['backend']!r}): for vLLM use rag_accel.vllm.VllmDecoder.from_pretrained"
@@ -228,7 +262,7 @@ class ReferenceDecoder:
             draft = int8_draft_model(model)
         elif draft_model is not None:
             draft, draft_tokenizer = load_model_and_tokenizer(draft_model, dev, torch_dtype)
-        dec = cls(model, tokenizer, config, draft_model=draft, draft_tokenizer=draft_tokenizer)
+        dec = cls(model, tokenizer, config, draft_model=draft, draft_tokenizer=draft_tokenizer, exact=exact)
         if calibrate and dec.config.adaptive:
             dec.cost_curve(dec.config.max_draft_tokens)
         return dec
@@ -239,8 +273,8 @@ class ReferenceDecoder:
         return self._universal
 
     @property
-    def cost_curves(self) -> dict[tuple[int, bool, bool], tuple[float, ...]]:
-        """The cost curves measured so far: ``(max_draft, pack_gqa, fast_linears) -> curve``."""
+    def cost_curves(self) -> dict[tuple[int, bool, bool, bool], tuple[float, ...]]:
+        """The cost curves measured so far: ``(max_draft, pack_gqa, fast_linears, exact) -> curve``."""
         return dict(self._cost_curves)
 
     def plan_linears(self) -> dict:
@@ -251,6 +285,8 @@ class ReferenceDecoder:
             if self._linear_plans is None:
                 plans = plan_linears(self.model) if self.device.type == "cpu" else {}
                 install_linear_plans(self.model, plans)
+                if self.exact:
+                    install_exact(self.model, exact_plans(self.model))
                 if self.draft_model is not None:
                     install_linear_plans(self.draft_model, plan_linears(self.draft_model))
                 self._linear_plans = plans
@@ -317,8 +353,8 @@ class ReferenceDecoder:
 
         Args:
             prompt: string, chat messages, or token ids.
-            references: documents to copy from: strings or token-id lists
-                (``None`` or empty: the drafters over the prompt and output only).
+            references: documents to copy from: a list of strings or token-id lists; one string is one
+                reference (``None`` or empty: the drafters over the prompt and output only).
             max_new_tokens: most tokens to generate.
             stop: stop string(s); the text ends before the first one (the
                 token ids end with the token that completed it).
@@ -439,13 +475,19 @@ class ReferenceDecoder:
 
     # ------------------------------------------------------------ the engine
     def _forward(self, ids: list[int], cache: Any, last_only: bool = False, pack_gqa: bool = False,
-                 fast_linears: bool = True) -> torch.Tensor:
-        if fast_linears and self._linear_plans is None:
+                 fast_linears: bool = True, exact: bool = False) -> torch.Tensor:
+        """The model over ``ids`` on top of ``cache``: logits [len(ids), V] (``last_only``: the last row's). ``exact``:
+        a step (plain or verify) whose every row is computed as a one-token step computes it (the prefill need not:
+        drafting on and off share it)."""
+        if (fast_linears or exact) and self._linear_plans is None:
             self.plan_linears()
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
         kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
         if last_only and self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
+        if exact:
+            with exact_attention(), exact_linears():
+                return self.model(input_ids=input_ids, **kwargs).logits[0]  # [S or 1, V]
         with packed_gqa(pack_gqa), planned_linears(fast_linears):
             return self.model(input_ids=input_ids, **kwargs).logits[0]  # [S or 1, V]
 
@@ -453,15 +495,16 @@ class ReferenceDecoder:
         return new_cache(self.model)
 
     def cost_curve(self, max_draft: int, pack_gqa: bool | None = None,
-                   fast_linears: bool | None = None) -> tuple[float, ...]:
+                   fast_linears: bool | None = None, exact: bool | None = None) -> tuple[float, ...]:
         """Relative cost of verifying 0..max_draft draft tokens; measured once per length bound
-        and forward path (``pack_gqa``, ``fast_linears``: by default the decoder's)."""
+        and forward path (``pack_gqa``, ``fast_linears``, ``exact``: by default the decoder's)."""
         if self.config.cost_curve is not None:
             return self.config.cost_curve
         key = (max_draft, self.pack_gqa if pack_gqa is None else pack_gqa,
-               self.fast_linears if fast_linears is None else fast_linears)
+               self.fast_linears if fast_linears is None else fast_linears, self.exact if exact is None else exact)
         if key not in self._cost_curves:
-            self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_linears=key[2])
+            self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_linears=key[2],
+                                                        exact=key[3])
         if self.draft_model is not None and self.draft_costs is None:
             self.draft_costs = measure_draft_costs(self)
             self._seed_step_costs(self.step_costs)
@@ -621,7 +664,7 @@ class ReferenceDecoder:
         """2. One forward over [last token + draft] on top of the cache: the model's token at each
         position (its argmax, or its sample for that position)."""
         logits = self._forward([req.context[-1]] + sent, req.cache, pack_gqa=self.pack_gqa,
-                               fast_linears=self.fast_linears)  # [1 + len(sent), V]
+                               fast_linears=self.fast_linears, exact=self.exact)  # [1 + len(sent), V]
         if req.sampling is None:
             return logits.argmax(-1).tolist()
         pos = len(req.out.token_ids)
@@ -713,7 +756,7 @@ class _SetUp:
 
 def measure_cost_curve(
     decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2, pack_gqa: bool = True,
-    fast_linears: bool = True,
+    fast_linears: bool = True, exact: bool = False,
 ) -> tuple[float, ...]:
     """Time a forward over 1, 2, 4, ... tokens on a cached context, relative to 1 token.
 
@@ -738,7 +781,7 @@ def measure_cost_curve(
                 ids = torch.randint(0, decoder.vocab_size, (size,), generator=gen).tolist()
                 sync()
                 t0 = time.perf_counter()
-                decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_linears=fast_linears)
+                decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_linears=fast_linears, exact=exact)
                 sync()
                 if r:
                     samples[size].append(time.perf_counter() - t0)
@@ -783,7 +826,7 @@ def measure_draft_costs(decoder: ReferenceDecoder, context_len: int = 256, repea
         step_s = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            decoder._forward(ctx[:1], cache, fast_linears=decoder.fast_linears)
+            decoder._forward(ctx[:1], cache, fast_linears=decoder.fast_linears, exact=decoder.exact)
             step_s.append(time.perf_counter() - t0)
             rollback_cache(cache, 1)
     return StepCosts(step_s=min(step_s), draft_token_s=min(draft_s), catchup_token_s=catchup)
