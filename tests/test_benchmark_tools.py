@@ -114,3 +114,35 @@ def test_replay_at_exact_lengths_sends_only_what_is_accepted():
     exact = rp.replay(prepared, 10, exact_lengths=True)
     assert exact["sent_per_step"] == pytest.approx(exact["tokens_per_step"] - 1)
     assert policy["sent_per_step"] > exact["sent_per_step"] > 0
+
+
+def test_the_ceiling_oracle_takes_the_cheapest_steps():
+    """benchmarks/experiments/ceilings.py: the shortest path over plain, copy and draft-model steps."""
+    ceilings = load("ceilings")
+    verify = lambda L: 1.0 + 0.1 * L  # noqa: E731 (a forward over 1 + L tokens, in plain steps)
+    copy = [0, 3, 0, 0, 0, 0]  # 6 tokens: after the first, a copy of 3 accepted, then plain steps
+    assert ceilings.oracle_ms(copy, None, verify, 0.5, 100.0) == pytest.approx(1.3 + 1.0)
+    assert ceilings.oracle_ms([0] * 6, None, verify, 0.5, 100.0) == pytest.approx(5.0)  # greedy: 5 plain steps
+    model = [0, 4, 0, 0, 0, 0]  # a 4-token draft accepted at the second token: 1.4 + 5 x 0.5 for all 5
+    assert ceilings.oracle_ms([0] * 6, model, verify, 0.5, 0.0) == pytest.approx(1.4 + 2.5)
+    assert ceilings.oracle_ms([0] * 6, model, verify, 0.5, 10.0) == pytest.approx(1.4 + 2.5 + 10.0)  # its prefill
+    assert ceilings.oracle_ms(copy, model, verify, 0.5, 0.0) == pytest.approx(2.3)  # copying is cheaper here
+    # what a copy accepts: the source's continuation of the context's last token, up to the answer's last but one
+    assert ceilings.copy_lengths([5, 6], [[7, 1, 2, 3, 4]], [7, 1, 2, 3, 9]) == [0, 3, 2, 1, 0]
+
+
+def test_the_edit_items_are_drawn_once_and_carry_the_file_as_prediction():
+    spec = importlib.util.spec_from_file_location("edit_bench", EXPERIMENTS.parent / "edit_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def tokenizer(text):  # a word a token
+        return {"input_ids": text.split()}
+
+    items = bench.edit_items(bench.BUNDLED_EDITS, 5, 1500, tokenizer)
+    assert [it["id"] for it in items] == [it["id"] for it in bench.edit_items(bench.BUNDLED_EDITS, 5, 1500, tokenizer)]
+    assert len(items) == 5 and len({it["id"] for it in items}) == 5
+    for it in items:
+        before = it["prediction"]
+        assert len(before) <= 1500 and it["references"] == [before] and before in it["messages"][1]["content"]
+        assert it["max_new_tokens"] == int(1.5 * len(before.split())) + 64

@@ -1,0 +1,320 @@
+"""Code editing through Predicted Outputs, and RAG answers on engines that cannot share the machine: peers side by side.
+
+    python benchmarks/edit_bench.py --engine transformers --model qwen2.5-coder-1.5b-instruct \\
+        --draft-model qwen2.5-coder-0.5b-instruct --items 12 --out benchmarks/results/edits_cpu_qwen15
+    python benchmarks/edit_bench.py --engine vllm --model qwen2.5-coder-1.5b-instruct \\
+        --draft-model qwen2.5-coder-0.5b-instruct --items 12 --out benchmarks/results/edits_vllm_cpu_qwen15
+
+(the vLLM line in the vLLM virtualenv, arctic-inference installed for vllm-suffix.)
+
+Items (``--task edit``): real code edits, an instruction and the whole file before (``../shared/data/edits`` when this
+checkout has it, else the MIT-licensed ones bundled in ``benchmarks/data/edits_mit.jsonl``; provenance beside them),
+``--items`` of those whose file is at most ``--max-chars`` long, drawn with a fixed seed. The model is asked to apply
+the instruction and reply with the whole file in one code block; the file as it was is the request's ``prediction``
+(OpenAI's Predicted Outputs), and it is in the prompt too, where prompt-copying peers (prompt lookup, vLLM's n-gram
+and suffix decoding) find it. At most ``1.5 x`` the file's tokens + 64 new tokens (a rewrite that grows, ends).
+``--task rag``: the bundled MS-MARCO sample's last ``--items`` answered items, the passages as references, 64 tokens.
+
+Methods, every output compared token for token with its engine's greedy:
+
+* transformers, all in one process, interleaved item by item (the order rotating): ``greedy``
+  (``model.generate``), ``hf-pld`` (``prompt_lookup_num_tokens=10``), ``hf-assisted`` (``assistant_model``: the draft
+  model), ``ours`` (the prediction, or the passages, as references), ``ours-noref`` (neither: the prompt and the answer
+  only), ``ours-hybrid`` (with the draft model behind the copy drafters);
+* vLLM, one engine after another (a 1.5B model's engines do not fit this machine's memory side by side), each
+  warmed up on a request of its own: ``vllm-greedy``, ``vllm-ngram``, ``vllm-suffix``, ``vllm-draft`` (vLLM's own
+  ``draft_model`` method with the draft model), ``vllm-ours`` (no prediction) and ``vllm-ours+prediction`` (the same
+  engine); one request at a time, then ``--in-flight`` at once (groups of that many, one ``generate_batch`` each).
+
+Reported: per request the speed-up over the engine's greedy (geo-mean, worst item), tokens per step, the identical
+rate; in flight, throughput against greedy's; machine load before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_EDITS = ROOT.parent / "shared" / "data" / "edits" / "edits_dev.jsonl"
+BUNDLED_EDITS = ROOT / "benchmarks" / "data" / "edits_mit.jsonl"
+SYSTEM = ("You are a careful coding assistant. Apply the requested change to the file and reply with the whole "
+          "updated file in one fenced code block, nothing else.")
+K = 10  # draft tokens a vLLM step verifies at most (rag_accel.config.SPECULATIVE_TOKENS)
+HF_METHODS = ("greedy", "hf-pld", "hf-assisted", "ours", "ours-noref", "ours-hybrid")
+VLLM_METHODS = ("vllm-greedy", "vllm-ngram", "vllm-suffix", "vllm-draft", "vllm-ours")
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# --------------------------------------------------------------------------- items
+def edit_items(path: Path, n: int, max_chars: int, tokenizer: Any) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    meta_path = path.with_name(path.stem + "_meta.jsonl")
+    langs = {}
+    if meta_path.is_file():
+        langs = {m["id"]: m.get("language", "") for m in map(json.loads, meta_path.read_text().splitlines()) if m}
+    rows = [r for r in rows if len(r["before"]) <= max_chars]
+    random.Random(0).shuffle(rows)
+    out = []
+    for r in rows[:n]:
+        lang = langs.get(r["id"], r.get("language", ""))
+        user = f"{r['instruction']}\n\n```{lang}\n{r['before']}\n```"
+        limit = int(1.5 * len(tokenizer(r["before"])["input_ids"])) + 64
+        out.append({"id": r["id"], "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+                    "references": [r["before"]], "prediction": r["before"], "max_new_tokens": limit})
+    return out
+
+
+def rag_items(n: int, tokenizer: Any) -> list[dict[str, Any]]:
+    from rag_accel.data import load_msmarco_sample, rag_input
+
+    return [{"id": it.id, "messages": rag_input(tokenizer, it.query, it.passages), "references": list(it.passages),
+             "prediction": None, "max_new_tokens": 64} for it in load_msmarco_sample(with_answers=True)[-n:]]
+
+
+# --------------------------------------------------------------------------- transformers
+def run_transformers(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[dict]]:
+    import torch
+
+    from rag_accel import ReferenceDecoder
+
+    dec = ReferenceDecoder.from_pretrained(args.model, dtype=args.dtype, draft_model=args.draft_model)
+    items = (edit_items(args.data, args.items, args.max_chars, dec.tokenizer) if args.task == "edit"
+             else rag_items(args.items, dec.tokenizer))
+    copy_only = {"drafters": ("reference", "frequency")}
+
+    def run(method: str, item: dict, ids: list[int]) -> dict:
+        n = item["max_new_tokens"]
+        t0 = time.perf_counter()
+        if method in ("greedy", "hf-pld", "hf-assisted"):
+            extra = {"hf-pld": {"prompt_lookup_num_tokens": 10}, "hf-assisted": {"assistant_model": dec.draft_model},
+                     "greedy": {}}[method]
+            x = torch.tensor([ids])
+            with torch.inference_mode():
+                out = dec.model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
+                                         **extra)
+            tokens, steps, stats = out[0, len(ids):].tolist(), None, None
+        else:
+            refs = None if method == "ours-noref" else (None if item["prediction"] else item["references"])
+            pred = ({"type": "content", "content": item["prediction"]}
+                    if item["prediction"] and method != "ours-noref" else None)
+            cfg = None if method == "ours-hybrid" else copy_only
+            o = dec.generate(ids, references=refs, prediction=pred, max_new_tokens=n, config=cfg)
+            tokens, steps, stats = o.token_ids, o.stats.steps, o.stats
+        row = {"method": method, "item": item["id"], "seconds": time.perf_counter() - t0, "token_ids": tokens,
+               "new_tokens": len(tokens), "steps": steps}
+        if stats is not None:
+            row.update(accepted_prediction_tokens=stats.accepted_prediction_tokens,
+                       by_drafter={k: dict(v) for k, v in stats.by_drafter.items()})
+        return row
+
+    rows = []
+    warm = items[-1]
+    for m in methods:  # a warm-up of every method on the last item, not timed
+        run(m, warm, dec.encode_prompt(warm["messages"]))
+    for i, item in enumerate(items[:-1] if len(items) > 1 else items):
+        ids = dec.encode_prompt(item["messages"])
+        order = methods[i % len(methods):] + methods[:i % len(methods)]
+        for m in order:
+            rows.append(run(m, item, ids))
+        print(f"{item['id']}: " + ", ".join(f"{r['method']} {r['seconds']:.1f}s" for r in rows[-len(methods):]),
+              flush=True)
+    info = {"dtype": str(dec.model.dtype).replace("torch.", ""), "cost_curve": [round(c, 3) for c in dec.cost_curve(
+        dec.config.max_draft_tokens)][:17]}
+    return info, rows
+
+
+# --------------------------------------------------------------------------- vLLM
+def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[dict]]:
+    from transformers import AutoTokenizer
+
+    from rag_accel.models import local_model
+    from rag_accel.vllm import VllmDecoder
+
+    tokenizer = AutoTokenizer.from_pretrained(local_model(args.model))
+    items = (edit_items(args.data, args.items, args.max_chars, tokenizer) if args.task == "edit"
+             else rag_items(args.items, tokenizer))
+    warm, timed = items[-1], items[:-1] if len(items) > 1 else items
+    common = dict(num_speculative_tokens=K, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
+                  enable_prefix_caching=False)
+    engines = {"vllm-greedy": {"speculation": "off"}, "vllm-ngram": {"speculation": "ngram"},
+               "vllm-suffix": {"speculation": "suffix"}, "vllm-ours": {"speculation": "ours"},
+               "vllm-draft": {"speculation": "off", "speculative_config": {
+                   "method": "draft_model", "model": local_model(args.draft_model), "num_speculative_tokens": K}}}
+    rows, loads = [], {}
+    os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # (rag_accel.methods.PEER_ENVIRONMENT)
+    for name in ["vllm-greedy", *[m for m in methods if m != "vllm-greedy"]]:
+        loads[name] = [loadavg()]
+        try:
+            dec = VllmDecoder.from_pretrained(args.model, **common, **engines[name])
+        except ImportError as e:
+            print(f"{name}: skipped ({e})", flush=True)
+            continue
+        try:
+            arms = [(name, False), (name + "+prediction", True)] if name == "vllm-ours" else [(name, False)]
+            dec.generate(warm["messages"], max_new_tokens=8)
+            for method, with_pred in arms:
+                for level in (1, args.in_flight):
+                    for start in range(0, len(timed), level):
+                        group = timed[start:start + level]
+                        preds = [{"type": "content", "content": it["prediction"]} if with_pred and it["prediction"]
+                                 else None for it in group]
+                        refs = [it["references"] if with_pred and not it["prediction"] else None for it in group]
+                        t0 = time.perf_counter()
+                        outs = dec.generate_batch([it["messages"] for it in group], refs, prediction=preds,
+                                                  max_new_tokens=max(it["max_new_tokens"] for it in group))
+                        dt = time.perf_counter() - t0
+                        for it, o in zip(group, outs):
+                            rows.append({"method": method, "level": level, "group": start // level,
+                                         "item": it["id"], "seconds": dt, "token_ids": o.token_ids,
+                                         "new_tokens": len(o.token_ids), "steps": o.stats.steps,
+                                         "accepted_prediction_tokens": o.stats.accepted_prediction_tokens})
+                    done = [r for r in rows if r["method"] == method and r["level"] == level]
+                    print(f"{method}, {level} in flight: {sum({r['group']: r['seconds'] for r in done}.values()):.0f} s",
+                          flush=True)
+        finally:
+            dec.close()
+            del dec
+            gc.collect()
+        loads[name].append(loadavg())
+    return {"dtype": args.dtype, "load": loads, "in_flight": args.in_flight}, rows
+
+
+# --------------------------------------------------------------------------- report
+def summarise(rows: list[dict], baseline: str, level: int | None = None) -> dict[str, dict]:
+    rows = [r for r in rows if level is None or r.get("level", 1) == level]
+    base = {r["item"]: r for r in rows if r["method"] == baseline}
+    out = {}
+    for m in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == m and r["item"] in base]
+        steps = [r["steps"] for r in mine if r["steps"]]
+        s = {"identical": sum(r["token_ids"] == base[r["item"]]["token_ids"] for r in mine) / len(mine),
+             "tokens_per_step": sum(r["new_tokens"] for r in mine) / sum(steps) if len(steps) == len(mine) else None,
+             "new_tokens": sum(r["new_tokens"] for r in mine)}
+        if level in (None, 1):
+            ratios = [base[r["item"]]["seconds"] / r["seconds"] for r in mine]
+            worst = min(range(len(mine)), key=lambda i: ratios[i])
+            s.update(speedup=math.exp(statistics.fmean(map(math.log, ratios))), worst=ratios[worst],
+                     worst_item=mine[worst]["item"], tokens_per_s=s["new_tokens"] / sum(r["seconds"] for r in mine))
+        else:
+            wall = sum({r["group"]: r["seconds"] for r in mine}.values())
+            bwall = sum({r["group"]: r["seconds"] for r in base.values()}.values())
+            s.update(throughput=(s["new_tokens"] / wall) / (sum(r["new_tokens"] for r in base.values()) / bwall),
+                     tokens_per_s=s["new_tokens"] / wall)
+        if "accepted_prediction_tokens" in mine[0] and mine[0]["accepted_prediction_tokens"] is not None:
+            s["accepted_prediction_tokens"] = sum(r.get("accepted_prediction_tokens") or 0 for r in mine)
+        out[m] = s
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# {result['task']} items on {result['engine']}: {result['model']}, {result['info']['dtype']}, "
+             f"{result['date'][:10]}", "", f"- command: `{result['command']}`",
+             f"- machine: {result['machine']}; load (1 min) before {result['load_before']}, after {result['load_after']}",
+             f"- items: {result['items']} ({result['data']}); every output compared with {result['baseline']}'s", ""]
+    for level, summary in result["summary"].items():
+        per_request = level == "1"
+        lines += [f"{'One request at a time' if per_request else level + ' requests in flight'}:", "",
+                  "| method | " + ("speed-up (geo-mean) | worst item" if per_request else "throughput vs greedy")
+                  + " | tokens/step | tokens/s | identical | accepted prediction tokens |",
+                  "|---|---|" + ("---|" if per_request else "") + "---|---|---|---|"]
+        for m, s in summary.items():
+            tps = f"{s['tokens_per_step']:.2f}" if s["tokens_per_step"] else "-"
+            head = (f"{s['speedup']:.2f}x | {s['worst']:.2f}x ({s['worst_item']})" if per_request
+                    else f"{s['throughput']:.2f}x")
+            lines.append(f"| {m} | {head} | {tps} | {s['tokens_per_s']:.1f} | {s['identical']:.0%} | "
+                         f"{s.get('accepted_prediction_tokens', '-')} |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    summary = result["summary"]["1"]
+    names = list(summary)
+    fig, ax = plt.subplots(figsize=(6, 0.45 * len(names) + 1.2))
+    ax.barh(names, [summary[m]["speedup"] for m in names], color="tab:blue")
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"speed-up over {result['baseline']} (geo-mean, one request at a time)")
+    ax.set_title(f"{result['task']}: {result['model']} ({result['engine']}, {result['info']['dtype']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engine", choices=("transformers", "vllm"), required=True)
+    ap.add_argument("--task", choices=("edit", "rag"), default="edit")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--draft-model", required=True, help="for hf-assisted, ours-hybrid and vllm-draft")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--items", type=int, default=12, help="items timed (one more, the warm-up, is not)")
+    ap.add_argument("--max-chars", type=int, default=1500, help="edit items: the longest file before")
+    ap.add_argument("--methods", default="", help="a subset (default: all of the engine's)")
+    ap.add_argument("--in-flight", type=int, default=4, help="vLLM: requests in flight after one at a time")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--data", type=Path, default=None, help="edit items (default: ../shared/data/edits when present, "
+                    "else the bundled MIT-licensed ones)")
+    ap.add_argument("--out", required=True, help="path without suffix: writes .json, .md and .png")
+    args = ap.parse_args()
+    args.data = args.data or (SHARED_EDITS if SHARED_EDITS.is_file() else BUNDLED_EDITS)
+    everything = HF_METHODS if args.engine == "transformers" else VLLM_METHODS
+    methods = [m for m in args.methods.split(",") if m] or list(everything)
+    unknown = sorted(set(methods) - set(everything))
+    if unknown:
+        raise SystemExit(f"unknown methods {unknown} for {args.engine}; choose from {list(everything)}")
+    args.items += 1  # the warm-up item
+    load_before = loadavg()
+    t0 = time.perf_counter()
+    if args.engine == "transformers":
+        info, rows = run_transformers(args, ["greedy", *[m for m in methods if m != "greedy"]])
+        baseline, levels = "greedy", [1]
+    else:
+        info, rows = run_vllm(args, methods)
+        baseline, levels = "vllm-greedy", [1, args.in_flight]
+    import torch
+    import transformers
+
+    command = "python benchmarks/edit_bench.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, "") and k != "data")
+    result = {"engine": args.engine, "task": args.task, "model": args.model, "draft_model": args.draft_model,
+              "command": command.replace(f"--items {args.items}", f"--items {args.items - 1}"),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
+                         f"{transformers.__version__}", "load_before": load_before, "load_after": loadavg(),
+              "wall_s": round(time.perf_counter() - t0), "data": str(args.data.relative_to(ROOT.parent))
+              if args.data.is_relative_to(ROOT.parent) else str(args.data),
+              "items": args.items - 1, "baseline": baseline, "info": info,
+              "summary": {str(lv): summarise(rows, baseline, lv if args.engine == "vllm" else None) for lv in levels},
+              "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(markdown(result))
+    plot(result, out.with_suffix(".png"))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
