@@ -223,7 +223,8 @@ def summarise(rows: list[dict], baseline: str, level: int | None = None) -> dict
 def markdown(result: dict) -> str:
     lines = [f"# {result['task']} items on {result['engine']}: {result['model']}, {result['info']['dtype']}, "
              f"{result['date'][:10]}", "", f"- command: `{result['command']}`",
-             f"- machine: {result['machine']}; load (1 min) before {result['load_before']}, after {result['load_after']}",
+             f"- machine: {result['machine']}; load (1 min) before {result['load_before']}, after {result['load_after']}"
+             + (f"; environment: {', '.join(f'{k}={v}' for k, v in result['env'].items())}" if result.get("env") else ""),
              f"- items: {result['items']} ({result['data']}); every output compared with {result['baseline']}'s", ""]
     for level, summary in result["summary"].items():
         per_request = level == "1"
@@ -303,6 +304,8 @@ def main() -> None:
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
                          f"{transformers.__version__}", "load_before": load_before, "load_after": loadavg(),
+              "env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD",
+                                                 "NUMBA_THREADING_LAYER") if k in os.environ},
               "wall_s": round(time.perf_counter() - t0), "data": str(args.data.relative_to(ROOT.parent))
               if args.data.is_relative_to(ROOT.parent) else str(args.data),
               "items": args.items - 1, "baseline": baseline, "info": info,

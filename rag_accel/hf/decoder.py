@@ -166,18 +166,19 @@ class ReferenceDecoder:
 
     @staticmethod
     def _exact_steps(model: Any, exact: bool | None) -> bool:
-        """Whether steps run exact (:data:`EXACT_DEFAULT_DTYPES` by default): the model must route its attention
+        """Whether steps run exact (by default: :data:`EXACT_DEFAULT_DTYPES` on a CPU; on a GPU the invariant plans
+        and the row attention are unmeasured, ``exact=True`` asks for them): the model must route its attention
         through transformers' "sdpa" function, which the row-by-row attention replaces."""
         if exact is not None and not isinstance(exact, bool):
             raise TypeError(f"exact must be a bool or None, got {type(exact).__name__}")
-        dtype = next(model.parameters()).dtype
+        param = next(model.parameters())
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         if exact is None:
-            exact = dtype in EXACT_DEFAULT_DTYPES
+            exact = param.dtype in EXACT_DEFAULT_DTYPES and param.device.type == "cpu"
             if exact and impl != "sdpa":
                 import warnings
 
-                warnings.warn(f"this model's attention is {impl!r}, not 'sdpa': its {dtype} verify steps are not "
+                warnings.warn(f"this model's attention is {impl!r}, not 'sdpa': its {param.dtype} verify steps are not "
                               "made exact (drafting on may differ from drafting off by a near tie); load it with "
                               "attn_implementation='sdpa' for exact steps", stacklevel=3)
                 return False
@@ -245,9 +246,10 @@ class ReferenceDecoder:
 
         ``exact``: every verify step computes, row for row, bit for bit what a one-token step at that position
         computes, so drafting changes no logit (:mod:`rag_accel.hf.attention`'s row attention, the invariant plans
-        of :mod:`rag_accel.hf.linears`). ``None`` (the default): on in bfloat16 and float16, off in float32 (where
-        invariant products cost a chunk of at most three rows on this CPU; float32's outputs equal
-        ``model.generate``'s in every exactness test). ``False`` opts out."""
+        of :mod:`rag_accel.hf.linears`). ``None`` (the default): on a CPU in bfloat16 and float16; off in float32
+        (where invariant products cost a chunk of at most three rows on this CPU; float32's outputs equal
+        ``model.generate``'s in every exactness test) and on a GPU (unmeasured there: ``True`` asks for it).
+        ``False`` opts out."""
         if "backend" in model_kwargs:
             raise ValueError(f"ReferenceDecoder is the transformers decoder and takes no backend= (got "
                              f"{model_kwargs['backend']!r}): for vLLM use rag_accel.vllm.VllmDecoder.from_pretrained"
