@@ -223,7 +223,7 @@ def summarise(rows: list[dict], baseline: str, level: int | None = None) -> dict
 def markdown(result: dict) -> str:
     lines = [f"# {result['task']} items on {result['engine']}: {result['model']}, {result['info']['dtype']}, "
              f"{result['date'][:10]}", "", f"- command: `{result['command']}`",
-             f"- machine: {result['machine']}; load (1 min) before {result['load_before']}, after {result['load_after']}"
+             f"- machine: {result['machine']}; load (1/5/15 min) before {result['load_before']}, after {result['load_after']}"
              + (f"; environment: {', '.join(f'{k}={v}' for k, v in result['env'].items())}" if result.get("env") else ""),
              f"- items: {result['items']} ({result['data']}); every output compared with {result['baseline']}'s", ""]
     for level, summary in result["summary"].items():
