@@ -16,9 +16,8 @@ from typing import Any, Optional
 
 import typer
 
-from .config import SPECULATIVE_TOKENS
+from .config import SERVE_MAX_REFERENCE_TOKENS, SPECULATIVE_TOKENS
 from .methods import ALL_METHODS, NEEDS_DRAFT_MODEL, VLLM_METHODS
-from .vllm.requests import SERVE_MAX_REFERENCE_TOKENS  # (no vLLM, no torch: the requests' rules)
 
 # Plain help (no rich panels): this typer's panels show flags such as --help with a "<bool>" type and cut
 # long defaults off with an ellipsis; click's own layout wraps them.

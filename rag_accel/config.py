@@ -38,6 +38,8 @@ SPECULATIVE_TOKENS = 10
 # the defaults sit far below them.
 MAX_DRAFT_TOKENS = 256
 MAX_REFERENCE_TOKENS = 16_000_000
+# rag-accel serve's default: RAG documents are thousands of tokens; an untrusted client gets no more than this.
+SERVE_MAX_REFERENCE_TOKENS = 32_768
 
 # field: (lowest, highest, why the highest)
 _INT_BOUNDS = {

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import DecoderConfig
+from ..config import SERVE_MAX_REFERENCE_TOKENS, DecoderConfig  # (re-exported)
 from ..inputs import TextBound, certain_tokens
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
 from ..protocol import REQUEST_FIELDS, WORKER_BASE, request_config  # (re-exported: the worker's names for them)
@@ -81,9 +81,6 @@ def check_layout(pipeline_parallel_size: Any, version: str = "0.32-0.33") -> Non
 
 
 _MAX_REFERENCE_TOKENS = DecoderConfig().max_reference_tokens
-
-# rag-accel serve's default: RAG documents are thousands of tokens; an untrusted client gets no more than this.
-SERVE_MAX_REFERENCE_TOKENS = 32_768
 
 
 # --------------------------------------------------------------------------- per-request input checks

@@ -1,6 +1,6 @@
 """What a request whose drafts are all rejected costs against greedy (issue 27: at most 3% more).
 
-    python benchmarks/misleading_refs.py --items 20 --repeats 3 --out benchmarks/results/misleading_refs_cpu_smollm2
+    python benchmarks/experiments/misleading_refs.py --items 20 --repeats 3 --out benchmarks/results/misleading_refs_cpu_smollm2
 
 For each of the sample's last items (no default was tuned on them): greedy's own answer (with the prompt's
 last tokens before it) is cut into its 4-token windows, each followed by a token the answer never contains,
@@ -120,7 +120,7 @@ def main() -> None:
            "threads": torch.get_num_threads(), "torch": torch.__version__,
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "load_before": load_before,
            "load_after": os.getloadavg()}
-    command = f"python benchmarks/misleading_refs.py --items {args.items} --new {args.new} " \
+    command = f"python benchmarks/experiments/misleading_refs.py --items {args.items} --new {args.new} " \
               f"--repeats {args.repeats} --out {args.out}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"environment": env, "command": command,

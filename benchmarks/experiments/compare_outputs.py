@@ -1,6 +1,6 @@
 """Every method's outputs of one bench run held against another run's greedy outputs (another dtype's, another engine's).
 
-    python benchmarks/compare_outputs.py --outputs benchmarks/results/outputs_qwen15_bf16.json \\
+    python benchmarks/experiments/compare_outputs.py --outputs benchmarks/results/outputs_qwen15_bf16.json \\
         --against benchmarks/results/greedy_outputs_qwen15_last16x64.json --out benchmarks/results/NAME
 
 ``--outputs`` and ``--against``: files ``rag-accel bench --save-outputs`` wrote (greedy's outputs under ``outputs``,
@@ -55,7 +55,7 @@ def main() -> None:
     result = compare(outputs, against, args.baseline)
     lines = [f"# {outputs.get('model')} {outputs.get('dtype') or ''} outputs against {against.get('model')} "
              f"{against.get('dtype') or ''} {args.baseline}", "",
-             f"- command: `python benchmarks/compare_outputs.py --outputs {args.outputs} --against {args.against}"
+             f"- command: `python benchmarks/experiments/compare_outputs.py --outputs {args.outputs} --against {args.against}"
              + (f" --baseline {args.baseline}" if args.baseline != "greedy" else "")
              + (f" --out {args.out}`" if args.out else "`"), "",
              f"| method | identical to {args.baseline} there | first differing token of the others |", "|---|---|---|"]
