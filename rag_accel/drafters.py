@@ -140,6 +140,18 @@ class ReferenceDrafter(_SpanCopier):
     def _search(self, context: Sequence[int]) -> tuple[int, int] | None:
         return self.index.longest_match(context, self.min_match, self.max_match)
 
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether the references hold ``tokens`` as one run (up to ``max_match`` of its first tokens) with a token
+        after it.
+
+        Example:
+            >>> d = ReferenceDrafter([[1, 2, 3, 4, 5]])
+            >>> d.holds([2, 3, 4]), d.holds([2, 4]), d.holds([])
+            (True, False, False)
+        """
+        run = list(tokens[: self.max_match])
+        return bool(run) and self.index.longest_match(run, len(run), len(run)) is not None
+
 
 def reference_drafter(references: Sequence[Sequence[int]]) -> ReferenceDrafter:
     """The references' drafter: LLMA's longest match, matches of :data:`REFERENCE_MIN_MATCH` to

@@ -20,6 +20,7 @@ across requests lives in :class:`StepCosts` (a batch engine's:
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Callable, Sequence
 
 from .config import DecoderConfig
@@ -178,29 +179,37 @@ class RequestDrafting:
         draft, n_send = policy.select(self.candidates, budget)
         if n_send == 0 and self.chain.costly and policy.adaptive:  # references first, then the draft model
             draft, n_send = self._ask_draft_models(context, max_len, budget, remaining)
-        return self.credited(draft, n_send), n_send
+        return self.credited(draft, n_send, context), n_send
 
-    def credited(self, draft: Draft, n_send: int) -> Draft:
-        """The draft whose name a step's tokens are counted under: ``draft``, or the reference drafter's candidate
-        when it proposes the same ``n_send`` tokens (the same verify step, so nothing but the credit changes).
+    def credited(self, draft: Draft, n_send: int, context: Sequence[int] = ()) -> Draft:
+        """The draft whose name a step's tokens are counted under: the reference drafter's candidate when it proposes
+        the same ``n_send`` tokens, ``draft`` renamed to the references when they hold its tokens after the
+        context's last token, else ``draft`` (the same verify step either way: only the credit changes, and the
+        policy learns from every candidate under its own name).
 
         The prompt usually holds the passages, so the frequency drafter (prompt + answer) proposes the copies the
-        reference drafter does, and its probabilities often value them higher: the demo credited 32 of 92 tokens to
-        it and none to the passages (issue 66), and a prediction that the prompt also holds counted no accepted
-        prediction tokens (they are the reference drafter's). A copy that a passage or the prediction holds is
-        credited to them.
+        reference drafter does, often sooner (from a one-token match) and valued higher: the demo credited 32 of
+        92 tokens to it and none to the passages, and a prediction that the prompt also holds counted no accepted
+        prediction tokens (issue 66). A copy that a passage or the prediction holds is credited to them.
 
         Example:
-            >>> d = RequestDrafting(DrafterChain([]), None, StepCosts(), 8, 0.03)
-            >>> d.candidates = [Draft([1, 2, 3], 2, "frequency"), Draft([1, 2, 9], 2, "reference")]
-            >>> d.credited(d.candidates[0], 2).source, d.credited(d.candidates[0], 3).source
-            ('reference', 'frequency')
+            >>> from rag_accel.drafters import reference_drafter
+            >>> d = RequestDrafting(DrafterChain([reference_drafter([[5, 1, 2, 3, 4]])]), None, StepCosts(), 8, 0.03)
+            >>> d.candidates = [Draft([1, 2, 3], 1, "frequency"), Draft([1, 2, 9], 2, "reference")]
+            >>> [d.credited(d.candidates[0], n, [7, 5]).source for n in (2, 3)]  # the same two; 5, 1, 2, 3 held
+            ['reference', 'reference']
+            >>> d.credited(d.candidates[0], 3, [7, 6]).source  # after a 6 the references hold no 1, 2, 3
+            'frequency'
         """
-        if n_send and draft.source != REFERENCE_SOURCE:
-            sent = draft.tokens[:n_send]
-            for candidate in self.candidates:
-                if candidate.source == REFERENCE_SOURCE and candidate.tokens[:n_send] == sent:
-                    return candidate
+        if not n_send or draft.source == REFERENCE_SOURCE:
+            return draft
+        sent = draft.tokens[:n_send]
+        for candidate in self.candidates:
+            if candidate.source == REFERENCE_SOURCE and candidate.tokens[:n_send] == sent:
+                return candidate
+        references = [d for d in self.chain.drafters if getattr(d, "name", "") == REFERENCE_SOURCE]
+        if context and any(r.holds([context[-1], *sent]) for r in references):  # type: ignore[attr-defined]
+            return replace(draft, source=REFERENCE_SOURCE)
         return draft
 
     def loss_budget(self, n_generated: int) -> float:
