@@ -16,8 +16,8 @@ What the counts mean (OpenAI's ``usage.completion_tokens_details``, and
 from the request's references that verification kept (``accepted_prediction_tokens``) or threw away
 (``rejected_prediction_tokens``). The request's references are the prediction's parts and any references
 given beside them (``references=``, ``vllm_xargs`` ``references``); drafts copied from the prompt, the
-output so far or the memory of earlier answers are not counted, so ``accepted + rejected`` is at most
-what the request drafted in all. No engine is imported here.
+output so far or the memory of earlier answers count only where the references hold the same tokens
+(``RequestDrafting.credited``), so ``accepted + rejected`` is at most what the request drafted in all. No engine is imported here.
 """
 
 from __future__ import annotations

@@ -818,9 +818,9 @@ def test_qwen_05b_is_exact_with_right_wrong_and_mixed_references(items):
                 on = dec.generate(ids, refs, max_new_tokens=32)
                 assert on.token_ids == off, (it.id, kind)
                 st = on.stats
-                if kind == "right" and len(off) > 8:  # (another drafter may send a draft too; the copy wins)
-                    ref = st.by_drafter["reference"]
-                    assert ref["accepted"] >= 0.9 * ref["drafted"] > 0 and st.steps <= len(off) / 2, st
+                if kind == "right" and len(off) > 8:  # every token but each step's own came from a draft (a draft
+                    # past the answer's end is rejected: the acceptance rate is no measure of a right reference)
+                    assert st.accepted >= len(off) - st.steps and st.steps <= len(off) / 2, st
                 if kind in ("wrong", "mixed"):
                     assert st.drafted > st.accepted, st
     finally:
