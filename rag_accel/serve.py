@@ -243,7 +243,7 @@ def cpu_environment(env: Mapping[str, str], prefix: str | None = None) -> dict[s
     - ``VLLM_CACHE_ROOT``: vLLM's compile cache goes under ``$RAG_ACCEL_HOME/vllm``, with the rest of what
       rag_accel writes, not into ``~/.cache/vllm``.
 
-    A setting of the caller's own stays, and an ``LD_PRELOAD`` that names another OpenMP runtime gains none.
+    A setting of the caller's own stays, but for GNU OpenMP in ``LD_PRELOAD``, which gives way to Intel's.
 
     Example:
         >>> sorted(cpu_environment({"NUMBA_THREADING_LAYER": "tbb"}, prefix="/nonexistent"))
@@ -254,10 +254,10 @@ def cpu_environment(env: Mapping[str, str], prefix: str | None = None) -> dict[s
 
     out: dict[str, str] = {}
     iomp = Path(prefix or sys.prefix) / "lib" / "libiomp5.so"
-    preload = env.get("LD_PRELOAD", "")
-    if iomp.is_file() and "libiomp" not in preload and "libgomp" not in preload:  # (two OpenMP runtimes preloaded:
-        # the engine dies at start; vLLM imported in the caller's process preloads GNU OpenMP for its children)
-        out["LD_PRELOAD"] = f"{iomp}:{preload}" if preload else str(iomp)
+    preload = [e for e in env.get("LD_PRELOAD", "").split(":") if e]
+    if iomp.is_file() and not any("libiomp" in e for e in preload):  # GNU OpenMP gives way (vLLM imported in the
+        # caller's process preloads torch's for its children): with two runtimes preloaded the engine dies at start
+        out["LD_PRELOAD"] = ":".join([str(iomp), *(e for e in preload if "libgomp" not in e)])
     out.update({k: v for k, v in PEER_ENVIRONMENT.items() if k not in env})
     if "VLLM_CACHE_ROOT" not in env:
         out["VLLM_CACHE_ROOT"] = str(cache_home() / "vllm")

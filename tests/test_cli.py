@@ -615,8 +615,10 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
                            prefix=str(tmp_path)) == {}
     # vLLM imported in a process sets LD_PRELOAD to torch's GNU OpenMP for its children: a server started from there
     # (the vLLM stage of CI, after an in-process engine) died at start with both runtimes preloaded
+    # (with Intel's as well it died at start: GNU OpenMP gives way)
     gomp = "/t/torch/lib/libgomp.so.1"
-    assert "LD_PRELOAD" not in cpu_environment({"LD_PRELOAD": gomp}, prefix=str(tmp_path))
+    assert cpu_environment({"LD_PRELOAD": f"{gomp}:/x/libtcmalloc.so"}, prefix=str(tmp_path))["LD_PRELOAD"] == (
+        f"{tmp_path / 'lib' / 'libiomp5.so'}:/x/libtcmalloc.so")
     monkeypatch.delenv("NUMBA_THREADING_LAYER", raising=False)
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     res = CliRunner().invoke(app, ["serve", "some/model", "--dtype", "float32", "--dry-run"])
