@@ -38,7 +38,7 @@ __all__ = ["GenerationOutput", "GenerationStats", "GenerationStream", "Reference
            "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
 
 # The dtypes whose verify steps run exact by default (ReferenceDecoder(exact=None)): a verify's products and attention
-# computed so that each row is bit for bit a one-token step's (benchmarks/experiments/exact_steps.py).
+# computed so that each row is bit for bit a one-token step's (tests/test_exact.py; costs: benchmarks/experiments/verify_costs.py --arms exact).
 EXACT_DEFAULT_DTYPES = (torch.bfloat16, torch.float16)
 
 # Generation-config settings that change greedy outputs and that this decoder
