@@ -141,7 +141,7 @@ def hf_pair(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
     values = split_values(args.values)
     if args.chunk is not None and (args.reworded or not 0 < args.chunk <= 1):

@@ -29,8 +29,8 @@ from llama_index.llms.rag_accel import RagAccelLLM, e5_embedding, faiss_vector_i
 
 from rag_accel import DEFAULT_MODEL, ReferenceDecoder
 from rag_accel.bench import environment
-from rag_accel.data import load_msmarco_sample
-from rag_accel.retrieval import OFFLINE_E5, Embedder, VectorIndex
+from rag_accel.rag.msmarco import load_msmarco_sample
+from rag_accel.rag.retrieval import OFFLINE_E5, Embedder, VectorIndex
 
 
 def _timed(fn, arg):

@@ -184,7 +184,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown engines or tasks {unknown}")
 
-    from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
     from rag_accel.vllm import VllmDecoder
 
     trec = load_msmarco_sample(Path(__file__).resolve().parents[1] / "rag_accel" / "data" /

@@ -29,7 +29,7 @@ def load_trecdl():
 def main() -> None:
     from ranx import Qrels, Run, evaluate
 
-    from rag_accel.retrieval import OFFLINE_E5, OFFLINE_MINILM, Embedder
+    from rag_accel.rag.retrieval import OFFLINE_E5, OFFLINE_MINILM, Embedder
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--embedders", default=f"{OFFLINE_E5},{OFFLINE_MINILM}")

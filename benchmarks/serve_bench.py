@@ -64,7 +64,7 @@ def one_request(client, msgs, refs, new):
 
 def run_level(client, url, prompts, refs, new, c):
     """All items with ``c`` requests in flight: (latencies, token ids per item, wall s, drafted, accepted)."""
-    from rag_accel.server_process import spec_decode_counters as spec_counters
+    from rag_accel.serving.server_process import spec_decode_counters as spec_counters
 
     d0, a0 = spec_counters(url)
     t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def run_level(client, url, prompts, refs, new, c):
 def bench_server(method, prompts, refs, args, env, baseline):
     import openai
 
-    from rag_accel.server_process import Server
+    from rag_accel.serving.server_process import Server
 
     r: dict = {"load_before": load()}
     srv = Server(MODEL, python=args.python, env=env,
@@ -202,7 +202,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.methods[0] != "off" and len(args.methods) > 1:
         ap.error("'off' must run first: it is the baseline of the identical-output rates")
-    from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
     from rag_accel.methods import PEER_ENVIRONMENT
 
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), "HF_HUB_OFFLINE": "1",

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from rag_accel import ReferenceDecoder
-from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 from rag_accel.drafters import build_drafters
 
 

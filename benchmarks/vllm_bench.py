@@ -118,7 +118,7 @@ def summarise(outs, times, drafted, accepted, baseline):
 
 
 def bench_method(method, items, args, baselines, cached):
-    from rag_accel.data import rag_messages
+    from rag_accel.rag.msmarco import rag_messages
 
     ours = method == "vllm-ours"
     r: dict = {"uptime_before": uptime()}
@@ -232,7 +232,7 @@ def main() -> None:
     if args.methods[0] != "vllm-greedy":
         ap.error("vllm-greedy must run first (it is the baseline of the identical-output rates)")
     from rag_accel.bench import VLLM_ENV_RECORDED, peer_environment
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     peer_environment()  # (before the record below, and before make_decoder starts any engine)
 

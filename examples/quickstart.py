@@ -16,7 +16,7 @@ import time
 import torch
 
 from rag_accel import DEFAULT_MODEL, ReferenceDecoder
-from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
 
 def main() -> None:

@@ -111,7 +111,7 @@ def adapter_engine(model_name: str, *, backend: str | None = None, base_url: str
     """The decoder an adapter's options choose (one obvious option: ``backend``, or ``base_url``).
 
     - ``base_url`` (a ``rag-accel serve`` server; ``backend`` ``None`` or ``"remote"``): a
-      :class:`rag_accel.remote.RemoteDecoder` for ``model_name`` as the server names it, with
+      :class:`rag_accel.serving.remote.RemoteDecoder` for ``model_name`` as the server names it, with
       ``api_key`` / ``timeout`` / ``max_retries`` / ``memory_scope``. ``device`` / ``dtype`` are the
       server's (``rag-accel serve --dtype``): giving them here is an error.
     - ``backend="vllm"``: the process's shared :class:`rag_accel.vllm.VllmDecoder` for ``model_name``;
@@ -138,7 +138,7 @@ def adapter_engine(model_name: str, *, backend: str | None = None, base_url: str
         raise TypeError(f"engine options {sorted(engine_options)} are for an engine in this process "
                         "(backend='vllm'); a server's are rag-accel serve's")
     if base_url is not None:
-        from .remote import RemoteDecoder
+        from .serving.remote import RemoteDecoder
 
         return RemoteDecoder(base_url, model=model_name, api_key=api_key or "EMPTY",
                              timeout=600.0 if timeout is None else timeout,
@@ -202,7 +202,7 @@ def start_generation(decoder: Any, prompt: Any, references: list[Any], *, config
                             "does not have")
         out = greedy(prompt, **options)
         return iter([out.text] if out.text else []), lambda: out, lambda: None
-    remote = sys.modules.get("rag_accel.remote")  # (not imported: the decoder is not a RemoteDecoder)
+    remote = sys.modules.get("rag_accel.serving.remote")  # (not imported: the decoder is not a RemoteDecoder)
     if remote is not None and isinstance(decoder, remote.RemoteDecoder) and options.get("prediction") is None:
         # to a server, the documents travel as OpenAI's prediction, one text part each (token ids as references)
         texts = [r for r in references if isinstance(r, str)]

@@ -1,7 +1,7 @@
 """``rag-accel demo``, ``rag-accel bench`` and ``rag-accel serve``: arguments in, calls out.
 
 The work lives elsewhere (the bench harness, its reports and timing in :mod:`rag_accel.bench`, the
-index cache in :mod:`rag_accel.retrieval`, the server command in :mod:`rag_accel.serve`). Nothing heavy
+index cache in :mod:`rag_accel.rag.retrieval`, the server command in :mod:`rag_accel.serving.serve`). Nothing heavy
 is imported here at module level: torch, transformers and FAISS load inside the commands that use
 them, so ``rag-accel serve`` and ``--help`` start without them.
 """
@@ -91,9 +91,9 @@ def demo(
     Each answer is streamed, then timed against the model's own greedy decoding of the same prompt
     (median of --repeats interleaved runs each); the two outputs are compared token for token."""
     from .bench.timing import ForwardTimes, where_the_time_went
-    from .data import load_msmarco_sample, rag_input, sample_path
+    from .rag.msmarco import load_msmarco_sample, rag_input, sample_path
     from .models import DEFAULT_MODEL, OFFLINE_MODELS, cache_home, check_model_name, offline_model_cached
-    from .retrieval import cached_index, embedder_cached, index_cache_path
+    from .rag.retrieval import cached_index, embedder_cached, index_cache_path
 
     try:
         check_model_name(model)  # (before the index is built: minutes on a first run)
@@ -280,7 +280,7 @@ def bench(
         too_long,
         vllm_engines,
     )
-    from .data import load_msmarco_sample
+    from .rag.msmarco import load_msmarco_sample
 
     load_before = loadavg()
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
@@ -423,12 +423,12 @@ def serve(
     Per request: extra_body={"vllm_xargs": {"references": [...], "memory_scope": "tenant-1", "speculate": false}}."""
     import os
 
-    from .serve import (cpu_environment, cpu_hints, default_dtype, exec_server, model_text_bound, model_vocab_size,
+    from .serving.serve import (cpu_environment, cpu_hints, default_dtype, exec_server, model_text_bound, model_vocab_size,
                         resolve_model, serve_command, shell_line)
 
     if model.startswith("-"):
         _fail(f"{model!r} is not a model: give MODEL before `--` (rag-accel serve MODEL -- --vllm-option ...)")
-    from .serve import vllm_installed
+    from .serving.serve import vllm_installed
 
     if not dry_run:  # (a dry run prints the command for any name)
         from .models import check_model_name

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .storage import save_folder
+from .rag.storage import save_folder
 
 if TYPE_CHECKING:
     import torch

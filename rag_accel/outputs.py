@@ -19,7 +19,7 @@ class GenerationStats:
     """What one call did. ``steps`` counts model forward passes, prefill included,
     so plain greedy decoding has ``tokens_per_step == 1``.
 
-    ``None`` means the engine cannot tell (a remote server, :class:`~rag_accel.remote.RemoteDecoder`:
+    ``None`` means the engine cannot tell (a remote server, :class:`~rag_accel.serving.remote.RemoteDecoder`:
     an OpenAI-compatible response has no per-request steps or draft counts); ``tokens_per_step``
     and ``acceptance_rate`` are then ``None`` too, never a made-up number."""
 

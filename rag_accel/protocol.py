@@ -2,7 +2,7 @@
 
 Three decoders answer the same calls: :class:`~rag_accel.hf.decoder.ReferenceDecoder` (transformers, in
 process), :class:`~rag_accel.vllm.VllmDecoder` (vLLM, in process) and
-:class:`~rag_accel.remote.RemoteDecoder` (a ``rag-accel serve`` server over HTTP). :class:`Decoder`
+:class:`~rag_accel.serving.remote.RemoteDecoder` (a ``rag-accel serve`` server over HTTP). :class:`Decoder`
 is that surface; an application (or an adapter) written against it runs on any of them.
 
 The rules below are the one copy each decoder applies:

@@ -33,7 +33,7 @@ def real_decoder():
 
 @pytest.fixture(scope="session")
 def e5():
-    from rag_accel.retrieval import OFFLINE_E5, Embedder
+    from rag_accel.rag.retrieval import OFFLINE_E5, Embedder
 
     return Embedder(OFFLINE_E5)
 

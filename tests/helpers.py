@@ -120,7 +120,7 @@ def trained_bpe_tokenizer(texts, vocab_size=600):
 def rag_completion_ids(tokenizer, lengths=(480, 600), n_items=20):
     """Completion-style RAG prompts (for a base model) as token ids, one per length: the first MS-MARCO
     sample item long enough, cut from the front (after its first token, <bos>) to that many tokens."""
-    from rag_accel.data import load_msmarco_sample, rag_completion
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_completion
 
     prompts = [tokenizer(rag_completion(it.query, it.passages))["input_ids"]
                for it in load_msmarco_sample(limit=n_items)]

@@ -12,11 +12,11 @@ import time
 import pytest
 from helpers import hf_greedy
 
-from rag_accel.cache import ResponseCache
-from rag_accel.conversation import Conversation
-from rag_accel.data import load_msmarco_sample, rag_messages
-from rag_accel.retrieval import OFFLINE_MINILM, Embedder, VectorIndex
-from rag_accel.storage import CorruptFileError
+from rag_accel.rag.cache import ResponseCache
+from rag_accel.rag.conversation import Conversation
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
+from rag_accel.rag.retrieval import OFFLINE_MINILM, Embedder, VectorIndex
+from rag_accel.rag.storage import CorruptFileError
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +93,8 @@ def test_a_save_killed_midway_leaves_a_loadable_cache(tmp_path, emb):
     path = tmp_path / "cache.bin"
     script = textwrap.dedent(f"""
         import sys
-        from rag_accel.cache import ResponseCache
-        from rag_accel.retrieval import Embedder
+        from rag_accel.rag.cache import ResponseCache
+        from rag_accel.rag.retrieval import Embedder
         cache = ResponseCache(Embedder({OFFLINE_MINILM!r}), {str(path)!r}, min_score=0.0)
         i = len(cache)
         while True:

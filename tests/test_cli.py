@@ -118,7 +118,7 @@ def test_bench_cold_on_the_last_items(tmp_path, monkeypatch, tiny_model_dir):
     from typer.testing import CliRunner
 
     from rag_accel.cli import app
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
     from rag_accel.hf.decoder import ReferenceDecoder
 
     resets = []
@@ -245,7 +245,7 @@ def test_bench_vllm_methods_are_judged_against_vllm_greedy_per_item_too():
 
 def test_bench_repeats_runs_every_method_per_round(tokenizer):
     from rag_accel.bench import run_benchmark
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     dec = _tiny_decoder(tokenizer)
     items = load_msmarco_sample(with_answers=True, limit=2)
@@ -259,7 +259,7 @@ def test_bench_repeats_runs_every_method_per_round(tokenizer):
 
 def test_bench_reworded_case_gives_the_cached_answer_outside_the_prompt(tokenizer):
     from rag_accel.bench import REWORDED, reworded_items, run_benchmark, summarize
-    from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
     items = load_msmarco_sample(with_answers=True, limit=2)
     (item, refs), = reworded_items(items[:1], ["the cached answer"])
@@ -281,7 +281,7 @@ def test_bench_reworded_case_gives_the_cached_answer_outside_the_prompt(tokenize
 
 def test_bench_vllm_methods_need_their_engines(tokenizer, tiny_model_dir):
     from rag_accel.bench import run_benchmark
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     dec = _tiny_decoder(tokenizer)
     items = load_msmarco_sample(with_answers=True, limit=1)
@@ -303,7 +303,7 @@ def test_bench_never_shows_vllm_suffix_a_prompt_twice(suffix, tokenizer):
     on a timed item, would let it copy the answer. Refused before any engine is needed; its tuned
     setting (vllm-suffix-f3) alike."""
     from rag_accel.bench import run_benchmark
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     dec = _tiny_decoder(tokenizer)
     items = load_msmarco_sample(with_answers=True, limit=3)
@@ -379,14 +379,14 @@ def test_serve_hands_admission_the_tokenizers_bound_without_loading_it(default_m
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert heavy == [], heavy
     assert f"RAG_ACCEL_TEXT_BOUND={shlex.quote(encode_text_bound(text_bound(tokenizer)))} " in proc.stdout
-    proc, heavy = _heavy_imports("-c", "import rag_accel.vllm.requests, rag_accel.references, rag_accel.remote")
+    proc, heavy = _heavy_imports("-c", "import rag_accel.vllm.requests, rag_accel.references, rag_accel.serving.remote")
     assert proc.returncode == 0 and heavy == [], (proc.stderr[-2000:], heavy)
 
 
 # ----------------------------------------------------------------------------- the bench keeps its work
 def _corpus_with_a_long_item(tmp_path: Path) -> tuple[Path, list]:
     """Three answered sample items; the second's passages padded past an 8,192-token context window."""
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     items = load_msmarco_sample(with_answers=True, limit=3)
     records = [{"id": it.id, "query": it.query, "passages": it.passages, "answers": it.answers} for it in items]
@@ -421,7 +421,7 @@ def test_bench_skips_items_too_long_for_the_model_and_writes_without_matplotlib(
 def test_bench_unanswered_runs_items_without_a_human_answer(tmp_path, tiny_model_dir):
     """The TREC DL sample has no human answers: by default the bench takes only answered items (and says how
     to take the others when none is), --unanswered runs them all."""
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     items = load_msmarco_sample(with_answers=True, limit=2)
     records = [{"id": it.id, "query": it.query, "passages": it.passages, "answers": []} for it in items]
@@ -470,7 +470,7 @@ def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch, tin
 
 def test_run_benchmark_refuses_an_item_too_long_before_timing_anything(tmp_path, tokenizer):
     from rag_accel.bench import run_benchmark, too_long
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     corpus, _ = _corpus_with_a_long_item(tmp_path)
     items = load_msmarco_sample(corpus)
@@ -562,7 +562,7 @@ def test_default_dtype_is_float32_on_a_cpu_without_importing_torch():
     import subprocess
     import sys
 
-    code = "import sys; from rag_accel.serve import default_dtype; print(default_dtype(), 'torch' in sys.modules)"
+    code = "import sys; from rag_accel.serving.serve import default_dtype; print(default_dtype(), 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["float32", "False"]
 
@@ -601,7 +601,7 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from rag_accel.cli import app
-    from rag_accel.serve import cpu_environment
+    from rag_accel.serving.serve import cpu_environment
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rag_accel.data import (
+from rag_accel.rag.msmarco import (
     load_collection,
     load_msmarco_sample,
     load_qrels,

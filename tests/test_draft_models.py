@@ -98,7 +98,7 @@ def test_confidence_stops_the_draft_early(tokenizer):
 
 @pytest.fixture(scope="module")
 def bpe(tokenizer):
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     texts = [p for it in load_msmarco_sample(limit=40) for p in it.passages]
     return trained_bpe_tokenizer(texts, vocab_size=800)
@@ -123,7 +123,7 @@ def test_universal_draft_model_with_another_vocabulary_is_exact(tokenizer, bpe, 
 def test_universal_drafting_keeps_a_right_draft_right(real_decoder):
     """Real SmolLM2 and its copy with shuffled vocabulary ids: the draft's text is the model's own,
     so after the round trip through text the drafts are (almost) all accepted."""
-    from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
     other, other_tok = permuted_pair(real_decoder.model, real_decoder.tokenizer)
     dec = ReferenceDecoder(real_decoder.model, real_decoder.tokenizer,
@@ -140,7 +140,7 @@ def test_universal_drafting_keeps_a_right_draft_right(real_decoder):
 
 
 def test_real_model_with_int8_draft_and_hybrid_is_exact(real_decoder):
-    from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
     from rag_accel.models import int8_draft_model
 
     dec = ReferenceDecoder(real_decoder.model, real_decoder.tokenizer, draft_model=int8_draft_model(real_decoder.model))

@@ -175,7 +175,7 @@ def _leftovers(folder):
 
 
 def test_save_folder_writes_atomically(tmp_path):
-    from rag_accel.storage import save_folder
+    from rag_accel.rag.storage import save_folder
 
     def write(folder):
         (folder / "weights.bin").write_bytes(b"w" * 100)
@@ -188,7 +188,7 @@ def test_save_folder_writes_atomically(tmp_path):
 
 @pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full for a real ENOSPC")
 def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path):
-    from rag_accel.storage import save_folder
+    from rag_accel.rag.storage import save_folder
 
     def write(folder):
         (folder / "weights.bin").write_bytes(b"w" * 100)  # half written ...
@@ -205,7 +205,7 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path):
 def test_safetensors_io_errors_are_named_too(tmp_path):
     from safetensors import SafetensorError
 
-    from rag_accel.storage import save_folder
+    from rag_accel.rag.storage import save_folder
 
     def write(folder):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
@@ -217,7 +217,7 @@ def test_safetensors_io_errors_are_named_too(tmp_path):
 
 
 def test_other_errors_while_saving_pass_through(tmp_path):
-    from rag_accel.storage import save_folder
+    from rag_accel.rag.storage import save_folder
 
     def write(folder):
         raise ValueError("weights are not contiguous")
@@ -228,7 +228,7 @@ def test_other_errors_while_saving_pass_through(tmp_path):
 
 
 def test_a_concurrent_writer_that_finished_first_wins(tmp_path):
-    from rag_accel.storage import save_folder
+    from rag_accel.rag.storage import save_folder
 
     def write(folder):
         (folder / "config.json").write_text("mine")

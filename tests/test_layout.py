@@ -25,12 +25,12 @@ EDGE = {
     "rag_accel": "the facade: ReferenceDecoder and the draft-model drafters on first use (_LAZY)",
     "rag_accel.adapters": "load(): the one factory that picks an engine for the adapters",
     "rag_accel.cli": "the command line runs either engine",
-    "rag_accel.serve": "rag-accel serve starts vLLM's server",
-    "rag_accel.server_process": "starts and checks a vLLM server process",
+    "rag_accel.serving.serve": "rag-accel serve starts vLLM's server",
+    "rag_accel.serving.server_process": "starts and checks a vLLM server process",
     "rag_accel.bench.*": "the bench (each of its modules) times both engines and transformers' prompt lookup",
     "rag_accel.models": "loads transformers models and tokenizers",
-    "rag_accel.e5_convert": "converts the E5 embedder with transformers",
-    "rag_accel.retrieval": "sentence-transformers embeds the passages",
+    "rag_accel.rag.e5_convert": "converts the E5 embedder with transformers",
+    "rag_accel.rag.retrieval": "sentence-transformers embeds the passages",
 }
 
 
@@ -213,3 +213,40 @@ def test_no_import_circle_in_rag_accel():
     vllm/proposer.py imported each other; protocol.py imported vllm/requests.py, which imports protocol.py)."""
     found = circles(import_graph(_imports()))
     assert found == [], f"import circles: {found}"
+
+
+# The package's rooms (issue 65): the decoding core at the top, beside it the two engines, the bench (what
+# ``rag-accel bench`` runs), the RAG helpers and serving. A module at the top is core; a new one is added here on
+# purpose, with its reason, or goes into a room.
+ROOMS = {
+    "hf": "the transformers engine",
+    "vllm": "the vLLM engine",
+    "bench": "what rag-accel bench and demo time",
+    "rag": "where references come from: retrieval, the embedder's conversion, the response cache, conversations, "
+           "the bundled sample, the files they are stored in",
+    "serving": "rag-accel serve, a server process, the HTTP client",
+}
+TOP = {  # the decoding core, the command line and the adapters' factory
+    "__init__", "_context", "adapters", "cli", "config", "drafters", "inputs", "kernels", "memory", "methods",
+    "models", "outputs", "policy", "prediction", "protocol", "references", "speculation", "stopping", "viz",
+}
+
+
+def test_the_top_level_holds_the_core_and_the_rooms():
+    package = ROOT / "rag_accel"
+    modules = {p.stem for p in package.glob("*.py")}
+    folders = {p.name for p in package.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert modules == TOP, f"a new top-level module is core (add it to TOP) or belongs in a room: {modules ^ TOP}"
+    assert folders == set(ROOMS)
+    named_like_a_folder = {p.stem for p in package.rglob("*.py")} & {p.name for p in package.rglob("*") if p.is_dir()}
+    assert named_like_a_folder == set(), named_like_a_folder
+
+
+def test_only_serving_reaches_serving():
+    """The core, the engines and the RAG helpers run without a server: nothing outside ``serving`` (and the
+    command line and adapters, which start or call one) imports it."""
+    graph = import_graph(_imports())
+    allowed = ("rag_accel.serving", "rag_accel.cli", "rag_accel.adapters")
+    wrong = {m: sorted(d for d in deps if _within(d, ("rag_accel.serving",)))
+             for m, deps in graph.items() if not _within(m, allowed)}
+    assert {m: d for m, d in wrong.items() if d} == {}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rag_accel.server_process import vllm_python_or_skip
+from rag_accel.serving.server_process import vllm_python_or_skip
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")

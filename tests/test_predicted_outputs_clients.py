@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from rag_accel.server_process import shared_test_server
+from rag_accel.serving.server_process import shared_test_server
 
 MODEL = "smollm2-135m-instruct"
 MAX_NEW = 32
@@ -27,7 +27,7 @@ def prediction(text: str) -> dict:
 
 
 # the slow mark; and one test process runs every module that uses the shared server (pyproject's --dist loadgroup),
-# so a run with two workers starts it once (rag_accel.server_process.shared_test_server)
+# so a run with two workers starts it once (rag_accel.serving.server_process.shared_test_server)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("rag-accel-serve")]
 
 

@@ -176,7 +176,7 @@ def test_the_middleware_leaves_other_requests_alone_and_refuses_where_nothing_dr
 def test_a_prediction_on_the_transformers_decoder_is_exact_and_counted(real_decoder):
     """Right, wrong and partly right predictions: the output is greedy's every time; the counts are the
     reference drafter's (the only drafter here), and a right prediction is mostly accepted."""
-    from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
     it = load_msmarco_sample(limit=2)[1]
     msgs = rag_messages(it.query, it.passages)

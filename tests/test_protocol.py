@@ -9,7 +9,7 @@ import pytest
 from helpers import hf_greedy, tiny_model
 from rag_accel import ReferenceDecoder
 from rag_accel.protocol import CALL_OPTIONS, Decoder, batch_arguments, config_changes, sampling_request
-from rag_accel.remote import RemoteDecoder
+from rag_accel.serving.remote import RemoteDecoder
 from rag_accel.vllm.decoder import VllmDecoder
 
 DECODERS = (ReferenceDecoder, VllmDecoder, RemoteDecoder)

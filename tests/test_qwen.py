@@ -12,7 +12,7 @@ import torch
 from helpers import OracleDrafter
 
 from rag_accel import DecoderConfig, ReferenceDecoder
-from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 from rag_accel.models import QWEN_DRAFT_MODEL
 
 # one worker runs the module (the README's --dist loadgroup): its fixtures convert and load the model and decode

@@ -7,7 +7,7 @@ import torch
 from helpers import hf_greedy
 
 from rag_accel.bench import run_benchmark, summarize
-from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
 MAX_NEW = 48
 # one worker runs the module (the README's --dist loadgroup): the greedy answers are decoded once, not once per

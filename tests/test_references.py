@@ -11,7 +11,7 @@ import pytest
 
 from rag_accel.inputs import TokenCache, certain_tokens, check_references, text_bound
 from rag_accel.references import WAITED_REFERENCE_SIZE, ReferenceSetUp
-from rag_accel.serve import model_text_bound
+from rag_accel.serving.serve import model_text_bound
 from rag_accel.vllm.requests import admission_text_bound, encode_text_bound, request_inputs
 
 LIMIT = 2000

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rag_accel.data import load_msmarco_sample
-from rag_accel.retrieval import OFFLINE_MINILM, Embedder, VectorIndex
-from rag_accel.storage import CorruptFileError
+from rag_accel.rag.msmarco import load_msmarco_sample
+from rag_accel.rag.retrieval import OFFLINE_MINILM, Embedder, VectorIndex
+from rag_accel.rag.storage import CorruptFileError
 
 PLANTED = "The zorblax lantern festival is held every March in the harbour town of Quillport."
 
@@ -144,7 +144,7 @@ def test_cached_index_embeds_once_and_keys_on_corpus_and_embedder(tmp_path, mini
     file or another embedder gets another file; a damaged cache file is rebuilt, not trusted."""
     import json
 
-    from rag_accel.retrieval import cached_index, index_cache_path
+    from rag_accel.rag.retrieval import cached_index, index_cache_path
 
     corpus = tmp_path / "corpus.jsonl"
     records = [{"id": it.id, "query": it.query, "passages": it.passages[:3]} for it in load_msmarco_sample(limit=2)]

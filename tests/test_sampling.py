@@ -29,7 +29,7 @@ SETTINGS = dict(temperature=2.0, top_k=8)  # a spread-out but finite support: <=
 def tokenizer():
     """A 600-token BPE trained here: each sampled run costs a quarter of what the default model's 49,152-token
     vocabulary costs (the head and the Gumbel noise are per vocabulary entry), and N runs per mode add up."""
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     return trained_bpe_tokenizer([p for it in load_msmarco_sample(limit=20) for p in it.passages], vocab_size=600)
 
@@ -139,7 +139,7 @@ def other_model(tokenizer):
 @pytest.fixture(scope="module")
 def universal(tokenizer):
     """A draft model with another vocabulary (a BPE trained here) and its tokenizer."""
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     bpe = trained_bpe_tokenizer([p for it in load_msmarco_sample(limit=20) for p in it.passages], vocab_size=500)
     return tiny_model("llama", len(bpe), seed=7), bpe, tokenizer

@@ -23,16 +23,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from rag_accel.server_process import import_vllm_or_skip
+from rag_accel.serving.server_process import import_vllm_or_skip
 
 import_vllm_or_skip()
 
 import openai  # noqa: E402 - a dependency of vLLM
 
 from rag_accel import serve  # noqa: E402
-from rag_accel.data import load_msmarco_sample, rag_messages  # noqa: E402
-from rag_accel.remote import RemoteDecoder, RemoteError  # noqa: E402
-from rag_accel.server_process import Server, group_processes  # noqa: E402
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages  # noqa: E402
+from rag_accel.serving.remote import RemoteDecoder, RemoteError  # noqa: E402
+from rag_accel.serving.server_process import Server, group_processes  # noqa: E402
 from rag_accel.vllm.requests import MIDDLEWARE_PATH  # noqa: E402
 from rag_accel.vllm import (  # noqa: E402
     PROPOSER_PATH,

@@ -1,4 +1,4 @@
-"""rag_accel.server_process without a server: what is left of a process group, a free port, and the
+"""rag_accel.serving.server_process without a server: what is left of a process group, a free port, and the
 test suites' rule for vLLM (skip without it; fail instead with RAG_ACCEL_REQUIRE_VLLM=1).
 
 The server itself (start, readiness, a clean stop of its whole group) is tests/test_serve.py's, in the
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from rag_accel.server_process import (
+from rag_accel.serving.server_process import (
     free_port,
     group_processes,
     import_vllm_or_skip,

@@ -20,9 +20,9 @@ import faiss
 import numpy as np
 import pytest
 
-from rag_accel.cache import ResponseCache
-from rag_accel.retrieval import VectorIndex
-from rag_accel.storage import CorruptFileError
+from rag_accel.rag.cache import ResponseCache
+from rag_accel.rag.retrieval import VectorIndex
+from rag_accel.rag.storage import CorruptFileError
 
 
 class FakeEmbedder:
@@ -299,7 +299,7 @@ def test_a_save_never_writes_a_file_that_would_not_load(tmp_path):
 _WRITER = """
 import os, sys, time, zlib
 import numpy as np
-from rag_accel.retrieval import VectorIndex
+from rag_accel.rag.retrieval import VectorIndex
 {embedder}
 index = VectorIndex(FakeEmbedder())
 index.add([f"passage {{i}} " + "x" * 5000 for i in range(2000)])  # about 10 MB
@@ -315,7 +315,7 @@ index.save(sys.argv[1])
 
 _FOLDER_WRITER = """
 import sys, time
-from rag_accel.storage import save_folder
+from rag_accel.rag.storage import save_folder
 def write(folder):
     (folder / "weights.bin").write_bytes(b"w" * 1000)
     print("writing", flush=True)
@@ -398,7 +398,7 @@ def test_a_concurrent_save_in_another_thread_keeps_its_temporary_file(tmp_path, 
 
 
 def test_a_killed_folder_save_s_temporary_folder_is_removed_by_the_next_one(tmp_path):
-    from rag_accel.storage import save_folder
+    from rag_accel.rag.storage import save_folder
 
     _kill(_start_writer(tmp_path / "model", _FOLDER_WRITER))
     leftover = list(tmp_path.iterdir())

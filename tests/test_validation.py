@@ -293,7 +293,7 @@ def test_the_configuration_page_states_the_defaults_and_only_the_options():
     from pathlib import Path
 
     from rag_accel.config import SPECULATIVE_TOKENS
-    from rag_accel.serve import DEFAULT_K
+    from rag_accel.serving.serve import DEFAULT_K
 
     page = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
     table = page.split("## What left")[0]

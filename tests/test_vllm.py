@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rag_accel.server_process import import_vllm_or_skip
+from rag_accel.serving.server_process import import_vllm_or_skip
 
 import_vllm_or_skip()
 
@@ -27,7 +27,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality  # noqa: E402
 
-from rag_accel.data import load_msmarco_sample, rag_messages  # noqa: E402
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages  # noqa: E402
 from rag_accel.vllm import (  # noqa: E402
     BatchStepCosts,
     RagProposer,

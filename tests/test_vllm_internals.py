@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rag_accel.server_process import import_vllm_or_skip
+from rag_accel.serving.server_process import import_vllm_or_skip
 
 import_vllm_or_skip()
 

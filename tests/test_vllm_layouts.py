@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from rag_accel.server_process import import_vllm_or_skip
+from rag_accel.serving.server_process import import_vllm_or_skip
 
 import_vllm_or_skip()
 
@@ -91,8 +91,8 @@ def test_pipeline_parallel_is_refused_before_an_engine_starts(tiny_llama):
 def test_data_parallel_2_through_the_server_is_exact_and_drafts(tiny_llama, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
-    from rag_accel.remote import RemoteDecoder
-    from rag_accel.server_process import Server
+    from rag_accel.serving.remote import RemoteDecoder
+    from rag_accel.serving.server_process import Server
 
     # vLLM places each engine's threads itself: an inherited binding of both cores (test_vllm.py sets 0-1 for
     # its engines) made both data-parallel engines bind the same cores and fail to start (CI, 2026-11-25).

@@ -180,7 +180,7 @@ def floor_state(worker: Any) -> dict[str, Any] | None:
 def probe_vllm(n_items: int) -> dict[str, Any]:
     """The sample's last ``n_items`` through a real vLLM engine with this project's proposer, one request at
     a time, then all at once; then where its slope floor stands."""
-    from rag_accel.data import load_msmarco_sample, rag_messages  # noqa: PLC0415
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages  # noqa: PLC0415
     from rag_accel.vllm import VllmDecoder  # noqa: PLC0415
 
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # (this probe's engine only: it sends floor_state)
@@ -227,7 +227,7 @@ def main() -> None:
     else:
         from rag_accel import ReferenceDecoder
         from rag_accel.bench.replay import prepare
-        from rag_accel.data import load_msmarco_sample
+        from rag_accel.rag.msmarco import load_msmarco_sample
         model = json.loads(args.outputs.read_text()).get("model", "smollm2-135m-instruct")
         dec = ReferenceDecoder.from_pretrained(model, calibrate=False)
         items = {it.id: it for it in load_msmarco_sample(with_answers=True)}

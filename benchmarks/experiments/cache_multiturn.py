@@ -30,10 +30,10 @@ import torch
 
 from rag_accel import DEFAULT_MODEL, ReferenceDecoder
 from rag_accel.bench import environment
-from rag_accel.cache import ResponseCache
-from rag_accel.conversation import Conversation
-from rag_accel.data import load_msmarco_sample, rag_messages
-from rag_accel.retrieval import OFFLINE_E5, Embedder, VectorIndex
+from rag_accel.rag.cache import ResponseCache
+from rag_accel.rag.conversation import Conversation
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
+from rag_accel.rag.retrieval import OFFLINE_E5, Embedder, VectorIndex
 
 CONFIGS = {"chain k=10": {"adaptive": False, "max_draft_tokens": 10}, "adaptive": {}}
 FOLLOW_UP = "Say that again in one short paragraph."

@@ -35,7 +35,7 @@ import torch
 
 from rag_accel import ReferenceDecoder
 from rag_accel.bench.replay import longest_copy, prepare
-from rag_accel.data import load_msmarco_sample
+from rag_accel.rag.msmarco import load_msmarco_sample
 from rag_accel.kernels import concat_with_separators
 
 K = 32

@@ -30,7 +30,7 @@ import statistics
 from pathlib import Path
 
 from rag_accel import DecoderConfig, ReferenceDecoder
-from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 from rag_accel.policy import AcceptanceStats, leading_matches
 from rag_accel.speculation import RequestDrafting, StepCosts
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from rag_accel import ReferenceDecoder
-from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 from rag_accel.bench.replay import cost_of, forward_costs
 from rag_accel.hf.decoder import measure_cost_curve
 

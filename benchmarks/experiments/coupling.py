@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from rag_accel import ReferenceDecoder
-from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 from rag_accel.models import int8_draft_model
 from rag_accel.hf.sampling import GumbelNoise, Sampling, warp
 

@@ -35,7 +35,7 @@ IN_FLIGHT, NEW = 16, 64
 def measure(n_engines: int, n_groups: int, throwaway: bool, model: str) -> dict:
     from rag_accel import ReferenceDecoder
     from rag_accel.bench.inflight import make_engines, take_prompts
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     items = load_msmarco_sample(with_answers=True)[100:100 + IN_FLIGHT * (n_groups + 1)]
     prompts = take_prompts(items, {IN_FLIGHT: len(items)}, ReferenceDecoder.from_pretrained(model))[0][IN_FLIGHT]

@@ -40,7 +40,7 @@ import numpy as np
 
 from rag_accel import DecoderConfig, ReferenceDecoder
 from rag_accel.bench.replay import K, SLOPE, continuation, match_lengths, occurrences, prepare, replay
-from rag_accel.data import load_msmarco_sample
+from rag_accel.rag.msmarco import load_msmarco_sample
 from rag_accel.drafters import ReferenceDrafter, _SpanCopier, build_drafters
 from rag_accel.kernels import SEPARATOR, concat_with_separators
 from rag_accel.policy import leading_matches

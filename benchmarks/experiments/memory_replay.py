@@ -306,7 +306,7 @@ def generate(path: Path, n: int, first: bool) -> None:
     """vLLM greedy's answers to the ``n`` first (or last) items' questions and to the same questions reworded."""
     from rag_accel import ReferenceDecoder
     from rag_accel.bench.harness import REWORDED
-    from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
     from rag_accel.vllm import VllmDecoder
 
     sample = load_msmarco_sample(with_answers=True)
@@ -349,7 +349,7 @@ def main() -> None:
         ap.error("--outputs or --generate")
     from rag_accel import ReferenceDecoder
     from rag_accel.bench.harness import REWORDED
-    from rag_accel.data import load_msmarco_sample, rag_messages
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
     saved = json.loads(args.outputs.read_text())
     dec = ReferenceDecoder.from_pretrained(saved["model"], calibrate=False)

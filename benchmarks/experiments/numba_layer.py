@@ -106,7 +106,7 @@ def main() -> None:
     from rag_accel import ReferenceDecoder
     from rag_accel.bench import VLLM_ENV_RECORDED
     from rag_accel.bench.inflight import run_levels, summarize, table, take_prompts
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     load_before = os.getloadavg()
     t_start = time.time()

@@ -53,8 +53,8 @@ def main() -> None:
 
     import openai
 
-    from rag_accel.data import load_msmarco_sample, rag_messages
-    from rag_accel.server_process import Server
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
+    from rag_accel.serving.server_process import Server
 
     items = load_msmarco_sample(limit=args.items)
     rng = random.Random(0)

@@ -172,7 +172,7 @@ def main() -> None:
     from rag_accel import ReferenceDecoder
     from rag_accel.bench import VLLM_ENV_RECORDED
     from rag_accel.bench.inflight import make_engines, take_prompts
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     load_before = os.getloadavg()
     items = load_msmarco_sample(with_answers=True)[-args.items:]

@@ -264,7 +264,7 @@ def main() -> None:
         return
     K = args.k
     from rag_accel import ReferenceDecoder
-    from rag_accel.data import load_msmarco_sample
+    from rag_accel.rag.msmarco import load_msmarco_sample
 
     model = json.loads(args.outputs.read_text()).get("model", "smollm2-135m-instruct")
     dec = ReferenceDecoder.from_pretrained(model, calibrate=False)

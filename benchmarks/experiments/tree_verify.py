@@ -41,7 +41,7 @@ import torch
 
 from rag_accel import ReferenceDecoder
 from rag_accel.bench.replay import continuation, cost_of, forward_costs, occurrences, replay
-from rag_accel.data import load_msmarco_sample, rag_messages
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 from rag_accel.kernels import concat_with_separators
 
 def found_at(ref: np.ndarray, ctx: np.ndarray) -> list[tuple[int, int, int, np.ndarray]]:

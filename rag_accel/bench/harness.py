@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..config import SPECULATIVE_TOKENS
-from ..data import RagItem, rag_input
+from ..rag.msmarco import RagItem, rag_input
 from ..methods import (
     ALL_METHODS,
     BASELINES,

@@ -47,7 +47,7 @@ def make_engines(specs: dict[str, dict], model: str, k: int, max_model_len: int,
 def take_prompts(items: Any, n_by_level: dict[int, int], tokenizer_dec: Any) -> tuple[dict, dict, dict]:
     """``n_by_level[c]`` items for each level ``c`` in turn: their prompts (token ids of the RAG chat prompt),
     references (the passages) and ids, by level."""
-    from ..data import rag_messages
+    from ..rag.msmarco import rag_messages
 
     prompts, refs, ids, i = {}, {}, {}, 0
     for c, n in n_by_level.items():

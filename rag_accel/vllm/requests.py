@@ -2,7 +2,7 @@
 
 Pure Python (no vLLM import): the frontend's admission check (:meth:`RowTracker.validate_params
 <rag_accel.vllm.RowTracker.validate_params>`, HTTP 400 on the server), the worker's rows and
-:mod:`rag_accel.remote` read requests through these functions.
+:mod:`rag_accel.serving.remote` read requests through these functions.
 """
 
 from __future__ import annotations

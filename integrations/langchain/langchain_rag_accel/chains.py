@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from operator import itemgetter
 from typing import Any
 
-from rag_accel.data import SYSTEM_PROMPT
+from rag_accel.rag.msmarco import SYSTEM_PROMPT
 
 
 def format_documents(docs: Sequence[Any]) -> str:
-    """Numbered passages, as :func:`rag_accel.data.rag_prompt` writes them."""
+    """Numbered passages, as :func:`rag_accel.rag.msmarco.rag_prompt` writes them."""
     return "\n\n".join(f"Passage {i}: {d.page_content}" for i, d in enumerate(docs, 1))
 
 

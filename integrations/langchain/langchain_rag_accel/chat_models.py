@@ -73,12 +73,12 @@ class ChatRagAccel(BaseChatModel):
             (a vLLM engine in this process: ``pip install 'rag-accel[vllm]'``), ``"remote"`` (implied
             by ``base_url``).
         base_url: a ``rag-accel serve`` server (``http://host:port/v1``): each call is one HTTP request
-            with its references in ``vllm_xargs`` (:class:`rag_accel.remote.RemoteDecoder`;
+            with its references in ``vllm_xargs`` (:class:`rag_accel.serving.remote.RemoteDecoder`;
             ``pip install 'rag-accel[remote]'``); ``api_key``, ``timeout`` and ``max_retries`` apply to it.
             What the server cannot tell (steps, drafted / accepted) is ``None`` in the stats.
         decoder: a ready decoder to use instead of loading ``model``: a :class:`rag_accel.ReferenceDecoder`,
             or any object with its ``generate``/``stream`` methods (:class:`rag_accel.vllm.VllmDecoder`,
-            :class:`rag_accel.remote.RemoteDecoder`); not together with ``backend`` / ``base_url``.
+            :class:`rag_accel.serving.remote.RemoteDecoder`); not together with ``backend`` / ``base_url``.
         max_tokens: most new tokens per call (alias ``max_new_tokens``; giving both with
             different values is an error).
         stop: stop strings; a per-call ``stop`` replaces them (``[]``: none). An empty stop

@@ -11,13 +11,13 @@ from pydantic import ConfigDict, Field
 
 
 class VectorIndexRetriever(BaseRetriever):
-    """A LangChain retriever over a :class:`rag_accel.retrieval.VectorIndex` (FAISS + E5).
+    """A LangChain retriever over a :class:`rag_accel.rag.retrieval.VectorIndex` (FAISS + E5).
 
     Documents carry ``metadata={"id": passage id, "score": inner product}``.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
-    index: Any  # rag_accel.retrieval.VectorIndex
+    index: Any  # rag_accel.rag.retrieval.VectorIndex
     k: int = Field(default=4, ge=1)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:

@@ -20,7 +20,7 @@ def real_decoder():
 
 @pytest.fixture(scope="session")
 def e5():
-    from rag_accel.retrieval import OFFLINE_E5, Embedder
+    from rag_accel.rag.retrieval import OFFLINE_E5, Embedder
 
     return Embedder(OFFLINE_E5)
 
@@ -29,7 +29,7 @@ def e5():
 def remote_server():
     """A `rag-accel serve` server (our proposer, the offline model, float32) started with the Python named
     by RAG_ACCEL_VLLM_PYTHON (a virtualenv with vLLM: it cannot share this one), one per test process.
-    Skipped when that is unset, an error when RAG_ACCEL_REQUIRE_VLLM=1 (rag_accel.server_process)."""
-    from rag_accel.server_process import shared_test_server
+    Skipped when that is unset, an error when RAG_ACCEL_REQUIRE_VLLM=1 (rag_accel.serving.server_process)."""
+    from rag_accel.serving.server_process import shared_test_server
 
     return shared_test_server()

@@ -25,7 +25,7 @@ from llama_index.llms.rag_accel import (
 )
 from llama_index.llms.rag_accel.base import MAX_REFERENCE_IDS
 
-from rag_accel.data import load_msmarco_sample
+from rag_accel.rag.msmarco import load_msmarco_sample
 
 MAX_NEW = 40
 _LOCK = threading.Lock()

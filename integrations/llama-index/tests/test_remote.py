@@ -14,9 +14,9 @@ from llama_index.core.llms import ChatMessage
 from llama_index.core.schema import TextNode
 from llama_index.llms.rag_accel import RagAccelLLM
 
-from rag_accel.data import load_msmarco_sample, rag_prompt
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_prompt
 from rag_accel.prediction import prediction_parts
-from rag_accel.remote import RemoteDecoder
+from rag_accel.serving.remote import RemoteDecoder
 
 MAX_NEW = 32
 MODEL = "smollm2-135m-instruct"

@@ -19,8 +19,8 @@ from langchain_rag_accel import (
 )
 
 from rag_accel import DEFAULT_MODEL
-from rag_accel.data import load_msmarco_sample
-from rag_accel.retrieval import VectorIndex
+from rag_accel.rag.msmarco import load_msmarco_sample
+from rag_accel.rag.retrieval import VectorIndex
 
 MAX_NEW = 40
 

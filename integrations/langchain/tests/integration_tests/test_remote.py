@@ -14,7 +14,7 @@ from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from langchain_rag_accel import ChatRagAccel, rag_chain
 
-from rag_accel.data import load_msmarco_sample
+from rag_accel.rag.msmarco import load_msmarco_sample
 
 MAX_NEW = 32
 MODEL = "smollm2-135m-instruct"

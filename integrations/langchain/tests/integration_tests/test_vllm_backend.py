@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from rag_accel.server_process import import_vllm_or_skip
+from rag_accel.serving.server_process import import_vllm_or_skip
 
 import_vllm_or_skip()  # CI (RAG_ACCEL_REQUIRE_VLLM=1): a missing vLLM fails here instead of skipping
 
@@ -24,7 +24,7 @@ from langchain_rag_accel import ChatRagAccel, rag_chain  # noqa: E402
 import rag_accel  # noqa: E402
 from rag_accel import DEFAULT_MODEL  # noqa: E402
 from rag_accel.adapters import close_shared_decoders  # noqa: E402
-from rag_accel.data import load_msmarco_sample  # noqa: E402
+from rag_accel.rag.msmarco import load_msmarco_sample  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1" if (os.cpu_count() or 1) >= 2 else "0")

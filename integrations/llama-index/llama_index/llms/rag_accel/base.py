@@ -86,7 +86,7 @@ class RagAccelLLM(CustomLLM):
             (a vLLM engine in this process: ``pip install 'rag-accel[vllm]'``), ``"remote"`` (implied
             by ``base_url``).
         base_url: a ``rag-accel serve`` server (``http://host:port/v1``): each call is one HTTP request
-            with its references in ``vllm_xargs`` (:class:`rag_accel.remote.RemoteDecoder`;
+            with its references in ``vllm_xargs`` (:class:`rag_accel.serving.remote.RemoteDecoder`;
             ``pip install 'rag-accel[remote]'``), with ``api_key``, ``timeout``, ``max_retries``.
             What the server cannot tell (steps, drafted / accepted) is ``None`` in the stats, and
             ``metadata.context_window`` is the server's ``max_model_len``.
@@ -95,7 +95,7 @@ class RagAccelLLM(CustomLLM):
             default scope, if it has one, else no memory). The transformers backend has no memory.
         decoder: a ready decoder instead of loading ``model_name``: a :class:`rag_accel.ReferenceDecoder`,
             or any object with its ``generate``/``stream`` methods (:class:`rag_accel.vllm.VllmDecoder`,
-            :class:`rag_accel.remote.RemoteDecoder`); not together with ``backend`` / ``base_url``.
+            :class:`rag_accel.serving.remote.RemoteDecoder`); not together with ``backend`` / ``base_url``.
         max_new_tokens: most new tokens per call (``metadata.num_output``); alias ``max_tokens``
             (giving both with different values is an error).
         stop: stop strings (a per-call ``stop`` replaces them; ``[]``: none). An empty stop

@@ -19,7 +19,7 @@ def e5_embedding(model: str = "multilingual-e5-small", **kwargs: Any) -> Any:
     except ImportError as e:
         raise ImportError(f"e5_embedding needs llama-index-embeddings-huggingface: {_RETRIEVAL_EXTRA}") from e
 
-    from rag_accel.retrieval import resolve_embedder
+    from rag_accel.rag.retrieval import resolve_embedder
 
     return HuggingFaceEmbedding(model_name=resolve_embedder(model), query_instruction="query: ",
                                 text_instruction="passage: ", normalize=True, **kwargs)

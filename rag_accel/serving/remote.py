@@ -36,12 +36,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
-from .config import DecoderConfig
-from .inputs import check_chat, check_lengths, check_reference, check_stops, check_text, is_chat, token_ids
-from .memory import check_scope
-from .outputs import GenerationOutput, GenerationStats, GenerationStream
-from .prediction import prediction_parts
-from .protocol import CALL_OPTIONS, WORKER_BASE, batch_arguments, check_options, config_changes, sampling_request
+from ..config import DecoderConfig
+from ..inputs import check_chat, check_lengths, check_reference, check_stops, check_text, is_chat, token_ids
+from ..memory import check_scope
+from ..outputs import GenerationOutput, GenerationStats, GenerationStream
+from ..prediction import prediction_parts
+from ..protocol import CALL_OPTIONS, WORKER_BASE, batch_arguments, check_options, config_changes, sampling_request
 
 __all__ = ["AsyncGenerationStream", "RemoteDecoder", "RemoteError"]
 

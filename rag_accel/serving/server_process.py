@@ -10,7 +10,7 @@ The test suites' rule for vLLM lives here too, in one place: a test that needs v
 skipped without it, and fails instead when ``RAG_ACCEL_REQUIRE_VLLM=1`` (CI's vLLM suite). Only those
 functions import pytest.
 
-The server itself (the ``vllm serve`` command line, vLLM's CLI) is :mod:`rag_accel.serve`.
+The server itself (the ``vllm serve`` command line, vLLM's CLI) is :mod:`rag_accel.serving.serve`.
 """
 
 from __future__ import annotations

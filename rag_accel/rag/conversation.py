@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cache import ResponseCache
-from .data import SYSTEM_PROMPT, rag_prompt
-from .outputs import GenerationOutput
-from .protocol import Decoder
+from .msmarco import SYSTEM_PROMPT, rag_prompt
+from ..outputs import GenerationOutput
+from ..protocol import Decoder
 from .retrieval import SearchHit, VectorIndex
 
 
