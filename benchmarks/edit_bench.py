@@ -19,8 +19,9 @@ Methods, every output compared token for token with its engine's greedy:
 
 * transformers, all in one process, interleaved item by item (the order rotating): ``greedy``
   (``model.generate``), ``hf-pld`` (``prompt_lookup_num_tokens=10``), ``hf-assisted`` (``assistant_model``: the draft
-  model), ``ours`` (the prediction, or the passages, as references), ``ours-noref`` (neither: the prompt and the answer
-  only), ``ours-hybrid`` (with the draft model behind the copy drafters);
+  model), ``ours`` (the prediction, or the passages, as references), ``ours-plain`` (the same decoder, drafting off:
+  the exactness baseline in bfloat16, where exact steps and ``model.generate`` use other kernels), ``ours-noref``
+  (neither: the prompt and the answer only), ``ours-hybrid`` (with the draft model behind the copy drafters);
 * vLLM, one engine after another (a 1.5B model's engines do not fit this machine's memory side by side), each
   warmed up on a request of its own: ``vllm-greedy``, ``vllm-ngram``, ``vllm-suffix``, ``vllm-draft`` (vLLM's own
   ``draft_model`` method with the draft model), ``vllm-ours`` (no prediction) and ``vllm-ours+prediction`` (the same
@@ -51,7 +52,7 @@ BUNDLED_EDITS = ROOT / "benchmarks" / "data" / "edits_mit.jsonl"
 SYSTEM = ("You are a careful coding assistant. Apply the requested change to the file and reply with the whole "
           "updated file in one fenced code block, nothing else.")
 K = 10  # draft tokens a vLLM step verifies at most (rag_accel.config.SPECULATIVE_TOKENS)
-HF_METHODS = ("greedy", "hf-pld", "hf-assisted", "ours", "ours-noref", "ours-hybrid")
+HF_METHODS = ("greedy", "hf-pld", "hf-assisted", "ours", "ours-plain", "ours-noref", "ours-hybrid")
 VLLM_METHODS = ("vllm-greedy", "vllm-ngram", "vllm-suffix", "vllm-draft", "vllm-ours")
 
 
@@ -79,7 +80,7 @@ def edit_items(path: Path, n: int, max_chars: int, tokenizer: Any) -> list[dict[
 
 
 def rag_items(n: int, tokenizer: Any) -> list[dict[str, Any]]:
-    from rag_accel.data import load_msmarco_sample, rag_input
+    from rag_accel.rag.msmarco import load_msmarco_sample, rag_input
 
     return [{"id": it.id, "messages": rag_input(tokenizer, it.query, it.passages), "references": list(it.passages),
              "prediction": None, "max_new_tokens": 64} for it in load_msmarco_sample(with_answers=True)[-n:]]
@@ -111,7 +112,7 @@ def run_transformers(args: argparse.Namespace, methods: list[str]) -> tuple[dict
             refs = None if method == "ours-noref" else (None if item["prediction"] else item["references"])
             pred = ({"type": "content", "content": item["prediction"]}
                     if item["prediction"] and method != "ours-noref" else None)
-            cfg = None if method == "ours-hybrid" else copy_only
+            cfg = {"ours-hybrid": None, "ours-plain": {"drafters": ()}}.get(method, copy_only)
             o = dec.generate(ids, references=refs, prediction=pred, max_new_tokens=n, config=cfg)
             tokens, steps, stats = o.token_ids, o.stats.steps, o.stats
         row = {"method": method, "item": item["id"], "seconds": time.perf_counter() - t0, "token_ids": tokens,
@@ -214,6 +215,9 @@ def summarise(rows: list[dict], baseline: str, level: int | None = None) -> dict
             bwall = sum({r["group"]: r["seconds"] for r in base.values()}.values())
             s.update(throughput=(s["new_tokens"] / wall) / (sum(r["new_tokens"] for r in base.values()) / bwall),
                      tokens_per_s=s["new_tokens"] / wall)
+        if "ours-plain" in {r["method"] for r in rows}:
+            plain = {r["item"]: r["token_ids"] for r in rows if r["method"] == "ours-plain"}
+            s["identical_to_ours_plain"] = sum(r["token_ids"] == plain.get(r["item"]) for r in mine) / len(mine)
         if "accepted_prediction_tokens" in mine[0] and mine[0]["accepted_prediction_tokens"] is not None:
             s["accepted_prediction_tokens"] = sum(r.get("accepted_prediction_tokens") or 0 for r in mine)
         out[m] = s
@@ -230,13 +234,14 @@ def markdown(result: dict) -> str:
         per_request = level == "1"
         lines += [f"{'One request at a time' if per_request else level + ' requests in flight'}:", "",
                   "| method | " + ("speed-up (geo-mean) | worst item" if per_request else "throughput vs greedy")
-                  + " | tokens/step | tokens/s | identical | accepted prediction tokens |",
-                  "|---|---|" + ("---|" if per_request else "") + "---|---|---|---|"]
+                  + " | tokens/step | tokens/s | identical | identical to ours-plain | accepted prediction tokens |",
+                  "|---|---|" + ("---|" if per_request else "") + "---|---|---|---|---|"]
         for m, s in summary.items():
             tps = f"{s['tokens_per_step']:.2f}" if s["tokens_per_step"] else "-"
             head = (f"{s['speedup']:.2f}x | {s['worst']:.2f}x ({s['worst_item']})" if per_request
                     else f"{s['throughput']:.2f}x")
-            lines.append(f"| {m} | {head} | {tps} | {s['tokens_per_s']:.1f} | {s['identical']:.0%} | "
+            plain = f"{s['identical_to_ours_plain']:.0%}" if "identical_to_ours_plain" in s else "-"
+            lines.append(f"| {m} | {head} | {tps} | {s['tokens_per_s']:.1f} | {s['identical']:.0%} | {plain} | "
                          f"{s.get('accepted_prediction_tokens', '-')} |")
         lines.append("")
     return "\n".join(lines) + "\n"
