@@ -72,7 +72,7 @@ def split_values(text: str) -> list[object]:
 
 def vllm_pair(args: argparse.Namespace):
     """``(encode, greedy(prompts), ours(prompts, refs, changes), close)`` on vLLM: two engines, a spare first."""
-    from rag_accel.bench.inflight import make_engines
+    from rag_accel_lab.inflight import make_engines
 
     engines = make_engines({"vllm-greedy": {"speculation": "off"}, "vllm-ours": {"speculation": "ours"}},
                            args.model, args.k, 4096, spare_first=True)

@@ -60,7 +60,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rag_accel.bench.inflight import (  # noqa: E402 - (vLLM only inside its functions)
+from rag_accel_lab.inflight import (  # noqa: E402 - (vLLM only inside its functions)
     make_engines,
     ngram_config,
     run_levels,

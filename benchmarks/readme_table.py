@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from rag_accel.bench.inflight import first_vs_others, run_rates
+from rag_accel_lab.inflight import first_vs_others, run_rates
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"

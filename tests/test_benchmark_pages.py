@@ -30,9 +30,25 @@ def test_every_experiment_is_in_the_index_with_its_question_and_finding():
 
 
 def test_no_benchmark_edits_sys_path():
-    """Shared code lives in rag_accel.bench (replay, inflight); a script imports at most a sibling script."""
+    """Shared code lives in rag_accel.bench (what rag-accel bench runs) and rag_accel_lab (benchmarks/rag_accel_lab:
+    replay, inflight, installed by the README's test command); a script imports at most a sibling script."""
     for script in [*BENCH.glob("*.py"), *EXPERIMENTS.glob("*.py")]:
         assert "sys.path" not in script.read_text(encoding="utf-8"), script.name
+
+
+def test_the_lab_is_outside_the_wheel():
+    """Issue 65: the replays' and in-flight kits live in benchmarks/rag_accel_lab, a package of its own that
+    rag-accel's wheel does not hold; nothing in rag_accel imports it, and it is importable here by name."""
+    import rag_accel_lab.inflight
+    import rag_accel_lab.replay
+
+    root = BENCH.parent
+    assert Path(rag_accel_lab.replay.__file__).resolve().parent == BENCH / "rag_accel_lab"
+    library = [p for p in (root / "rag_accel").rglob("*.py")]
+    assert not [p for p in library if p.stem in ("replay", "inflight")]
+    imports = re.compile(r"^\s*(from|import) rag_accel_lab\b", re.M)
+    assert [p.name for p in library if imports.search(p.read_text(encoding="utf-8"))] == []
+    assert 'include = ["rag_accel*"]' in (root / "pyproject.toml").read_text(encoding="utf-8")
 
 
 def test_the_results_page_has_headings_an_index_of_findings_and_short_lines():

@@ -1,6 +1,6 @@
 """The parts of the benchmarks that a committed result rests on and that can be checked here, without the
 machine that timed it: the GPU step-cost benchmark's static step (it must be the model's own forward, or its
-timings price something else), and the replays' kit (:mod:`rag_accel.bench.replay`): the interpolation of the
+timings price something else), and the replays' kit (:mod:`rag_accel_lab.replay`): the interpolation of the
 measured step times, the oracle's copies and the length oracle."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rag_accel.bench import replay as rp
+from rag_accel_lab import replay as rp
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "benchmarks" / "experiments"
 

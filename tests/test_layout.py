@@ -250,3 +250,36 @@ def test_only_serving_reaches_serving():
     wrong = {m: sorted(d for d in deps if _within(d, ("rag_accel.serving",)))
              for m, deps in graph.items() if not _within(m, allowed)}
     assert {m: d for m, d in wrong.items() if d} == {}
+
+
+def _private_uses(path: Path) -> tuple[set[str], list[tuple[int, str]]]:
+    """The private names (``_x``, not ``__x__``) a module defines (functions, classes, methods, attributes set on
+    ``self``), and those it imports from another module or calls as ``something._x(...)`` on another object."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    defined |= {t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Attribute)}
+    used = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            used += [(n.lineno, f"imports {n.module}.{a.name}") for a in n.names if private(a.name)]
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and private(n.func.attr):
+            owner = n.func.value
+            if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")) and n.func.attr not in defined:
+                used.append((n.lineno, f"calls {ast.unparse(n.func)}"))
+    return {d for d in defined if private(d)}, used
+
+
+def test_no_module_uses_another_modules_private_names(tmp_path: Path):
+    """Issue 65: a private name is its module's own. No module of rag_accel (or the benchmarks' lab) imports
+    another's private name or calls another class's private method; within a module, its classes may call each
+    other's (``UniversalDrafter`` drives its own ``ModelDrafter``)."""
+    files = [*sorted((ROOT / "rag_accel").rglob("*.py")), *sorted((ROOT / "benchmarks" / "rag_accel_lab").glob("*.py"))]
+    wrong = [f"{f.relative_to(ROOT)}:{line} {what}" for f in files for line, what in _private_uses(f)[1]]
+    assert wrong == [], "\n".join(wrong)
+    probe = tmp_path / "probe.py"  # the reader itself: what it flags and what it lets be
+    probe.write_text("from x import _hidden\nclass A:\n    def _own(self): self._own()\n"
+                     "def f(a, b):\n    a._own()\n    b._theirs()\n")
+    assert [what for _, what in _private_uses(probe)[1]] == ["imports x._hidden", "calls b._theirs"]
+    assert _private_uses(ROOT / "rag_accel" / "hf" / "draft_models.py")[0] >= {"_forward", "_start"}

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rag_accel import DecoderConfig
-from rag_accel.bench.replay import LineCost, TableCost
+from rag_accel_lab.replay import LineCost, TableCost
 from rag_accel.policy import AcceptanceStats, leading_matches
 from rag_accel.speculation import RequestDrafting
 from rag_accel.vllm.costs import BatchStepCosts  # (no vLLM needed)
@@ -226,7 +226,7 @@ def main() -> None:
         prepared = [tuple(x) for x in json.loads(args.prepared.read_text())]
     else:
         from rag_accel import ReferenceDecoder
-        from rag_accel.bench.replay import prepare
+        from rag_accel_lab.replay import prepare
         from rag_accel.rag.msmarco import load_msmarco_sample
         model = json.loads(args.outputs.read_text()).get("model", "smollm2-135m-instruct")
         dec = ReferenceDecoder.from_pretrained(model, calibrate=False)

@@ -5,7 +5,7 @@
         --costs benchmarks/results/verify_costs_cpu.json --out benchmarks/results/ceilings_qwen15_last16x64
 
 The answers fix every step's outcome. At each position of an answer the oracle knows (1) the most tokens a copy
-from the references, the prompt or the answer so far gets accepted (:func:`rag_accel.bench.replay.longest_copy`,
+from the references, the prompt or the answer so far gets accepted (:func:`rag_accel_lab.replay.longest_copy`,
 from any match of 1 token or more: a bound on every copy drafter), and (2) the most a greedy draft of the draft
 model gets accepted (its argmax over the true context, one teacher-forced forward per item, agrees with the
 answer that many positions in a row). A shortest-path over the positions then picks, step by step, a plain
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from rag_accel import ReferenceDecoder
-from rag_accel.bench.replay import longest_copy, prepare
+from rag_accel_lab.replay import longest_copy, prepare
 from rag_accel.rag.msmarco import load_msmarco_sample
 from rag_accel.kernels import concat_with_separators
 

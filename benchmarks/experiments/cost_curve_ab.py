@@ -31,7 +31,7 @@ import torch
 
 from rag_accel import ReferenceDecoder
 from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
-from rag_accel.bench.replay import cost_of, forward_costs
+from rag_accel_lab.replay import cost_of, forward_costs
 from rag_accel.hf.decoder import measure_cost_curve
 
 ARMS = ("greedy", "before", "after")
@@ -40,7 +40,7 @@ ARMS = ("greedy", "before", "after")
 def curve_with_dips(decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2) -> tuple:
     """The candidate rule: every size up to 8 timed (then 12, 16, 24, 32, 48, 64, ``max_draft + 1``), a longer
     forward that costs less kept (linear between sizes, at least 1), as :func:`measure_cost_curve` otherwise
-    (its context length and repeats; the timing loop is :func:`rag_accel.bench.replay.forward_costs`)."""
+    (its context length and repeats; the timing loop is :func:`rag_accel_lab.replay.forward_costs`)."""
     ctx_len = max(1, min(context_len, (decoder.context_window or 1 << 30) - max_draft - 2))
     sizes = sorted({*range(1, min(8, max_draft + 1) + 1),
                     *(s for s in (12, 16, 24, 32, 48, 64) if s <= max_draft), max_draft + 1})

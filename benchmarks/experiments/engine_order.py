@@ -27,14 +27,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from rag_accel.bench.inflight import engine_seconds, first_vs_others  # noqa: E402
+from rag_accel_lab.inflight import engine_seconds, first_vs_others  # noqa: E402
 
 IN_FLIGHT, NEW = 16, 64
 
 
 def measure(n_engines: int, n_groups: int, throwaway: bool, model: str) -> dict:
     from rag_accel import ReferenceDecoder
-    from rag_accel.bench.inflight import make_engines, take_prompts
+    from rag_accel_lab.inflight import make_engines, take_prompts
     from rag_accel.rag.msmarco import load_msmarco_sample
 
     items = load_msmarco_sample(with_answers=True)[100:100 + IN_FLIGHT * (n_groups + 1)]

@@ -249,7 +249,7 @@ def warm_gpu(seconds: float) -> None:
 
 def least_squares(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """``(a, b)`` of the least-squares line ``t = a + b T`` through ``(T, t)`` points (the same as
-    :func:`rag_accel.bench.replay.least_squares`, repeated: this script needs only torch and transformers, so that
+    :func:`rag_accel_lab.replay.least_squares`, repeated: this script needs only torch and transformers, so that
     it runs on a machine where rag_accel is not installed)."""
     n = len(points)
     mt, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n

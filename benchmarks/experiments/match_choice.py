@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from rag_accel import DecoderConfig, ReferenceDecoder
-from rag_accel.bench.replay import K, SLOPE, continuation, match_lengths, occurrences, prepare, replay
+from rag_accel_lab.replay import K, SLOPE, continuation, match_lengths, occurrences, prepare, replay
 from rag_accel.rag.msmarco import load_msmarco_sample
 from rag_accel.drafters import ReferenceDrafter, _SpanCopier, build_drafters
 from rag_accel.kernels import SEPARATOR, concat_with_separators
@@ -260,7 +260,7 @@ def always_send(prepared: Sequence[tuple], choice: str, weights: np.ndarray | No
 
 def close_after_span(prompt: list[int], refs: Sequence[Sequence[int]], chain: list) -> list:
     """Part 2's chain with :class:`CloseAfterSpan` in the reference drafter's place (a ``make_chain`` of
-    :func:`rag_accel.bench.replay.replay`)."""
+    :func:`rag_accel_lab.replay.replay`)."""
     return [CloseAfterSpan(refs, 2, 32) if d.name == "reference" else d for d in chain]  # (LLMA's match lengths)
 
 

@@ -44,7 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from rag_accel.bench.replay import (
+from rag_accel_lab.replay import (
     MAX_TREE_DEPTH,
     MIN_TOKEN_PROB,
     FrequencyTreeDrafter,

@@ -171,7 +171,7 @@ def main() -> None:
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # (the timer goes to the workers pickled)
     from rag_accel import ReferenceDecoder
     from rag_accel.bench import VLLM_ENV_RECORDED
-    from rag_accel.bench.inflight import make_engines, take_prompts
+    from rag_accel_lab.inflight import make_engines, take_prompts
     from rag_accel.rag.msmarco import load_msmarco_sample
 
     load_before = os.getloadavg()

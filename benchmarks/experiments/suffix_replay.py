@@ -13,14 +13,14 @@ model's own next token, and costs ``curve[L]`` plain steps for ``L`` draft token
 one engine learning across them, as in the vLLM benchmarks' per-request loop:
 
 * ours: :class:`rag_accel.speculation.RequestDrafting` (the drafter chain and the cost-aware policy,
-  ``rag_accel.bench.replay.replay``): the chain before the frequency drafter (reference, prompt lookup,
+  ``rag_accel_lab.replay.replay``): the chain before the frequency drafter (reference, prompt lookup,
   n-grams) and the default chain (references, the frequency drafter), each with the memory of earlier answers (``vllm-ours-memory``: one
   scope) or without, or with arctic-inference's frequency tree of earlier answers in the memory's place;
   and our policy over arctic-inference's per-request tree alone (:class:`RequestTreeDrafter`), which asks
   whether our policy or suffix decoding's own rule sends the better share of the same drafts;
 * what our choice of draft lengths leaves: the default chain's drafts, each sent at just the length that
   gets accepted (an oracle; the drafts, and so the tokens per step, are ours);
-* the ceiling of copying (``rag_accel.bench.replay.copy_ceiling``): an oracle that knows the answer takes, each step,
+* the ceiling of copying (``rag_accel_lab.replay.copy_ceiling``): an oracle that knows the answer takes, each step,
   the most tokens any copy of at most ``K`` tokens after a match in the references, the prompt or the answer so
   far (and, in its second row, earlier answers) gets accepted, and sends just those: no drafter that copies from
   those sources takes fewer steps; then the same after matches of at least 2 tokens only (a 1-token match,
@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rag_accel.bench.replay import (
+from rag_accel_lab.replay import (
     MAX_TREE_DEPTH,
     MIN_TOKEN_PROB,
     FrequencyTreeMemory,
@@ -168,7 +168,7 @@ def _suffix(factor: float, global_tree: bool = True):
 
 
 def _ceiling(earlier_answers: bool, min_match: int = 1):
-    """:func:`rag_accel.bench.replay.copy_ceiling`: the oracle's steps do not depend on the cost curve, so they are found once."""
+    """:func:`rag_accel_lab.replay.copy_ceiling`: the oracle's steps do not depend on the cost curve, so they are found once."""
     found: dict[tuple, list[list[int]]] = {}
 
     def run(prepared: Sequence[tuple], curve: Sequence[float]) -> dict[str, float]:

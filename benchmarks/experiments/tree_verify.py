@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from rag_accel import ReferenceDecoder
-from rag_accel.bench.replay import continuation, cost_of, forward_costs, occurrences, replay
+from rag_accel_lab.replay import continuation, cost_of, forward_costs, occurrences, replay
 from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 from rag_accel.kernels import concat_with_separators
 

@@ -10,9 +10,9 @@ One place for the benchmark tooling, split by concept:
   and the plot (matplotlib, the ``[bench]`` extra).
 - :mod:`~rag_accel.bench.timing`: ``rag-accel demo``'s timing (forward passes, prefill, median run).
 - :mod:`~rag_accel.bench.drafting`: the drafting micro-benchmark (``rag-accel bench-drafting``).
-- :mod:`~rag_accel.bench.inflight`: requests in flight on vLLM engines, for the scripts in ``benchmarks/``.
-- :mod:`~rag_accel.bench.replay`: drafting replayed on the model's known answers, and step prices, for the
-  replays in ``benchmarks/experiments/``.
+
+The lab that only ``benchmarks/`` uses (replays on known answers, requests in flight) is not here: it is
+``rag_accel_lab`` in ``benchmarks/rag_accel_lab/``, outside the wheel.
 
 The command line (:mod:`rag_accel.cli`) only parses arguments and calls these.
 """

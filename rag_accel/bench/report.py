@@ -191,7 +191,7 @@ class BenchReport:
 
     def save_outputs(self, path: str | Path, runs: Sequence[Run]) -> None:
         """Greedy's token ids per item (``--save-outputs``): the answers the replays of
-        :mod:`rag_accel.bench.replay` and ``benchmarks/experiments/`` draft against; and every method's (its first
+        :mod:`rag_accel_lab.replay` and ``benchmarks/experiments/`` draft against; and every method's (its first
         run of each item), which ``benchmarks/experiments/compare_outputs.py`` holds against another run's (another dtype's)."""
         first = [r for r in runs if r.repeat == 0 and r.case == "rag"]
         by_method: dict[str, dict[str, list[int]]] = {}

@@ -35,7 +35,7 @@ from ..speculation import RequestDrafting, StepCosts
 from ..stopping import OutputText
 
 __all__ = ["GenerationOutput", "GenerationStats", "GenerationStream", "ReferenceDecoder", "context_window",
-           "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
+           "forward_seconds", "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
 
 # The dtypes whose verify steps run exact by default (ReferenceDecoder(exact=None)): a verify's products and attention
 # computed so that each row is bit for bit a one-token step's (tests/test_exact.py; costs: benchmarks/experiments/verify_costs.py --arms exact).
@@ -756,6 +756,33 @@ class _SetUp:
             raise error
 
 
+def forward_seconds(
+    decoder: ReferenceDecoder, sizes: Sequence[int], context_len: int = 256, repeats: int = 2, *,
+    pack_gqa: bool = True, fast_linears: bool = True, exact: bool = False, seed: int = 0,
+) -> dict[int, float]:
+    """Seconds of the decoder's forward over ``n`` new tokens on a cached ``context_len``-token context (random
+    ids), for each ``n`` in ``sizes``: round-robin over sizes, the first round a warm-up (so drift hits all sizes
+    alike), the least disturbed of ``repeats``. ``pack_gqa``, ``fast_linears``, ``exact``: the forward path."""
+    sync = torch.cuda.synchronize if decoder.device.type == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(0, decoder.vocab_size, (context_len,), generator=gen).tolist()
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    with torch.inference_mode():
+        cache = decoder._new_cache()
+        decoder._forward(ctx, cache, last_only=True, fast_linears=fast_linears)
+        for r in range(repeats + 1):
+            for n in sizes:
+                ids = torch.randint(0, decoder.vocab_size, (n,), generator=gen).tolist()
+                sync()
+                t0 = time.perf_counter()
+                decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_linears=fast_linears, exact=exact)
+                sync()
+                if r:
+                    samples[n].append(time.perf_counter() - t0)
+                rollback_cache(cache, n)
+    return {n: min(v) for n, v in samples.items()}
+
+
 def measure_cost_curve(
     decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2, pack_gqa: bool = True,
     fast_linears: bool = True, exact: bool = False,
@@ -766,29 +793,11 @@ def measure_cost_curve(
     measured sizes, made non-decreasing). Takes well under a second for small
     models; done once per decoder.
     """
-    device = decoder.device
     if decoder.context_window is not None:
         context_len = max(1, min(context_len, decoder.context_window - max_draft - 2))
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gen = torch.Generator().manual_seed(0)
-    ctx = torch.randint(0, decoder.vocab_size, (context_len,), generator=gen).tolist()
     sizes = sorted({1, *[s for s in (2, 4, 8, 16, 32, 64) if s <= max_draft], max_draft + 1})
-    samples: dict[int, list[float]] = {s: [] for s in sizes}
-    with torch.inference_mode():
-        cache = decoder._new_cache()
-        decoder._forward(ctx, cache, last_only=True, fast_linears=fast_linears)
-        # Round-robin over sizes, the first round a warm-up, so drift hits all sizes alike.
-        for r in range(repeats + 1):
-            for size in sizes:
-                ids = torch.randint(0, decoder.vocab_size, (size,), generator=gen).tolist()
-                sync()
-                t0 = time.perf_counter()
-                decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_linears=fast_linears, exact=exact)
-                sync()
-                if r:
-                    samples[size].append(time.perf_counter() - t0)
-                rollback_cache(cache, size)
-    times = {s: min(v) for s, v in samples.items()}  # the least disturbed run
+    times = forward_seconds(decoder, sizes, context_len, repeats, pack_gqa=pack_gqa, fast_linears=fast_linears,
+                            exact=exact)
     base = times[1]
     curve = []
     for L in range(max_draft + 1):
@@ -811,18 +820,8 @@ def measure_draft_costs(decoder: ReferenceDecoder, context_len: int = 256, repea
     gen = torch.Generator().manual_seed(1)
     rows = int(draft_model.get_input_embeddings().weight.shape[0])
     ctx = torch.randint(0, min(rows, decoder.vocab_size), (context_len,), generator=gen).tolist()
-    drafter = ModelDrafter(draft_model)
+    catchup, draft_s = ModelDrafter(draft_model).time_steps(ctx, repeats)
     with torch.inference_mode():
-        drafter._forward(ctx[:8])  # (the first forward of all pays set-ups)
-        drafter._cache, drafter._cached = new_cache(draft_model), []
-        t0 = time.perf_counter()
-        drafter._forward(ctx)
-        catchup = (time.perf_counter() - t0) / len(ctx)
-        draft_s = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            drafter._forward(ctx[:1])
-            draft_s.append(time.perf_counter() - t0)
         cache = decoder._new_cache()
         decoder._forward(ctx, cache, last_only=True, fast_linears=decoder.fast_linears)
         step_s = []
@@ -831,4 +830,4 @@ def measure_draft_costs(decoder: ReferenceDecoder, context_len: int = 256, repea
             decoder._forward(ctx[:1], cache, fast_linears=decoder.fast_linears, exact=decoder.exact)
             step_s.append(time.perf_counter() - t0)
             rollback_cache(cache, 1)
-    return StepCosts(step_s=min(step_s), draft_token_s=min(draft_s), catchup_token_s=catchup)
+    return StepCosts(step_s=min(step_s), draft_token_s=draft_s, catchup_token_s=catchup)

@@ -96,6 +96,23 @@ class ModelDrafter:
             self._cache = new_cache(self.model)
             self._cached, self._synced = [], 0
 
+    def time_steps(self, context: Sequence[int], repeats: int = 3) -> tuple[float, float]:
+        """Seconds per token of a prefill of ``context`` (what catching up on a prompt costs) and of a one-token
+        step after it (the least disturbed of ``repeats``), timed now on a fresh cache; the cache is left empty."""
+        with torch.inference_mode():
+            self._forward(context[:8])  # (the first forward of all pays set-ups)
+            self._context, self._cache, self._cached, self._synced = None, new_cache(self.model), [], 0
+            t0 = time.perf_counter()
+            self._forward(context)
+            catchup = (time.perf_counter() - t0) / len(context)
+            steps = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                self._forward(context[:1])
+                steps.append(time.perf_counter() - t0)
+            self._cache = new_cache(self.model)
+        return catchup, min(steps)
+
     def _forward(self, ids: Sequence[int]) -> torch.Tensor:
         x = torch.tensor([list(ids)], dtype=torch.long, device=self.device)  # [1, S]
         kwargs: dict[str, Any] = {self._cache_kwarg: self._cache, "use_cache": True}

@@ -17,7 +17,7 @@ OURS = ("vllm-ours", "vllm-ours-memory", "vllm-ours-control")
 
 def ngram_config(k: int, schedule: list[tuple[int, int, int]] | None = None) -> dict:
     """vLLM's n-gram speculation as the bench's vllm-ngram runs it, with a dynamic schedule if given."""
-    from ..vllm.requests import speculative_config
+    from rag_accel.vllm.requests import speculative_config
 
     cfg = speculative_config("ngram", k)
     if schedule is not None:
@@ -29,8 +29,8 @@ def make_engines(specs: dict[str, dict], model: str, k: int, max_model_len: int,
     """One engine per spec, named by its key, in the peers' environment (:func:`rag_accel.bench.peer_environment`).
     ``spare_first``: a spare plain engine with the same settings built and closed before them
     (:func:`rag_accel.bench.spare_engine`), so none is the process's first."""
-    from ..vllm import VllmDecoder
-    from .harness import peer_environment, spare_engine
+    from rag_accel.vllm import VllmDecoder
+    from rag_accel.bench.harness import peer_environment, spare_engine
 
     common = dict(num_speculative_tokens=k, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
@@ -47,7 +47,7 @@ def make_engines(specs: dict[str, dict], model: str, k: int, max_model_len: int,
 def take_prompts(items: Any, n_by_level: dict[int, int], tokenizer_dec: Any) -> tuple[dict, dict, dict]:
     """``n_by_level[c]`` items for each level ``c`` in turn: their prompts (token ids of the RAG chat prompt),
     references (the passages) and ids, by level."""
-    from ..rag.msmarco import rag_messages
+    from rag_accel.rag.msmarco import rag_messages
 
     prompts, refs, ids, i = {}, {}, {}, 0
     for c, n in n_by_level.items():

@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from ..config import DecoderConfig
-from ..kernels import SEPARATOR, concat_with_separators
-from ..policy import AcceptanceStats, leading_matches
+from rag_accel.config import DecoderConfig
+from rag_accel.kernels import SEPARATOR, concat_with_separators
+from rag_accel.policy import AcceptanceStats, leading_matches
 
 #: Draft tokens a step copies at most, in the replays.
 K = 10
@@ -180,8 +180,8 @@ def replay(prepared: Sequence[tuple], k: int, curve: Sequence[float] | None = No
         tokens per step, draft tokens sent per step, the modelled speed-up of the decoding steps (geo-mean over the
         items) and the worst item's.
     """
-    from ..drafters import build_drafters
-    from ..speculation import RequestDrafting, StepCosts
+    from rag_accel.drafters import build_drafters
+    from rag_accel.speculation import RequestDrafting, StepCosts
 
     cfg = DecoderConfig(drafters=tuple(drafters), max_draft_tokens=k)
     curve = [1.0 + SLOPE * n for n in range(k + 1)] if curve is None else list(curve[:k + 1])
@@ -214,7 +214,7 @@ def replay(prepared: Sequence[tuple], k: int, curve: Sequence[float] | None = No
 def prepare(path: Path, dec: Any, items: dict) -> list[tuple]:
     """``(item id, prompt ids, reference ids, the model's answer ids)`` of an outputs file's items (``dec``: the
     model's decoder, for its tokenizer; ``items``: the sample's items by id)."""
-    from ..rag.msmarco import rag_messages
+    from rag_accel.rag.msmarco import rag_messages
 
     saved = json.loads(path.read_text())
     return [(item_id, dec.encode_prompt(rag_messages(items[item_id].query, items[item_id].passages)),
@@ -233,7 +233,7 @@ class FrequencyTreeDrafter:
         self.cache, self.request, self.factor = cache, request, factor
 
     def propose(self, context: Sequence[int], max_len: int) -> Any:
-        from ..drafters import NO_DRAFT, Draft
+        from rag_accel.drafters import NO_DRAFT, Draft
 
         found = self.cache.speculate(self.request, np.asarray(context[-MAX_TREE_DEPTH:], dtype=np.int32),
                                      max_spec_tokens=max_len, max_spec_factor=self.factor,
@@ -341,26 +341,12 @@ def forward_costs(dec: Any, context: int, repeats: int, sizes: Sequence[int] = S
                   fast_linears: bool = True) -> dict[int, float]:
     """A forward of the transformers decoder ``dec`` over ``N`` tokens on a cached ``context``, relative to
     ``N = 1`` (which ``sizes`` must hold), for ``N`` in ``sizes``: round-robin, the first round a warm-up, the least
-    disturbed of ``repeats``. ``pack_gqa``, ``fast_linears``: the forward path, by default the decoder's own."""
-    import torch
+    disturbed of ``repeats`` (:func:`rag_accel.hf.decoder.forward_seconds`). ``pack_gqa``, ``fast_linears``: the
+    forward path, by default the decoder's own."""
+    from rag_accel.hf.decoder import forward_seconds
 
-    from ..hf.kv import rollback_cache
-
-    gen = torch.Generator().manual_seed(0)
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
-    with torch.inference_mode():
-        cache = dec._new_cache()
-        dec._forward(torch.randint(0, dec.vocab_size, (context,), generator=gen).tolist(), cache, last_only=True)
-        for r in range(repeats + 1):  # the first round warms up
-            for n in sizes:
-                ids = torch.randint(0, dec.vocab_size, (n,), generator=gen).tolist()
-                t0 = time.perf_counter()
-                dec._forward(ids, cache, pack_gqa=pack_gqa, fast_linears=fast_linears)
-                if r:
-                    samples[n].append(time.perf_counter() - t0)
-                rollback_cache(cache, n)
-    base = min(samples[1])
-    return {n: min(v) / base for n, v in samples.items()}
+    seconds = forward_seconds(dec, sizes, context, repeats, pack_gqa=pack_gqa, fast_linears=fast_linears)
+    return {n: s / seconds[1] for n, s in seconds.items()}
 
 
 def cost_of(costs: dict[int, float], n: int) -> float:
