@@ -372,7 +372,7 @@ def test_serve_hands_admission_the_tokenizers_bound_without_loading_it(default_m
     """For a model folder, `rag-accel serve` reads the bound on text's tokens from its tokenizer.json (the
     admission's limit rule, rag_accel/references.py), still importing neither torch nor transformers; the
     request checks the admission runs import neither either."""
-    from rag_accel.inputs import text_bound
+    from rag_accel.references import text_bound
     from rag_accel.vllm.requests import encode_text_bound
 
     proc, heavy = _heavy_imports("-m", "rag_accel.cli", "serve", str(default_model_dir), "--dry-run")

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from rag_accel.inputs import TokenCache, certain_tokens, check_references, text_bound
+from rag_accel.references import TokenCache, certain_tokens, check_references, text_bound
 from rag_accel.references import WAITED_REFERENCE_SIZE, ReferenceSetUp
 from rag_accel.serving.serve import model_text_bound
 from rag_accel.vllm.requests import admission_text_bound, encode_text_bound, request_inputs

@@ -15,7 +15,7 @@ import torch
 from helpers import hf_greedy, tiny_model, trained_bpe_tokenizer
 
 from rag_accel import DecoderConfig, ReferenceDecoder
-from rag_accel.inputs import encode_references
+from rag_accel.references import encode_references
 
 PROMPT = [5, 6, 7, 8]
 # The documented bounds (rag_accel.config.MAX_*).
@@ -198,7 +198,7 @@ def test_a_reference_text_that_comes_back_is_tokenised_once(tokenizer):
 
 
 def test_the_token_cache_keeps_the_latest_texts_within_its_bound():
-    from rag_accel.inputs import TokenCache
+    from rag_accel.references import TokenCache
 
     cache = TokenCache(max_tokens=10)
     cache.put("a", [1] * 4)
@@ -229,7 +229,7 @@ def test_the_early_bound_never_refuses_text_that_fits(tokenizer, text):
 def test_max_chars_per_token_only_where_it_is_certain(tokenizer):
     from tokenizers.pre_tokenizers import ByteLevel
 
-    from rag_accel.inputs import _BYTE_SYMBOLS, max_chars_per_token
+    from rag_accel.references import _BYTE_SYMBOLS, max_chars_per_token
 
     assert set(_BYTE_SYMBOLS) == set(ByteLevel.alphabet())
     assert max_chars_per_token(tokenizer) == 81  # the longest SmolLM2 token: a newline and 80 spaces

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any

@@ -20,13 +20,13 @@ from .attention import exact_attention, packed_gqa
 from .attention import install as install_packed_gqa
 from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
 from ..drafters import Draft, Drafter, chain_order
-from ..inputs import (TokenCache, check_lengths, check_references, check_stops, encode_prompt,
-                      encode_references, may_exceed, tokenize_references)
+from ..inputs import check_lengths, check_stops, encode_prompt
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .linears import exact_linears, exact_plans, install_exact, plan_linears, planned_linears
 from .linears import install as install_linear_plans
 from ..prediction import with_prediction
-from ..references import ReferenceSetUp
+from ..references import (ReferenceSetUp, TokenCache, check_references, encode_references, may_exceed,
+                          tokenize_references)
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..policy import AcceptanceStats, leading_matches
 from ..protocol import batch_arguments, check_options, sampling_request
@@ -316,7 +316,7 @@ class ReferenceDecoder:
         return encode_prompt(self.tokenizer, prompt, self.vocab_size)
 
     def encode_references(self, references: Any, max_tokens: int | None = None) -> list[list[int]]:
-        """References as token-id lists (see :func:`rag_accel.inputs.encode_references`)."""
+        """References as token-id lists (see :func:`rag_accel.references.encode_references`)."""
         limit = self.config.max_reference_tokens if max_tokens is None else max_tokens
         return encode_references(self.tokenizer, references, self.vocab_size, limit)
 

@@ -37,7 +37,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..config import DecoderConfig
-from ..inputs import check_chat, check_lengths, check_reference, check_stops, check_text, is_chat, token_ids
+from ..inputs import check_chat, check_lengths, check_stops, check_text, is_chat, token_ids
+from ..references import check_reference
 from ..memory import check_scope
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..prediction import prediction_parts

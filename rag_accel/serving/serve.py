@@ -79,11 +79,11 @@ def model_vocab_size(model: str) -> int | None:
 
 def model_text_bound(model: str) -> str | None:
     """``RAG_ACCEL_TEXT_BOUND`` for ``model``'s tokenizer: the lower bound on the tokens of text
-    (:func:`rag_accel.inputs.text_bound`) by which the server's admission counts text references
+    (:func:`rag_accel.references.text_bound`) by which the server's admission counts text references
     against ``--max-reference-tokens`` before any tokenising, read from the model folder's
     ``tokenizer.json``; ``None`` where there is none here or it has no certain bound (text then counts
     when the worker tokenises it)."""
-    from ..inputs import tokenizer_json_bound
+    from ..references import tokenizer_json_bound
     from ..vllm.requests import encode_text_bound
 
     try:

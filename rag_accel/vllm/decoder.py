@@ -11,8 +11,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..config import COPY_DRAFTERS, SPECULATIVE_TOKENS, DecoderConfig
-from ..inputs import (check_lengths, check_references, check_stops, encode_prompt, encode_references,
-                      tokenize_references)
+from ..inputs import check_lengths, check_stops, encode_prompt
+from ..references import check_references, encode_references, tokenize_references
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..prediction import with_prediction
 from ..protocol import PER_PROMPT, batch_arguments, config_changes, sampling_request

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..config import DecoderConfig
 from ..drafters import Drafter, chain_order
-from ..inputs import TokenCache
+from ..references import TokenCache
 from ..memory import AnswerMemory
 from ..outputs import GenerationStats
 from ..policy import AcceptanceStats

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import SERVE_MAX_REFERENCE_TOKENS, DecoderConfig  # (re-exported)
-from ..inputs import TextBound, certain_tokens
+from ..references import TextBound, certain_tokens
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
 from ..protocol import REQUEST_FIELDS, WORKER_BASE, request_config  # (re-exported: the worker's names for them)
 
@@ -97,7 +97,7 @@ def max_reference_tokens() -> int:
 
 
 def admission_text_bound() -> TextBound | None:
-    """The served tokenizer's lower bound on the tokens of text (:func:`~rag_accel.inputs.text_bound`), by
+    """The served tokenizer's lower bound on the tokens of text (:func:`~rag_accel.references.text_bound`), by
     which admission counts text references against the limit before any tokenising:
     ``RAG_ACCEL_TEXT_BOUND``, ``[chars_per_token, dropped_pattern_or_null]`` as JSON (``rag-accel serve``
     sets it from the model's tokenizer), else ``None``: text counts for nothing until the worker tokenises it.
