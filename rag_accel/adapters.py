@@ -1,6 +1,7 @@
 """What the framework adapters share (``langchain-rag-accel``, ``llama-index-llms-rag-accel``):
-one loaded decoder per (model, device, dtype), the decoder check, per-call options, and
-framework documents turned into reference texts. No framework imports here.
+their fields, validators and engine (:func:`adapter_base`), one loaded decoder per (model, device,
+dtype), the decoder check, per-call options, and framework documents turned into reference texts.
+No framework imports here (pydantic, which both frameworks bring, only inside :func:`adapter_base`).
 
 Public so that the adapter distributions (and adapters for other frameworks) need no
 third top-level package; an adapter takes any decoder object with ``generate`` and
@@ -10,10 +11,11 @@ third top-level package; an adapter takes any decoder object with ``generate`` a
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from .config import DecoderConfig
 from .prediction import as_prediction
@@ -21,6 +23,7 @@ from .prediction import as_prediction
 __all__ = [
     "BACKENDS",
     "DECODER_METHODS",
+    "adapter_base",
     "adapter_engine",
     "answer_texts",
     "check_decoder",
@@ -149,6 +152,97 @@ def adapter_engine(model_name: str, *, backend: str | None = None, base_url: str
                              "a rag-accel serve server's (base_url=); the transformers backend has none")
         engine_options["memory_scope"] = memory_scope
     return shared_decoder(model_name, device, dtype, backend or "hf", **engine_options)
+
+
+@functools.cache
+def adapter_base() -> type:
+    """The pydantic model every framework adapter subclasses beside its framework's base class
+    (``class ChatRagAccel(adapter_base(), BaseChatModel)``): the fields they share, each checked once
+    here (stops, temperature, ``decoder_config``, a ready ``decoder``, the engine options together, one
+    of ``max_new_tokens`` / its alias), and :attr:`engine`, the decoder they choose (loaded on first use
+    through :func:`rag_accel.load`). An adapter adds only what its framework needs, and may re-declare
+    ``model_name`` or ``max_new_tokens`` with its framework's alias (``MAX_TOKENS_KEY`` names the one
+    its callers use). Built on first call: pydantic is imported here, not when rag_accel is."""
+    from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+    from .inputs import check_stops
+    from .models import DEFAULT_MODEL
+
+    class AdapterFields(BaseModel):
+        #: the key of the new-token limit in an adapter's own spelling (see :func:`merge_max_tokens`)
+        MAX_TOKENS_KEY: ClassVar[str] = "max_new_tokens"
+        model_config = ConfigDict(protected_namespaces=(), arbitrary_types_allowed=True)
+
+        model_name: str = Field(default=DEFAULT_MODEL)
+        backend: str | None = None
+        base_url: str | None = None
+        api_key: str | None = Field(default=None, exclude=True, repr=False)
+        timeout: float | None = None
+        max_retries: int | None = None
+        memory_scope: str | None = None
+        device: str | None = None
+        dtype: str | None = None
+        decoder: Any = Field(default=None, exclude=True)
+        max_new_tokens: int = Field(default=256, ge=1)
+        stop: list[str] | None = None
+        decoder_config: dict[str, Any] | None = None
+        accelerate: bool = True
+        temperature: float | None = None
+        top_p: float | None = None
+        top_k: int | None = None
+        seed: int | None = None
+
+        _decoder: Any = PrivateAttr(default=None)
+
+        @model_validator(mode="before")
+        @classmethod
+        def _one_max_tokens(cls, data: Any) -> Any:
+            return merge_max_tokens(data, cls.MAX_TOKENS_KEY)
+
+        @field_validator("stop")
+        @classmethod
+        def _valid_stop(cls, v: list[str] | None) -> list[str] | None:
+            return v if v is None else check_stops(v)
+
+        @field_validator("temperature")
+        @classmethod
+        def _valid_temperature(cls, v: float | None) -> float | None:
+            if v is not None and not v >= 0:
+                raise ValueError(f"temperature must be >= 0 (0: greedy decoding), got {v}")
+            return v
+
+        @field_validator("decoder_config")
+        @classmethod
+        def _valid_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+            return merged_decoder_config(v)
+
+        @field_validator("decoder")
+        @classmethod
+        def _valid_decoder(cls, v: Any) -> Any:
+            return check_decoder(v)
+
+        @model_validator(mode="after")
+        def _valid_engine(self) -> Any:
+            check_engine_options(self.backend, self.base_url, self.device, self.dtype, self.decoder)
+            return self
+
+        @property
+        def engine(self) -> Any:
+            """The decoder: ``decoder`` if given, else the one ``backend`` / ``base_url`` choose (made on first
+            use, shared by adapters of the same model, device, dtype and backend)."""
+            if self.decoder is not None:
+                return self.decoder
+            if self._decoder is None:
+                from . import load
+
+                self._decoder = load(self.model_name, backend=self.backend, base_url=self.base_url,
+                                     device=self.device, dtype=self.dtype, api_key=self.api_key,
+                                     timeout=self.timeout, max_retries=self.max_retries,
+                                     memory_scope=self.memory_scope)
+            return self._decoder
+
+    AdapterFields.__module__, AdapterFields.__qualname__ = __name__, "AdapterFields"
+    return AdapterFields
 
 
 def check_engine_options(backend: str | None, base_url: str | None, device: str | None = None,

@@ -63,3 +63,31 @@ def test_matplotlib_is_the_bench_extra_not_a_core_dependency():
     assert "matplotlib" not in names(project["dependencies"])
     extras = project["optional-dependencies"]
     assert names(extras["bench"]) == {"matplotlib"} and "matplotlib" in names(extras["dev"])
+
+
+def test_the_adapters_share_their_fields_and_checks_from_one_definition():
+    """Issue 65: the fields, validators and engine both adapters have are rag_accel.adapters.adapter_base()'s,
+    declared once; each adapter adds only its framework's own (LangChain's aliases and streaming, LlamaIndex's
+    capture). They had drifted: only LangChain refused a negative temperature."""
+    import pydantic
+    import pytest
+    from langchain_rag_accel import ChatRagAccel
+    from llama_index.llms.rag_accel import RagAccelLLM
+
+    from rag_accel.adapters import adapter_base
+
+    base = adapter_base()
+    shared = set(base.model_fields)
+    assert {"backend", "base_url", "decoder", "decoder_config", "stop", "temperature", "memory_scope"} <= shared
+    for adapter, own in ((ChatRagAccel, {"streaming"}), (RagAccelLLM, {"capture_retrievals"})):
+        assert issubclass(adapter, base)
+        assert shared | own <= set(adapter.model_fields)
+        # (the source of each adapter declares its own fields only, plus LangChain's two aliased ones)
+        declared = set(adapter.__annotations__) - {"MAX_TOKENS_KEY", "model_config"}
+        assert declared - own <= {"model_name", "max_new_tokens"}, declared
+        assert adapter.engine is base.engine
+        with pytest.raises(pydantic.ValidationError, match="temperature must be >= 0"):
+            adapter(temperature=-1.0)
+        with pytest.raises(pydantic.ValidationError, match="empty"):
+            adapter(stop=[""])
+    assert ChatRagAccel(max_tokens=7).max_new_tokens == RagAccelLLM(max_tokens=7).max_new_tokens == 7

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 try:
     from langchain_core.callbacks import (
@@ -35,18 +35,15 @@ try:
         SystemMessage,
     )
     from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-    from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+    from pydantic import ConfigDict, Field
 except ImportError as e:  # pragma: no cover - exercised only without langchain-core
     raise ImportError("langchain_rag_accel needs langchain-core: pip install langchain-core") from e
 
-import rag_accel
 from rag_accel.adapters import (
+    adapter_base,
     answer_texts,
-    check_decoder,
-    check_engine_options,
     iterate_in_thread,
     max_new_tokens_option,
-    merge_max_tokens,
     merged_decoder_config,
     reference_texts,
     sampling_options,
@@ -62,7 +59,7 @@ _COPY_SOURCES = ("references", "answers")  # bulky, and they never change the ou
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
-class ChatRagAccel(BaseChatModel):
+class ChatRagAccel(adapter_base(), BaseChatModel):
     """A chat model decoded greedily and accelerated by copying from references (the retrieved
     documents), the prompt and n-grams: in this process (transformers or vLLM) or on a server.
 
@@ -115,59 +112,13 @@ class ChatRagAccel(BaseChatModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, arbitrary_types_allowed=True,
                               protected_namespaces=())
 
+    MAX_TOKENS_KEY: ClassVar[str] = "max_tokens"  # LangChain's spelling; max_new_tokens is the field
+
+    # The fields, validators and engine both adapters share are rag_accel.adapters.adapter_base()'s; these two
+    # take LangChain's names as aliases (model=, max_tokens=), and streaming is LangChain's own.
     model_name: str = Field(default=DEFAULT_MODEL, alias="model")
-    backend: str | None = None
-    base_url: str | None = None
-    api_key: str | None = Field(default=None, repr=False, exclude=True)
-    device: str | None = None
-    dtype: str | None = None
-    decoder: Any = Field(default=None, exclude=True)
     max_new_tokens: int = Field(default=256, alias="max_tokens", ge=1)
-    stop: list[str] | None = None
-    decoder_config: dict[str, Any] | None = None
-    accelerate: bool = True
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    timeout: float | None = None
-    max_retries: int | None = None
-    memory_scope: str | None = None
     streaming: bool = False
-
-    _decoder: Any = PrivateAttr(default=None)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_max_tokens(cls, data: Any) -> Any:
-        return merge_max_tokens(data, "max_tokens")
-
-    @field_validator("stop")
-    @classmethod
-    def _valid_stop(cls, v: list[str] | None) -> list[str] | None:
-        return v if v is None else check_stops(v)
-
-    @field_validator("temperature")
-    @classmethod
-    def _valid_temperature(cls, v: float | None) -> float | None:
-        if v is not None and not v >= 0:
-            raise ValueError(f"temperature must be >= 0 (0: greedy decoding), got {v}")
-        return v
-
-    @field_validator("decoder_config")
-    @classmethod
-    def _valid_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return merged_decoder_config(v)
-
-    @field_validator("decoder")
-    @classmethod
-    def _valid_decoder(cls, v: Any) -> Any:
-        return check_decoder(v)
-
-    @model_validator(mode="after")
-    def _valid_engine(self) -> ChatRagAccel:
-        check_engine_options(self.backend, self.base_url, self.device, self.dtype, self.decoder)
-        return self
 
     # ----------------------------------------------------------- LangChain API
     @property
@@ -214,18 +165,6 @@ class ChatRagAccel(BaseChatModel):
         )
 
     # ------------------------------------------------------------ decoding
-    @property
-    def engine(self) -> Any:
-        """The decoder: ``decoder`` if given, else the one ``backend`` / ``base_url`` choose (made on first use)."""
-        if self.decoder is not None:
-            return self.decoder
-        if self._decoder is None:
-            self._decoder = rag_accel.load(self.model_name, backend=self.backend, base_url=self.base_url,
-                                           device=self.device, dtype=self.dtype, api_key=self.api_key,
-                                           timeout=self.timeout, max_retries=self.max_retries,
-                                           memory_scope=self.memory_scope)
-        return self._decoder
-
     def _call_args(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:

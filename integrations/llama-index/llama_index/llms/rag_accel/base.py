@@ -43,20 +43,16 @@ try:
         LLMMetadata,
         MessageRole,
     )
-    from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator, model_validator
     from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
     from llama_index.core.llms.custom import CustomLLM
 except ImportError as e:  # pragma: no cover - exercised only without llama-index-core
     raise ImportError("llama_index.llms.rag_accel needs llama-index-core: pip install llama-index-core") from e
 
-import rag_accel
 from rag_accel.adapters import (
+    adapter_base,
     answer_texts,
-    check_decoder,
-    check_engine_options,
     iterate_in_thread,
     max_new_tokens_option,
-    merge_max_tokens,
     merged_decoder_config,
     reference_texts,
     sampling_options,
@@ -64,7 +60,6 @@ from rag_accel.adapters import (
     stats_metadata,
 )
 from rag_accel.inputs import check_stops
-from rag_accel.models import DEFAULT_MODEL
 
 from llama_index.llms.rag_accel.capture import captured_nodes, retrieval_capture
 
@@ -75,7 +70,7 @@ CALL_OPTIONS = ("references", "answers", "max_new_tokens", "max_tokens", "stop",
 MAX_REFERENCE_IDS = 8
 
 
-class RagAccelLLM(CustomLLM):
+class RagAccelLLM(adapter_base(), CustomLLM):
     """A chat model decoded greedily and accelerated by copying from the query's retrieved nodes,
     the prompt and n-grams: in this process (transformers or vLLM) or on a server.
 
@@ -120,73 +115,17 @@ class RagAccelLLM(CustomLLM):
     the call passed) and ``reference_ids`` (the ids of the first ``MAX_REFERENCE_IDS`` distinct nodes).
     """
 
-    model_name: str = Field(default=DEFAULT_MODEL)
-    backend: str | None = None
-    base_url: str | None = None
-    api_key: str | None = Field(default=None, exclude=True, repr=False)
-    timeout: float | None = None
-    max_retries: int | None = None
-    memory_scope: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    decoder: Any = Field(default=None, exclude=True)
-    max_new_tokens: int = Field(default=256, ge=1)
-    stop: list[str] | None = None
-    decoder_config: dict[str, Any] | None = None
+    # The fields, validators and engine both adapters share are rag_accel.adapters.adapter_base()'s.
     capture_retrievals: bool = True
-    accelerate: bool = True
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-
-    _decoder: Any = PrivateAttr(default=None)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if self.capture_retrievals:
             retrieval_capture()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _one_max_tokens(cls, data: Any) -> Any:
-        return merge_max_tokens(data, "max_new_tokens")
-
-    @field_validator("stop")
-    @classmethod
-    def _valid_stop(cls, v: list[str] | None) -> list[str] | None:
-        return v if v is None else check_stops(v)
-
-    @field_validator("decoder_config")
-    @classmethod
-    def _valid_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return merged_decoder_config(v)
-
-    @field_validator("decoder")
-    @classmethod
-    def _valid_decoder(cls, v: Any) -> Any:
-        return check_decoder(v)
-
-    @model_validator(mode="after")
-    def _valid_engine(self) -> RagAccelLLM:
-        check_engine_options(self.backend, self.base_url, self.device, self.dtype, self.decoder)
-        return self
-
     @classmethod
     def class_name(cls) -> str:
         return "RagAccelLLM"
-
-    @property
-    def engine(self) -> Any:
-        """The decoder: ``decoder`` if given, else the one ``backend`` / ``base_url`` choose (made on first use)."""
-        if self.decoder is not None:
-            return self.decoder
-        if self._decoder is None:
-            self._decoder = rag_accel.load(self.model_name, backend=self.backend, base_url=self.base_url,
-                                           device=self.device, dtype=self.dtype, api_key=self.api_key,
-                                           timeout=self.timeout, max_retries=self.max_retries,
-                                           memory_scope=self.memory_scope)
-        return self._decoder
 
     @property
     def metadata(self) -> LLMMetadata:
