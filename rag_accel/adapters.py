@@ -160,7 +160,7 @@ def adapter_base() -> type:
     (``class ChatRagAccel(adapter_base(), BaseChatModel)``): the fields they share, each checked once
     here (stops, temperature, ``decoder_config``, a ready ``decoder``, the engine options together, one
     of ``max_new_tokens`` / its alias), and :attr:`engine`, the decoder they choose (loaded on first use
-    through :func:`rag_accel.load`). An adapter adds only what its framework needs, and may re-declare
+    through :func:`adapter_engine`, as :func:`rag_accel.load`). An adapter adds only what its framework needs, and may re-declare
     ``model_name`` or ``max_new_tokens`` with its framework's alias (``MAX_TOKENS_KEY`` names the one
     its callers use). Built on first call: pydantic is imported here, not when rag_accel is."""
     from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -233,12 +233,10 @@ def adapter_base() -> type:
             if self.decoder is not None:
                 return self.decoder
             if self._decoder is None:
-                from . import load
-
-                self._decoder = load(self.model_name, backend=self.backend, base_url=self.base_url,
-                                     device=self.device, dtype=self.dtype, api_key=self.api_key,
-                                     timeout=self.timeout, max_retries=self.max_retries,
-                                     memory_scope=self.memory_scope)
+                self._decoder = adapter_engine(self.model_name, backend=self.backend, base_url=self.base_url,
+                                               device=self.device, dtype=self.dtype, api_key=self.api_key,
+                                               timeout=self.timeout, max_retries=self.max_retries,
+                                               memory_scope=self.memory_scope)
             return self._decoder
 
     AdapterFields.__module__, AdapterFields.__qualname__ = __name__, "AdapterFields"

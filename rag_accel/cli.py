@@ -8,6 +8,7 @@ them, so ``rag-accel serve`` and ``--help`` start without them.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -449,24 +450,23 @@ def serve(
                             served_model_name=name, extra=ctx.args)
     except (FileNotFoundError, ValueError, ImportError, TypeError) as e:
         _fail(str(e))
-    env = {"RAG_ACCEL_MAX_REFERENCE_TOKENS": str(max_reference_tokens),
-           "RAG_ACCEL_ANSWER_MEMORY_TOKENS": str(answer_memory_tokens)}
-    if memory_scope is not None:
-        from .vllm.requests import request_scope
+    from .vllm.requests import ServerSettings
 
-        try:
-            env["RAG_ACCEL_MEMORY_SCOPE"] = request_scope({"memory_scope": memory_scope})
-        except ValueError as e:
-            _fail(f"--memory-scope: {e}")
-    vocab = model_vocab_size(path)
-    if vocab is not None:  # admission refuses reference ids outside the vocabulary (HTTP 400)
-        env["RAG_ACCEL_VOCAB_SIZE"] = str(vocab)
-    bound = model_text_bound(path)
-    if bound is not None:  # admission counts text references by it (HTTP 400 when certainly over the limit)
-        env["RAG_ACCEL_TEXT_BOUND"] = bound
+    try:  # the server's settings, typed and checked once here; its processes read them from one variable
+        settings = ServerSettings(
+            max_reference_tokens=max_reference_tokens, answer_memory_tokens=answer_memory_tokens,
+            memory_scope=memory_scope,
+            vocab_size=model_vocab_size(path),  # admission refuses reference ids outside the vocabulary (HTTP 400)
+            text_bound=model_text_bound(path))  # admission counts text references by it (HTTP 400 when over)
+    except ValueError as e:
+        _fail(f"--memory-scope: {e}" if "memory_scope" in str(e) else str(e))
+    env = settings.environment()
     on_cpu = (dtype or default_dtype()) == "float32"  # a CPU (or float32 asked for): the CPU backend's settings
     if on_cpu:
         env.update(cpu_environment(os.environ))
+    if dry_run:
+        typer.echo("server settings (" + ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(settings).items())
+                   + ")")
     typer.echo(shell_line(cmd, env))
     if dry_run:
         if not vllm_installed():

@@ -373,12 +373,13 @@ def test_serve_hands_admission_the_tokenizers_bound_without_loading_it(default_m
     admission's limit rule, rag_accel/references.py), still importing neither torch nor transformers; the
     request checks the admission runs import neither either."""
     from rag_accel.references import text_bound
-    from rag_accel.vllm.requests import encode_text_bound
+    from rag_accel.vllm.requests import SETTINGS_ENV, ServerSettings, encode_text_bound
 
     proc, heavy = _heavy_imports("-m", "rag_accel.cli", "serve", str(default_model_dir), "--dry-run")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert heavy == [], heavy
-    assert f"RAG_ACCEL_TEXT_BOUND={shlex.quote(encode_text_bound(text_bound(tokenizer)))} " in proc.stdout
+    words = [w for w in shlex.split(proc.stdout.strip().splitlines()[-1]) if w.startswith(SETTINGS_ENV + "=")]
+    assert ServerSettings.from_json(words[0].split("=", 1)[1]).text_bound == encode_text_bound(text_bound(tokenizer))
     proc, heavy = _heavy_imports("-c", "import rag_accel.vllm.requests, rag_accel.references, rag_accel.serving.remote")
     assert proc.returncode == 0 and heavy == [], (proc.stderr[-2000:], heavy)
 
@@ -630,7 +631,7 @@ def test_a_model_name_is_checked_before_any_work(monkeypatch):
     """Issue 66: `demo --model smollm2` built the index first (11 s) and then said the model is unknown."""
     from typer.testing import CliRunner
 
-    from rag_accel import retrieval
+    from rag_accel.rag import retrieval
     from rag_accel.cli import app
 
     monkeypatch.setattr(retrieval, "cached_index", lambda *a, **k: pytest.fail("the index was built"))

@@ -67,8 +67,10 @@ def test_the_servers_extra_args_carry_a_prediction_as_references(monkeypatch):
         check_extra_args(bad["vllm_xargs"])  # the admission check: HTTP 400 on the server
     with pytest.raises(ValueError, match="nothing would draft from it"):
         check_extra_args({"prediction": ["x"], "speculate": 0})
-    monkeypatch.setenv("RAG_ACCEL_MAX_REFERENCE_TOKENS", "100")  # (rag-accel serve --max-reference-tokens)
-    monkeypatch.setenv("RAG_ACCEL_TEXT_BOUND", "[5, null]")  # (and its tokenizer's bound: 5 characters a token)
+    from rag_accel.vllm.requests import ServerSettings
+
+    # (rag-accel serve --max-reference-tokens 100, and its tokenizer's bound: 5 characters a token)
+    monkeypatch.setenv(*ServerSettings(max_reference_tokens=100, text_bound=(5, None)).environment().popitem())
     check_extra_args({"prediction": ["word " * 100]})
     with pytest.raises(ValueError, match="prediction .with extra_args.'references'.. holds over 100 tokens"):
         check_extra_args({"prediction": ["word " * 200], "references": ["r"]})

@@ -12,7 +12,7 @@ import pytest
 from rag_accel.references import TokenCache, certain_tokens, check_references, text_bound
 from rag_accel.references import WAITED_REFERENCE_SIZE, ReferenceSetUp
 from rag_accel.serving.serve import model_text_bound
-from rag_accel.vllm.requests import admission_text_bound, encode_text_bound, request_inputs
+from rag_accel.vllm.requests import ServerSettings, encode_text_bound, request_inputs
 
 LIMIT = 2000
 TEXTS = {
@@ -37,15 +37,14 @@ def served_bound(default_model_dir, monkeypatch):
     """The admission's environment as `rag-accel serve --max-reference-tokens LIMIT` sets it for SmolLM2."""
     bound = model_text_bound(default_model_dir)
     assert bound is not None
-    monkeypatch.setenv("RAG_ACCEL_TEXT_BOUND", bound)
-    monkeypatch.setenv("RAG_ACCEL_MAX_REFERENCE_TOKENS", str(LIMIT))
+    monkeypatch.setenv(*ServerSettings(max_reference_tokens=LIMIT, text_bound=bound).environment().popitem())
     return bound
 
 
 def test_serve_hands_the_tokenizers_bound_to_admission(tokenizer, served_bound):
-    assert admission_text_bound()[0] == text_bound(tokenizer)[0] == 81
-    assert encode_text_bound(admission_text_bound()) == served_bound  # read back as written
-    assert admission_text_bound()[1].pattern == text_bound(tokenizer)[1].pattern
+    assert ServerSettings.current().bound[0] == text_bound(tokenizer)[0] == 81
+    assert encode_text_bound(ServerSettings.current().bound) == served_bound  # read back as written
+    assert ServerSettings.current().bound[1].pattern == text_bound(tokenizer)[1].pattern
 
 
 @pytest.mark.parametrize("name", list(TEXTS))
@@ -76,7 +75,7 @@ def test_references_and_answers_count_together(tokenizer, served_bound):
         setup.take()
     assert setup.take() == []  # raised once
     big = "word " * 20_000  # certainly over together (2 x 1,235 tokens at least), neither alone
-    assert certain_tokens([big], admission_text_bound()) < LIMIT
+    assert certain_tokens([big], ServerSettings.current().bound) < LIMIT
     with pytest.raises(ValueError, match="hold over"):
         request_inputs({"references": [big], "answers": [big]})
 
@@ -152,3 +151,25 @@ def test_one_string_is_one_reference_on_every_way_in(tokenizer):
     listed = dec.generate(prompt, references=[answer], max_new_tokens=12)
     assert one.token_ids == listed.token_ids == want
     assert one.stats.by_drafter.get("reference") == listed.stats.by_drafter.get("reference")
+
+
+def test_the_server_settings_travel_as_one_checked_variable(monkeypatch):
+    """Issue 65: what rag-accel serve decides for the whole server is one typed object, read back in the server's
+    processes from one variable; a damaged one is refused with its name, not read as defaults."""
+    from rag_accel.vllm.requests import SETTINGS_ENV
+
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
+    assert ServerSettings.current() == ServerSettings()  # an engine in process: the defaults
+    settings = ServerSettings(max_reference_tokens=50, answer_memory_tokens=0, memory_scope="t", vocab_size=7,
+                              text_bound=(5, "[\\x00]"))
+    monkeypatch.setenv(*settings.environment().popitem())
+    assert ServerSettings.current() == settings and ServerSettings.current().bound[1].pattern == "[\\x00]"
+    with pytest.raises(ValueError, match="memory_scope must be a string of 1 to 256"):
+        ServerSettings(memory_scope="")
+    with pytest.raises(ValueError, match="max_reference_tokens must be an int >= 1"):
+        ServerSettings(max_reference_tokens=0)
+    for bad, why in (("{", "not JSON"), ('{"version": 2}', "version 1"),
+                     ('{"version": 1, "max_draft": 3}', "unknown settings")):
+        monkeypatch.setenv(SETTINGS_ENV, bad)
+        with pytest.raises(ValueError, match=why):
+            ServerSettings.current()

@@ -29,7 +29,7 @@ import_vllm_or_skip()
 
 import openai  # noqa: E402 - a dependency of vLLM
 
-from rag_accel import serve  # noqa: E402
+from rag_accel.serving import serve  # noqa: E402
 from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages  # noqa: E402
 from rag_accel.serving.remote import RemoteDecoder, RemoteError  # noqa: E402
 from rag_accel.serving.server_process import Server, group_processes  # noqa: E402
@@ -89,6 +89,18 @@ def test_serve_command_per_speculation_mode():
         assert "--logits-processors" not in suffix
 
 
+def _settings(line: str):
+    """The server settings a `rag-accel serve --dry-run` command line carries (its one RAG_ACCEL_SERVER)."""
+    import shlex
+
+    from rag_accel.vllm.requests import SETTINGS_ENV, ServerSettings
+
+    values = [w.split("=", 1)[1] for w in shlex.split(line) if w.startswith(SETTINGS_ENV + "=")]
+    assert len(values) == 1 and not [w for w in shlex.split(line) if w.startswith("RAG_ACCEL_") and
+                                      not w.startswith(SETTINGS_ENV)], line
+    return ServerSettings.from_json(values[0])
+
+
 def test_cli_serve_dry_run_prints_the_command():
     from typer.testing import CliRunner
 
@@ -98,7 +110,8 @@ def test_cli_serve_dry_run_prints_the_command():
                                    "--", "--tensor-parallel-size", "2"])
     assert res.exit_code == 0, res.output
     line = res.output.strip().splitlines()[-1]
-    assert line.startswith("RAG_ACCEL_MAX_REFERENCE_TOKENS=5 ") and " serve some/model " in line
+    assert line.startswith("RAG_ACCEL_SERVER=") and " serve some/model " in line
+    assert _settings(line).max_reference_tokens == 5 and "max_reference_tokens=5" in res.output
     assert line.endswith("--tensor-parallel-size 2") and "rag_accel.vllm.RagProposer" in line
     res = CliRunner().invoke(app, ["serve", "--", "--enforce-eager"])
     assert res.exit_code == 2 and "before `--`" in res.output
@@ -116,14 +129,17 @@ def test_cli_serve_defaults_for_untrusted_clients_and_refuses_pipeline_paralleli
     assert res.exit_code == 0, res.output
     line = res.output.strip().splitlines()[-1]
     # the memory of answers: on, and no default scope (a request that names none neither reads nor writes it)
-    assert line.startswith("RAG_ACCEL_MAX_REFERENCE_TOKENS=32768 RAG_ACCEL_ANSWER_MEMORY_TOKENS=100000 "
-                           "RAG_ACCEL_VOCAB_SIZE=1234 ") and "RAG_ACCEL_MEMORY_SCOPE" not in line
+    settings = _settings(line)
+    assert (settings.max_reference_tokens, settings.answer_memory_tokens, settings.vocab_size,
+            settings.memory_scope) == (32768, 100000, 1234, None)
     res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dry-run", "--answer-memory-tokens", "0",
                                    "--memory-scope", "one-tenant"])
     assert res.exit_code == 0, res.output
-    assert "RAG_ACCEL_ANSWER_MEMORY_TOKENS=0 RAG_ACCEL_MEMORY_SCOPE=one-tenant " in res.output
+    settings = _settings(res.output.strip().splitlines()[-1])
+    assert (settings.answer_memory_tokens, settings.memory_scope) == (0, "one-tenant")
+    assert "answer_memory_tokens=0, memory_scope='one-tenant'" in res.output  # (printed, typed)
     res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dry-run", "--memory-scope", "x" * 257])
-    assert res.exit_code == 2 and "--memory-scope: extra_args['memory_scope'] must be a string of 1 to 256" \
+    assert res.exit_code == 2 and "--memory-scope: memory_scope must be a string of 1 to 256" \
         in res.output
     for pp in (["--pipeline-parallel-size", "2"], ["-pp=2"]):
         res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dry-run", "--", *pp])

@@ -35,6 +35,7 @@ from rag_accel.vllm import (  # noqa: E402
     VllmDecoder,
     check_extra_args,
 )
+from rag_accel.vllm.requests import SETTINGS_ENV, ServerSettings  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -214,14 +215,14 @@ def test_rows_follow_batch_updates_and_draft_from_their_own_references():
 
 def test_a_bad_row_never_stops_the_others(monkeypatch):
     """Off-vocabulary reference ids: refused at admission where the server knows the vocabulary
-    (rag-accel serve sets RAG_ACCEL_VOCAB_SIZE: HTTP 400); a row that reaches the worker anyway
+    (rag-accel serve's settings carry its vocab_size: HTTP 400); a row that reaches the worker anyway
     is not drafted, and the others are."""
     proposer = RagProposer(_fake_config(vocab=100))
     tracker = RowTracker(_fake_config())
     proposer.tracker = tracker
     bad = SamplingParams(temperature=0, max_tokens=20, extra_args={"references": [[5, 6, 10**6]]})  # off-vocab
     good = SamplingParams(temperature=0, max_tokens=20, extra_args={"references": [[5, 6, 7, 8]]})
-    monkeypatch.setenv("RAG_ACCEL_VOCAB_SIZE", "100")
+    monkeypatch.setenv(*ServerSettings(vocab_size=100).environment().popitem())
     with pytest.raises(ValueError, match="token id 1000000, outside the model's vocabulary"):
         RowTracker.validate_params(bad)
     RowTracker.validate_params(good)
@@ -238,7 +239,7 @@ def test_a_finished_answer_drafts_for_later_requests_of_its_scope_only(monkeypat
     """A row's output joins its memory scope when it leaves the batch (here: replaced in its slot, which
     vLLM reports as an addition, not a removal); a later row of that scope drafts from it, a row of
     another scope or of none does not (issue 29)."""
-    monkeypatch.delenv("RAG_ACCEL_MEMORY_SCOPE", raising=False)
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
     proposer = RagProposer(_fake_config())
     proposer.tracker = tracker = RowTracker(_fake_config())
 

@@ -77,8 +77,9 @@ def model_vocab_size(model: str) -> int | None:
     return None
 
 
-def model_text_bound(model: str) -> str | None:
-    """``RAG_ACCEL_TEXT_BOUND`` for ``model``'s tokenizer: the lower bound on the tokens of text
+def model_text_bound(model: str) -> tuple[int, str | None] | None:
+    """:attr:`~rag_accel.vllm.requests.ServerSettings.text_bound` for ``model``'s tokenizer: the lower bound on the
+    tokens of text
     (:func:`rag_accel.references.text_bound`) by which the server's admission counts text references
     against ``--max-reference-tokens`` before any tokenising, read from the model folder's
     ``tokenizer.json``; ``None`` where there is none here or it has no certain bound (text then counts

@@ -56,15 +56,15 @@ from .requests import (
     SERVE_MAX_REFERENCE_TOKENS,
     SPECULATION,
     TRACKER_PATH,
+    ServerSettings,
     check_extra_args,
-    max_reference_tokens,
     request_answers,
     request_inputs,
     speculative_config,
 )
 
 __all__ = ["BatchStepCosts", "PROPOSER_PATH", "RagProposer", "RowTracker", "SERVE_MAX_REFERENCE_TOKENS",
-           "SPECULATION", "TRACKER_PATH", "VllmDecoder", "check_extra_args", "max_reference_tokens",
+           "SPECULATION", "TRACKER_PATH", "ServerSettings", "VllmDecoder", "check_extra_args",
            "request_answers", "request_inputs", "speculative_config"]
 
 # Imported on first use (PEP 562), so that reading a request's inputs (rag_accel.serving.remote, rag-accel serve)

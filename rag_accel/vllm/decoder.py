@@ -47,7 +47,7 @@ class VllmDecoder:
 
     ``memory_scope``: this decoder's requests draft from the answers the engine gave earlier in
     that scope too, and theirs join it (:mod:`rag_accel.memory`); ``None``: no memory (unless the
-    engine's ``RAG_ACCEL_MEMORY_SCOPE`` names a default one).
+    engine's server settings name a default one: :attr:`~rag_accel.vllm.requests.ServerSettings.memory_scope`).
     """
 
     def __init__(self, llm: Any, config: DecoderConfig | None = None, *, memory_scope: str | None = None) -> None:

@@ -34,8 +34,7 @@ from ..speculation import RequestDrafting
 from . import patches
 from .costs import BatchStepCosts
 from .requests import (
-    admission_vocab_size,
-    answer_memory_tokens,
+    ServerSettings,
     check_extra_args,
     check_layout,
     request_config,
@@ -105,7 +104,7 @@ class RowTracker(_LogitsProcessor):
     def validate_params(cls, sampling_params: Any) -> None:
         """vLLM's admission check (the server answers HTTP 400 with the message): the types,
         the size limit, token ids within the served model's vocabulary, and a prediction's shape."""
-        check_extra_args(sampling_params.extra_args, admission_vocab_size())
+        check_extra_args(sampling_params.extra_args, ServerSettings.current().vocab_size)
 
     def is_argmax_invariant(self) -> bool:
         return True
@@ -160,7 +159,7 @@ class RagProposer:
         self.curve = BatchStepCosts.curve(self.k)  # scaled per step (set_batch)
         self.costs = BatchStepCosts()
         self.acceptance = {True: AcceptanceStats(), False: AcceptanceStats()}  # greedy, sampled
-        self.memory = AnswerMemory(answer_memory_tokens())  # earlier answers, per memory scope
+        self.memory = AnswerMemory(ServerSettings.current().answer_memory_tokens)  # earlier answers, per memory scope
         self.stats: OrderedDict[str, list[GenerationStats]] = OrderedDict()
         self.tracker: RowTracker | None = None
         self._tokenizer: Any = None

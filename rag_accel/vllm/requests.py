@@ -7,21 +7,24 @@ Pure Python (no vLLM import): the frontend's admission check (:meth:`RowTracker.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from ..config import SERVE_MAX_REFERENCE_TOKENS, DecoderConfig  # (re-exported)
+from ..config import MAX_REFERENCE_TOKENS, SERVE_MAX_REFERENCE_TOKENS, DecoderConfig  # (the second re-exported)
 from ..references import TextBound, certain_tokens
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
 from ..protocol import REQUEST_FIELDS, WORKER_BASE, request_config  # (re-exported: the worker's names for them)
 
-__all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SPECULATION",
-           "TRACKER_PATH", "PIPELINE_REFUSED", "WORKER_BASE", "admission_text_bound", "admission_vocab_size",
-           "answer_memory_tokens", "check_extra_args", "check_layout", "encode_text_bound", "max_reference_tokens",
-           "request_answers", "request_config", "request_inputs", "request_scope", "speculative_config"]
+__all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV",
+           "SPECULATION", "TRACKER_PATH", "PIPELINE_REFUSED", "WORKER_BASE", "ServerSettings", "check_extra_args",
+           "check_layout", "encode_text_bound", "request_answers", "request_config", "request_inputs", "request_scope",
+           "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
@@ -88,57 +91,116 @@ def _is_ids(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def max_reference_tokens() -> int:
-    """The most reference tokens one request may send: ``RAG_ACCEL_MAX_REFERENCE_TOKENS`` if set
-    (``rag-accel serve --max-reference-tokens`` sets it for the server and its engine; its default
-    there is :data:`SERVE_MAX_REFERENCE_TOKENS`), else DecoderConfig's default."""
-    value = os.environ.get("RAG_ACCEL_MAX_REFERENCE_TOKENS")
-    return int(value) if value else _MAX_REFERENCE_TOKENS
+#: The one environment variable that carries :class:`ServerSettings` (JSON) to vLLM's API server and its workers.
+SETTINGS_ENV = "RAG_ACCEL_SERVER"
+_SETTINGS_VERSION = 1
 
 
-def admission_text_bound() -> TextBound | None:
-    """The served tokenizer's lower bound on the tokens of text (:func:`~rag_accel.references.text_bound`), by
-    which admission counts text references against the limit before any tokenising:
-    ``RAG_ACCEL_TEXT_BOUND``, ``[chars_per_token, dropped_pattern_or_null]`` as JSON (``rag-accel serve``
-    sets it from the model's tokenizer), else ``None``: text counts for nothing until the worker tokenises it.
+@dataclass(frozen=True)
+class ServerSettings:
+    """What ``rag-accel serve`` decides once for the whole server, typed and checked when built (from the command
+    line), carried to vLLM's API server and its workers as JSON in one environment variable (:data:`SETTINGS_ENV`,
+    :meth:`environment`), read there by :meth:`current`; ``rag-accel serve --dry-run`` prints it. A process
+    without it (an engine in this process) gets the defaults.
+
+    - ``max_reference_tokens``: the most tokens a request's references and answers may hold (the server's
+      default is :data:`SERVE_MAX_REFERENCE_TOKENS`; in process, DecoderConfig's);
+    - ``answer_memory_tokens``: tokens of earlier answers each worker remembers (0: none);
+    - ``memory_scope``: the scope of requests that name none (``None``: such requests have no memory);
+    - ``vocab_size``: the served model's vocabulary, by which admission refuses reference ids outside it;
+    - ``text_bound``: ``(characters a token at most, pattern of characters that encode to nothing)``, the served
+      tokenizer's lower bound by which admission counts text references before any tokenising.
 
     Example:
-        >>> os.environ["RAG_ACCEL_TEXT_BOUND"] = "[81, null]"; admission_text_bound()
-        (81, None)
-        >>> del os.environ["RAG_ACCEL_TEXT_BOUND"]; admission_text_bound() is None
+        >>> s = ServerSettings(max_reference_tokens=100, vocab_size=49152)
+        >>> ServerSettings.from_json(s.to_json()) == s
         True
+        >>> ServerSettings(answer_memory_tokens=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: answer_memory_tokens must be an int >= 0, got -1
     """
-    value = os.environ.get("RAG_ACCEL_TEXT_BOUND")
-    if not value:
-        return None
-    per_token, dropped = json.loads(value)
-    return int(per_token), (re.compile(dropped) if dropped else None)
+
+    max_reference_tokens: int = _MAX_REFERENCE_TOKENS
+    answer_memory_tokens: int = DEFAULT_MAX_TOKENS
+    memory_scope: str | None = None
+    vocab_size: int | None = None
+    text_bound: tuple[int, str | None] | None = None
+
+    def __post_init__(self) -> None:
+        def integer(name: str, low: int, high: int | None = None, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < low or (high is not None and v > high):
+                raise ValueError(f"{name} must be an int >= {low}{f' and <= {high}' if high else ''}, got {v!r}")
+
+        integer("max_reference_tokens", 1, MAX_REFERENCE_TOKENS)
+        integer("answer_memory_tokens", 0)
+        integer("vocab_size", 1, optional=True)
+        if self.memory_scope is not None:
+            check_scope(self.memory_scope, "memory_scope")
+        bound = self.text_bound
+        if bound is not None:
+            if (not isinstance(bound, (tuple, list)) or len(bound) != 2 or isinstance(bound[0], bool)
+                    or not isinstance(bound[0], int) or bound[0] < 1 or not isinstance(bound[1], (str, type(None)))):
+                raise ValueError(f"text_bound must be (characters a token >= 1, a pattern or None), got {bound!r}")
+            re.compile(bound[1] or "")
+            object.__setattr__(self, "text_bound", (bound[0], bound[1]))
+
+    def to_json(self) -> str:
+        return json.dumps({"version": _SETTINGS_VERSION, **dataclasses.asdict(self)}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> ServerSettings:
+        """The settings :meth:`to_json` wrote; a malformed value, another version or an unknown key is a
+        ``ValueError`` naming :data:`SETTINGS_ENV`."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{SETTINGS_ENV} is not JSON: {e}") from None
+        if not isinstance(data, dict) or data.pop("version", None) != _SETTINGS_VERSION:
+            raise ValueError(f"{SETTINGS_ENV} must be a JSON object of version {_SETTINGS_VERSION} "
+                             f"(rag-accel serve writes it), got {text[:80]!r}")
+        unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"{SETTINGS_ENV} has unknown settings {unknown}")
+        if isinstance(data.get("text_bound"), list):
+            data["text_bound"] = tuple(data["text_bound"])
+        return cls(**data)
+
+    def environment(self) -> dict[str, str]:
+        """The environment variable that carries these settings to the server's processes."""
+        return {SETTINGS_ENV: self.to_json()}
+
+    @classmethod
+    def current(cls) -> ServerSettings:
+        """This process's settings: :data:`SETTINGS_ENV`'s, else the defaults (read once per value)."""
+        return _settings(os.environ.get(SETTINGS_ENV) or "")
+
+    @property
+    def bound(self) -> TextBound | None:
+        """``text_bound`` as :func:`~rag_accel.references.certain_tokens` takes it (its pattern compiled)."""
+        if self.text_bound is None:
+            return None
+        per_token, dropped = self.text_bound
+        return per_token, (re.compile(dropped) if dropped else None)
 
 
-def encode_text_bound(bound: TextBound | None) -> str | None:
-    """``bound`` as :func:`admission_text_bound` reads it from ``RAG_ACCEL_TEXT_BOUND``."""
-    return None if bound is None else json.dumps([bound[0], bound[1].pattern if bound[1] else None])
+@functools.lru_cache(maxsize=8)
+def _settings(text: str) -> ServerSettings:
+    return ServerSettings.from_json(text) if text else ServerSettings()
 
 
-def admission_vocab_size() -> int | None:
-    """The served model's vocabulary size for admission checks: ``RAG_ACCEL_VOCAB_SIZE``
-    (``rag-accel serve`` sets it from the model's config), else ``None`` (the worker checks)."""
-    value = os.environ.get("RAG_ACCEL_VOCAB_SIZE")
-    return int(value) if value else None
-
-
-def answer_memory_tokens() -> int:
-    """How many tokens of earlier answers each worker remembers (:class:`~rag_accel.memory.AnswerMemory`,
-    0: none): ``RAG_ACCEL_ANSWER_MEMORY_TOKENS`` (``rag-accel serve --answer-memory-tokens``), else
-    :data:`~rag_accel.memory.DEFAULT_MAX_TOKENS`."""
-    value = os.environ.get("RAG_ACCEL_ANSWER_MEMORY_TOKENS")
-    return int(value) if value else DEFAULT_MAX_TOKENS
+def encode_text_bound(bound: TextBound | None) -> tuple[int, str | None] | None:
+    """``bound`` as :attr:`ServerSettings.text_bound` holds it (its pattern as a string)."""
+    return None if bound is None else (bound[0], bound[1].pattern if bound[1] else None)
 
 
 def request_scope(extra_args: Any) -> str | None:
     """The memory scope of a request: ``extra_args["memory_scope"]``, a string of 1 to 256 characters
     (answers given in a scope draft for later requests of that scope only); a request without one
-    takes the deployment's default, ``RAG_ACCEL_MEMORY_SCOPE`` (``rag-accel serve --memory-scope``),
+    takes the deployment's default, :attr:`ServerSettings.memory_scope` (``rag-accel serve --memory-scope``),
     and with neither it neither reads nor writes the memory (``None``).
 
     Example:
@@ -151,7 +213,7 @@ def request_scope(extra_args: Any) -> str | None:
     """
     scope = extra_args.get("memory_scope") if isinstance(extra_args, Mapping) else None
     if scope is None:
-        return os.environ.get("RAG_ACCEL_MEMORY_SCOPE") or None
+        return ServerSettings.current().memory_scope
     return check_scope(scope, "extra_args['memory_scope']")
 
 
@@ -174,7 +236,7 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
 
     Size: references and answers together hold at most :func:`max_reference_tokens` tokens, the rule
     of :mod:`rag_accel.references`: here, before any tokenising, token ids count as they are and text by
-    the served tokenizer's lower bound (:func:`admission_text_bound`); the worker counts exactly, off its
+    the served tokenizer's lower bound (:attr:`ServerSettings.text_bound`); the worker counts exactly, off its
     step loop, and drafts without references and answers over the limit. With ``vocab_size``, ids outside
     ``[0, vocab_size)`` are refused.
 
@@ -190,7 +252,7 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
         raise ValueError(f"extra_args must be a dict, got {type(extra_args).__name__}")
     if extra_args.get("prediction_error") is not None:  # (rag_accel.vllm.predictions: a malformed prediction)
         raise ValueError(str(extra_args["prediction_error"]))
-    limit = max_reference_tokens()
+    limit = ServerSettings.current().max_reference_tokens
     refs, total = _sources(extra_args, "references", "reference_ids", vocab_size, limit)
     answers, answer_total = _sources(extra_args, "answers", "answer_ids", vocab_size, limit)
     if total > limit:
@@ -198,7 +260,7 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
     parts = _prediction(extra_args)
     if parts:
         refs.extend(parts)
-        total += certain_tokens(parts, admission_text_bound())
+        total += certain_tokens(parts, ServerSettings.current().bound)
         if total > limit:
             raise ValueError(f"prediction (with extra_args['references']) holds over {limit} tokens, the most a "
                              "request's references may hold here")
@@ -244,7 +306,7 @@ def request_answers(extra_args: Any, vocab_size: int | None = None) -> list[str 
     """
     if not isinstance(extra_args, Mapping):
         return []
-    return _sources(extra_args, "answers", "answer_ids", vocab_size, max_reference_tokens())[0]
+    return _sources(extra_args, "answers", "answer_ids", vocab_size, ServerSettings.current().max_reference_tokens)[0]
 
 
 def _sources(extra_args: Mapping[str, Any], key: str, ids_key: str, vocab_size: int | None,
@@ -278,7 +340,7 @@ def _sources(extra_args: Mapping[str, Any], key: str, ids_key: str, vocab_size: 
             raise ValueError(f"extra_args['{ids_key}'] must be a JSON string of token-id lists "
                              "or one list of token ids")
         refs.extend(list(r) for r in ids)
-    total, bound = 0, admission_text_bound()
+    total, bound = 0, ServerSettings.current().bound
     for i, r in enumerate(refs):
         if isinstance(r, str):
             total += certain_tokens([r], bound)  # its tokens for certain; the worker counts exactly
