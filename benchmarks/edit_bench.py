@@ -51,7 +51,7 @@ SHARED_EDITS = ROOT.parent / "shared" / "data" / "edits" / "edits_dev.jsonl"
 BUNDLED_EDITS = ROOT / "benchmarks" / "data" / "edits_mit.jsonl"
 SYSTEM = ("You are a careful coding assistant. Apply the requested change to the file and reply with the whole "
           "updated file in one fenced code block, nothing else.")
-K = 10  # draft tokens a vLLM step verifies at most (rag_accel.config.SPECULATIVE_TOKENS)
+K = 10  # draft tokens a vLLM step verifies at most (rag_accel.config.VLLM_DRAFT_TOKENS)
 HF_METHODS = ("greedy", "hf-pld", "hf-assisted", "ours", "ours-plain", "ours-noref", "ours-hybrid")
 VLLM_METHODS = ("vllm-greedy", "vllm-ngram", "vllm-suffix", "vllm-draft", "vllm-ours")
 
@@ -149,7 +149,7 @@ def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[d
     items = (edit_items(args.data, args.items, args.max_chars, tokenizer) if args.task == "edit"
              else rag_items(args.items, tokenizer))
     warm, timed = items[-1], items[:-1] if len(items) > 1 else items
-    common = dict(num_speculative_tokens=K, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
+    common = dict(max_draft_tokens=K, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
     engines = {"vllm-greedy": {"speculation": "off"}, "vllm-ngram": {"speculation": "ngram"},
                "vllm-suffix": {"speculation": "suffix"}, "vllm-ours": {"speculation": "ours"},

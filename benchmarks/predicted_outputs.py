@@ -215,7 +215,7 @@ def main() -> None:
         speculation = ENGINES[name]
         loads[name] = [uptime()]
         try:
-            dec = VllmDecoder.from_pretrained(MODEL, speculation=speculation, num_speculative_tokens=K, **engine)
+            dec = VllmDecoder.from_pretrained(MODEL, speculation=speculation, max_draft_tokens=K, **engine)
         except ImportError as e:
             print(f"{name}: skipped ({e})")
             continue

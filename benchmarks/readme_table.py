@@ -99,7 +99,7 @@ def engine_section(path: Path) -> str:
     if env.get("vllm"):  # the vLLM methods beside the transformers ones: the bench's own tables
         from rag_accel.bench import concurrency_table, markdown_table
 
-        lines[2:] = [f"vLLM {env['vllm']}, {env['num_speculative_tokens']} draft tokens per step, env "
+        lines[2:] = [f"vLLM {env['vllm']}, {env.get('max_draft_tokens', env.get('num_speculative_tokens'))} draft tokens per step, env "
                      f"`{env.get('vllm_env', {})}`; machine load (1/5/15 min, 2 cores) before {env.get('load_before')}, "
                      f"after {env.get('load_after')}.", "", markdown_table(s)]
         if r.get("reworded_summary"):

@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="new tokens per request")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("-k", type=int, default=10, help="num_speculative_tokens of ours")
+    ap.add_argument("-k", type=int, default=10, help="max_draft_tokens of ours (vLLM's num_speculative_tokens)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--python", default=sys.executable, help="the interpreter with vLLM for the servers")
     ap.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE")

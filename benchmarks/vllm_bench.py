@@ -69,7 +69,7 @@ def make_decoder(method: str, max_model_len: int):
     engine = dict(max_model_len=max_model_len, enforce_eager=True, enable_prefix_caching=False,
                   disable_log_stats=False)
     if method == "vllm-ours":
-        return VllmDecoder.from_pretrained("smollm2-135m-instruct", num_speculative_tokens=K, **engine)
+        return VllmDecoder.from_pretrained("smollm2-135m-instruct", max_draft_tokens=K, **engine)
     spec = None
     if method == "vllm-ngram":
         spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2, "prompt_lookup_max": 4}

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import typer
 
-from .config import SERVE_MAX_REFERENCE_TOKENS, SPECULATIVE_TOKENS
+from .config import SERVE_MAX_REFERENCE_TOKENS, VLLM_DRAFT_TOKENS, VLLM_MAX_DRAFT_TOKENS
 from .methods import ALL_METHODS, NEEDS_DRAFT_MODEL, VLLM_METHODS
 
 # Plain help (no rich panels): this typer's panels show flags such as --help with a "<bool>" type and cut
@@ -262,8 +262,9 @@ def bench(
     concurrency: str = typer.Option("", help="vLLM methods only: requests in flight for the throughput table, "
                                     "comma-separated (e.g. 4,16)."),
     concurrency_items: int = typer.Option(16, min=1, help="Items run at each --concurrency level."),
-    num_speculative_tokens: int = typer.Option(SPECULATIVE_TOKENS, min=1, max=64, help="vLLM methods: draft tokens per step "
-                                               "(vllm-ngram, vllm-suffix and vllm-ours)."),
+    max_draft_tokens: int = typer.Option(VLLM_DRAFT_TOKENS, min=1, max=VLLM_MAX_DRAFT_TOKENS,
+                                         help="vLLM methods: most draft tokens per step (vllm-ngram, vllm-suffix and "
+                                              "vllm-ours; vLLM's num_speculative_tokens)."),
     max_model_len: int = typer.Option(4096, min=64, help="vLLM methods: the engines' context length."),
     out: Path = typer.Option(Path("benchmarks/results/bench"), help="Output prefix: .json, .md, .png"),
 ) -> None:
@@ -316,7 +317,7 @@ def bench(
         suffix = [m for m in method_list if VLLM_METHODS.get(m) == "suffix"]
         if suffix:
             try:
-                speculative_config("suffix", num_speculative_tokens)  # ImportError without arctic-inference
+                speculative_config("suffix", max_draft_tokens)  # ImportError without arctic-inference
             except ImportError as e:
                 _fail(f"{suffix[0]}: {e}; or leave {', '.join(suffix)} out of --methods")
     engines: dict = {}
@@ -330,7 +331,7 @@ def bench(
         timed, spare = (sample[-items:], sample[-items - 1::-1]) if last else (sample[:items], sample[items:])
         dec = _load_decoder(model, device, dtype, draft_model)
         if uses_vllm:
-            engines = vllm_engines(method_list, model, dtype or "float32", k=num_speculative_tokens,
+            engines = vllm_engines(method_list, model, dtype or "float32", max_draft_tokens=max_draft_tokens,
                                    max_model_len=max_model_len, spare_first=True)
         # items too long for the context window are left out before anything is timed, and listed
         skipped = too_long(dec, timed, max_new_tokens, engines=engines, reworded=reworded > 0)
@@ -341,7 +342,7 @@ def bench(
             raise CliError(f"all {len(skipped)} items are too long for the context window: lower --max-new-tokens, "
                            "or use a model with a longer context")
         warmup = next((it for it in spare if not too_long(dec, [it], max_new_tokens, engines=engines)), None)
-        env = environment(dec, model, num_speculative_tokens=num_speculative_tokens if uses_vllm else None)
+        env = environment(dec, model, max_draft_tokens=max_draft_tokens if uses_vllm else None)
         env["load_before"] = load_before
         if uses_vllm:
             env["spare_engine_first"] = True  # (as vllm_engines was asked above)
@@ -403,7 +404,7 @@ def serve(
     speculation: str = typer.Option("ours", help="ours: our proposer (references, predictions, the prompt and output); "
                                     "ngram: vLLM's own n-gram proposer (lookup 2-4); suffix: vLLM's suffix "
                                     "decoding (needs arctic-inference); off: none."),
-    num_speculative_tokens: int = typer.Option(SPECULATIVE_TOKENS, "--num-speculative-tokens", "-k", min=1, max=64,
+    max_draft_tokens: int = typer.Option(VLLM_DRAFT_TOKENS, "--max-draft-tokens", "-k", min=1, max=VLLM_MAX_DRAFT_TOKENS,
                                                help="Most draft tokens verified per step (ours, ngram)."),
     max_reference_tokens: int = typer.Option(
         SERVE_MAX_REFERENCE_TOKENS, min=1, max=4_000_000,
@@ -446,7 +447,7 @@ def serve(
     try:
         path, name = resolve_model(model)
         cmd = serve_command(path, host=host, port=port, dtype=dtype or default_dtype(), max_model_len=max_model_len,
-                            speculation=speculation, num_speculative_tokens=num_speculative_tokens,
+                            speculation=speculation, max_draft_tokens=max_draft_tokens,
                             served_model_name=name, extra=ctx.args)
     except (FileNotFoundError, ValueError, ImportError, TypeError) as e:
         _fail(str(e))

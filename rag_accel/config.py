@@ -29,10 +29,14 @@ DRAFTER_NAMES = (*COPY_DRAFTERS, "draft_model")
 # 1.38x without it on SmolLM2 (benchmarks/results/bench_cpu_smollm2_draft_models.md), 0.67x alone on Gemma.
 DEFAULT_COPY_DRAFTERS = ("reference", "frequency")
 
-# The draft tokens a vLLM engine verifies at most a step (its num_speculative_tokens), the same on every way in
-# (rag-accel serve, VllmDecoder, the bench): the peers at 10 and at 24 (vLLM's own default for suffix decoding)
-# on the sample's last 16 items, benchmarks/results/bench_vllm_cpu_smollm2_last16x64_k10.md and _k24.md.
-SPECULATIVE_TOKENS = 10
+# One name for the draft length everywhere: max_draft_tokens (DecoderConfig's field, VllmDecoder's and the CLI's
+# option, the result JSON); vLLM's own name for it, num_speculative_tokens, appears only where its API takes it
+# (rag_accel.vllm.requests.speculative_config). A vLLM engine's default, the same on every way in (rag-accel serve,
+# VllmDecoder, the bench): the peers at 10 and at 24 (vLLM's own default for suffix decoding) on the sample's last
+# 16 items, benchmarks/results/bench_vllm_cpu_smollm2_last16x64_k10.md and _k24.md. A vLLM engine allocates its
+# draft buffers for this many tokens a row at start, hence a lower bound than the transformers decoder's.
+VLLM_DRAFT_TOKENS = 10
+VLLM_MAX_DRAFT_TOKENS = 64
 
 # Upper bounds of the integer options. Each protects time or memory that grows with the option;
 # the defaults sit far below them.
@@ -92,7 +96,7 @@ class DecoderConfig:
             (ANPD's tables) and ``"draft_model"`` (the decoder's draft model; needs one loaded).
             Default ``("reference", "frequency")``; the others are opt-in.
         max_draft_tokens: the most draft tokens verified in one step, 1..256. On vLLM the engine's
-            ``num_speculative_tokens`` caps it.
+            own ``max_draft_tokens`` (``VllmDecoder.from_pretrained``, ``rag-accel serve -k``) caps it.
         adaptive: choose each draft's length from the measured verify cost and the acceptance seen so
             far (0: a plain step). ``False`` sends every draft whole (plain LLMA / prompt lookup).
         cost_curve: the relative time of a verify forward over ``1 + L`` tokens, entry ``L``

@@ -59,7 +59,7 @@ READY_TIMEOUT = float(os.environ.get("RAG_ACCEL_SERVE_TIMEOUT", "900"))  # a bus
 # --------------------------------------------------------------------------- pieces, no server
 def test_serve_command_per_speculation_mode():
     ours = serve.serve_command("/m", port=8001, dtype="float32", max_model_len=2048, speculation="ours",
-                               num_speculative_tokens=7, served_model_name="m", extra=["--enforce-eager"])
+                               max_draft_tokens=7, served_model_name="m", extra=["--enforce-eager"])
     args = ours[ours.index("serve"):]
     assert args[:4] == ["serve", "/m", "--host", "127.0.0.1"] and args[-1] == "--enforce-eager"
     spec = json.loads(args[args.index("--speculative-config") + 1])
@@ -83,7 +83,7 @@ def test_serve_command_per_speculation_mode():
         with pytest.raises(ImportError, match="pip install arctic-inference"):
             serve.serve_command("/m", speculation="suffix")
     else:
-        suffix = serve.serve_command("/m", speculation="suffix", num_speculative_tokens=12)
+        suffix = serve.serve_command("/m", speculation="suffix", max_draft_tokens=12)
         assert json.loads(suffix[suffix.index("--speculative-config") + 1]) == {"method": "suffix",
                                                                                 "num_speculative_tokens": 12}
         assert "--logits-processors" not in suffix

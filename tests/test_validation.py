@@ -292,8 +292,10 @@ def test_the_configuration_page_states_the_defaults_and_only_the_options():
     import re
     from pathlib import Path
 
-    from rag_accel.config import SPECULATIVE_TOKENS
-    from rag_accel.serving.serve import DEFAULT_K
+    import inspect
+
+    from rag_accel.config import VLLM_DRAFT_TOKENS
+    from rag_accel.serving.serve import serve_command
 
     page = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
     table = page.split("## What left")[0]
@@ -305,4 +307,46 @@ def test_the_configuration_page_states_the_defaults_and_only_the_options():
               "max_reference_tokens": f"{cfg.max_reference_tokens:,}"}
     for name, want in stated.items():
         assert want.replace("'", '"') in rows[name].replace("`", ""), (name, rows[name], want)
-    assert f"`SPECULATIVE_TOKENS` = {SPECULATIVE_TOKENS}" in page and DEFAULT_K == SPECULATIVE_TOKENS
+    assert f"`VLLM_DRAFT_TOKENS` = {VLLM_DRAFT_TOKENS}" in page
+    assert inspect.signature(serve_command).parameters["max_draft_tokens"].default == VLLM_DRAFT_TOKENS
+
+
+def test_the_draft_length_has_one_name_in_every_public_surface():
+    """Issue 65: max_draft_tokens in the config, VllmDecoder, the command line and the result JSON; vLLM's own
+    num_speculative_tokens only in the speculative_config handed to vLLM (rag_accel.vllm.requests)."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from rag_accel.bench.harness import environment, vllm_engines
+    from rag_accel.cli import app
+    from rag_accel.serving.serve import serve_command, speculative_options
+    from rag_accel.vllm.decoder import VllmDecoder
+    from rag_accel.vllm.requests import speculative_config
+
+    import dataclasses
+
+    assert "max_draft_tokens" in {f.name for f in dataclasses.fields(DecoderConfig)}
+    for fn in (VllmDecoder.from_pretrained, serve_command, speculative_options, speculative_config, vllm_engines,
+               environment):
+        assert "max_draft_tokens" in inspect.signature(fn).parameters, fn.__name__
+    for command in ("serve", "bench"):
+        out = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output
+        assert "--max-draft-tokens" in out and "speculative-tokens" not in out, command
+    assert speculative_config("ours", 7)["num_speculative_tokens"] == 7  # (vLLM's name, in vLLM's config)
+    with pytest.raises(TypeError, match="pass max_draft_tokens="):
+        VllmDecoder.from_pretrained("m", num_speculative_tokens=4)
+    # in the library's code (not its prose), vLLM's name is read or written only where vLLM's API has it
+    root = Path(__file__).resolve().parents[1] / "rag_accel"
+    users = set()
+    for f in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            named = ((isinstance(node, ast.Attribute) and node.attr == "num_speculative_tokens")
+                     or (isinstance(node, ast.keyword) and node.arg == "num_speculative_tokens")
+                     or (isinstance(node, ast.arg) and node.arg == "num_speculative_tokens"))
+            if named or (isinstance(node, ast.Dict) and any(isinstance(k, ast.Constant) and
+                                                            k.value == "num_speculative_tokens" for k in node.keys)):
+                users.add(f.relative_to(root).as_posix())
+    assert users == {"vllm/requests.py", "vllm/proposer.py"}, users

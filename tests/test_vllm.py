@@ -44,7 +44,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1" if (os.cpu_count() or 1
 MODEL = "smollm2-135m-instruct"
 N_ITEMS = 5
 MAX_NEW = 40
-K = 10  # num_speculative_tokens
+K = 10  # max_draft_tokens of the engines (vLLM's num_speculative_tokens)
 ENGINE = dict(max_model_len=2048, enforce_eager=True)
 
 
@@ -357,7 +357,7 @@ def baseline(items, vllm_greedy):
 
 @pytest.fixture(scope="module")
 def dec(baseline):
-    d = VllmDecoder.from_pretrained(MODEL, num_speculative_tokens=K, disable_log_stats=False, **ENGINE)
+    d = VllmDecoder.from_pretrained(MODEL, max_draft_tokens=K, disable_log_stats=False, **ENGINE)
     yield d
     _shutdown(d)
 
@@ -418,7 +418,7 @@ def test_vllm_ngram_engine_equals_greedy_and_counts_its_steps(items, baseline):
     with speculation off every step brings one)."""
     plain = baseline.plain.generate(rag_messages(items[0].query, items[0].passages), max_new_tokens=MAX_NEW)
     assert plain.stats.steps == plain.stats.new_tokens == len(baseline.alone[0])
-    ngram = VllmDecoder.from_pretrained(MODEL, speculation="ngram", num_speculative_tokens=K, **ENGINE)
+    ngram = VllmDecoder.from_pretrained(MODEL, speculation="ngram", max_draft_tokens=K, **ENGINE)
     try:
         outs = [ngram.generate(rag_messages(it.query, it.passages), max_new_tokens=MAX_NEW) for it in items[:3]]
     finally:
@@ -438,9 +438,9 @@ def test_vllm_suffix_engine_equals_greedy_or_says_what_to_install(items, baselin
 
     if importlib.util.find_spec("arctic_inference") is None:
         with pytest.raises(ImportError, match="pip install arctic-inference"):
-            VllmDecoder.from_pretrained(MODEL, speculation="suffix", num_speculative_tokens=K, **ENGINE)
+            VllmDecoder.from_pretrained(MODEL, speculation="suffix", max_draft_tokens=K, **ENGINE)
         return
-    suffix = VllmDecoder.from_pretrained(MODEL, speculation="suffix", num_speculative_tokens=K, **ENGINE)
+    suffix = VllmDecoder.from_pretrained(MODEL, speculation="suffix", max_draft_tokens=K, **ENGINE)
     try:
         assert suffix.speculation == "suffix"
         outs = [suffix.generate(rag_messages(it.query, it.passages), max_new_tokens=MAX_NEW) for it in items[:3]]
@@ -772,7 +772,7 @@ def test_gemma3_across_its_sliding_window_is_exact_with_right_wrong_and_mixed_re
 
     from rag_accel.models import GEMMA_MODEL
 
-    dec = VllmDecoder.from_pretrained(GEMMA_MODEL, num_speculative_tokens=8, max_model_len=1024, enforce_eager=True)
+    dec = VllmDecoder.from_pretrained(GEMMA_MODEL, max_draft_tokens=8, max_model_len=1024, enforce_eager=True)
     try:
         vocab = dec.vocab_size
         for ids in rag_completion_ids(dec.tokenizer, (480, 600)):
@@ -803,7 +803,7 @@ def test_qwen_05b_is_exact_with_right_wrong_and_mixed_references(items):
     always wrong, mixed, and as text."""
     from rag_accel.models import QWEN_DRAFT_MODEL
 
-    dec = VllmDecoder.from_pretrained(QWEN_DRAFT_MODEL, num_speculative_tokens=8, max_model_len=2048,
+    dec = VllmDecoder.from_pretrained(QWEN_DRAFT_MODEL, max_draft_tokens=8, max_model_len=2048,
                                       enforce_eager=True)
     try:
         vocab = dec.vocab_size
@@ -898,7 +898,7 @@ def test_bench_engines_are_built_after_a_spare_that_is_closed(monkeypatch, items
     monkeypatch.setattr(VllmDecoder, "from_pretrained", classmethod(make))
     monkeypatch.setattr(VllmDecoder, "close", close)
     before = len(multiprocessing.active_children())
-    engines = vllm_engines(["vllm-greedy"], MODEL, k=4, max_model_len=2048)
+    engines = vllm_engines(["vllm-greedy"], MODEL, max_draft_tokens=4, max_model_len=2048)
     try:
         assert list(engines) == ["vllm-greedy"] and built == ["off", "off"]
         assert seen == [PEER_ENVIRONMENT, PEER_ENVIRONMENT]  # the spare's start included

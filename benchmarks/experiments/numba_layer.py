@@ -43,7 +43,7 @@ def build(model: str, k: int, max_model_len: int) -> dict:
     from rag_accel_lab.inflight import ngram_config
     from rag_accel.vllm import VllmDecoder
 
-    common = dict(num_speculative_tokens=k, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
+    common = dict(max_draft_tokens=k, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
     old = os.environ.pop(LAYER, None)
     engines: dict = {}

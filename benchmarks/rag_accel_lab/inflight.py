@@ -32,7 +32,7 @@ def make_engines(specs: dict[str, dict], model: str, k: int, max_model_len: int,
     from rag_accel.vllm import VllmDecoder
     from rag_accel.bench.harness import peer_environment, spare_engine
 
-    common = dict(num_speculative_tokens=k, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
+    common = dict(max_draft_tokens=k, dtype="float32", max_model_len=max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
     peer_environment()
     if spare_first:

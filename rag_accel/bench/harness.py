@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..config import SPECULATIVE_TOKENS
+from ..config import VLLM_DRAFT_TOKENS
 from ..rag.msmarco import RagItem, rag_input
 from ..methods import (
     ALL_METHODS,
@@ -166,11 +166,11 @@ def spare_engine(model: str, **kwargs: Any) -> None:
         spare.close()
 
 
-def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, k: int = SPECULATIVE_TOKENS,
+def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, max_draft_tokens: int = VLLM_DRAFT_TOKENS,
                  max_model_len: int = 4096, spare_first: bool = True) -> dict[str, Any]:
     """One :class:`rag_accel.vllm.VllmDecoder` per vLLM method in ``methods`` (``vllm-greedy``
     always, the baseline): float32 unless ``dtype``, eager mode, prefix caching off (a repeated
-    prompt must not skip its prefill for one method and not another), up to ``k`` draft tokens a
+    prompt must not skip its prefill for one method and not another), up to ``max_draft_tokens`` draft tokens a
     step for every proposer, with the settings of :data:`~rag_accel.methods.SPECULATIVE_SETTINGS`
     (``vllm-suffix-f3``).
 
@@ -186,7 +186,7 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
 
     wanted = [m for m in VLLM_METHODS if m in methods or m == "vllm-greedy"]
     peer_environment()
-    common = dict(num_speculative_tokens=k, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+    common = dict(max_draft_tokens=max_draft_tokens, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
     if spare_first:
         spare_engine(model, **common)
@@ -194,7 +194,7 @@ def vllm_engines(methods: Sequence[str], model: str, dtype: str = "float32", *, 
     try:
         for m in wanted:
             try:
-                tuned = ({"speculative_config": {**speculative_config(VLLM_METHODS[m], k), **SPECULATIVE_SETTINGS[m]}}
+                tuned = ({"speculative_config": {**speculative_config(VLLM_METHODS[m], max_draft_tokens), **SPECULATIVE_SETTINGS[m]}}
                          if m in SPECULATIVE_SETTINGS else {})
                 engines[m] = VllmDecoder.from_pretrained(model, speculation=VLLM_METHODS[m],
                                                          memory_scope=MEMORY_SCOPE.get(m), **common, **tuned)
@@ -394,8 +394,8 @@ VLLM_ENV_RECORDED = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_
 
 
 def environment(dec: ReferenceDecoder, model_name: str | None = None, *,
-                num_speculative_tokens: int | None = None) -> dict[str, Any]:
-    """Where a run ran: device, threads, model, dtype, date, versions. With ``num_speculative_tokens``
+                max_draft_tokens: int | None = None) -> dict[str, Any]:
+    """Where a run ran: device, threads, model, dtype, date, versions. With ``max_draft_tokens``
     (a run with vLLM engines) also vLLM's version, its CPU settings from the environment and ``k``."""
     dev = dec.device
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine())
@@ -411,11 +411,11 @@ def environment(dec: ReferenceDecoder, model_name: str | None = None, *,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
     }
-    if num_speculative_tokens is not None:
+    if max_draft_tokens is not None:
         import vllm
 
         env["vllm"] = vllm.__version__
         env["vllm_env"] = {k: os.environ.get(k) for k in VLLM_ENV_RECORDED}
-        env["num_speculative_tokens"] = num_speculative_tokens
+        env["max_draft_tokens"] = max_draft_tokens
     return env
 

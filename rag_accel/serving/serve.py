@@ -43,12 +43,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..config import SPECULATIVE_TOKENS
+from ..config import VLLM_DRAFT_TOKENS
 
 __all__ = ["cpu_environment", "cpu_hints", "default_dtype", "exec_server", "model_vocab_size", "resolve_model", "serve_command",
            "shell_line", "speculative_options", "vllm_cli", "vllm_executable", "vllm_installed"]
-
-DEFAULT_K = SPECULATIVE_TOKENS
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:
@@ -94,7 +92,7 @@ def model_text_bound(model: str) -> tuple[int, str | None] | None:
     return encode_text_bound(tokenizer_json_bound(spec))
 
 
-def speculative_options(speculation: str, num_speculative_tokens: int = DEFAULT_K) -> list[str]:
+def speculative_options(speculation: str, max_draft_tokens: int = VLLM_DRAFT_TOKENS) -> list[str]:
     """The vLLM options of one speculation mode (:func:`rag_accel.vllm.speculative_config`: ``ours`` also
     loads the :class:`~rag_accel.vllm.RowTracker`).
 
@@ -108,7 +106,7 @@ def speculative_options(speculation: str, num_speculative_tokens: int = DEFAULT_
     """
     from ..vllm.requests import TRACKER_PATH, speculative_config  # (no vLLM import)
 
-    spec = speculative_config(speculation, num_speculative_tokens)
+    spec = speculative_config(speculation, max_draft_tokens)
     if spec is None:
         return []
     options = ["--speculative-config", json.dumps(spec)]
@@ -180,7 +178,7 @@ def _option_value(extra: Sequence[str], names: Sequence[str]) -> int | None:
 
 def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
                   max_model_len: int | None = None, speculation: str = "ours",
-                  num_speculative_tokens: int = DEFAULT_K, served_model_name: str | None = None,
+                  max_draft_tokens: int = VLLM_DRAFT_TOKENS, served_model_name: str | None = None,
                   extra: Sequence[str] = ()) -> list[str]:
     """The ``vllm serve`` command line (argv) for these options; ``extra``: more vLLM options, as given.
 
@@ -206,7 +204,7 @@ def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtyp
         cmd += ["--max-model-len", str(max_model_len)]
     if served_model_name and not _given(extra, "--served-model-name"):
         cmd += ["--served-model-name", served_model_name]
-    cmd += speculative_options(speculation, num_speculative_tokens)
+    cmd += speculative_options(speculation, max_draft_tokens)
     # OpenAI's Predicted Outputs (rag_accel.vllm.predictions), in every mode: with another mode than ours a
     # prediction is refused (HTTP 400), never silently ignored
     from ..vllm.requests import MIDDLEWARE_PATH  # (no vLLM import)

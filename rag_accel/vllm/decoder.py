@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..config import COPY_DRAFTERS, SPECULATIVE_TOKENS, DecoderConfig
+from ..config import COPY_DRAFTERS, VLLM_DRAFT_TOKENS, DecoderConfig
 from ..inputs import check_lengths, check_stops, encode_prompt
 from ..references import check_references, encode_references, tokenize_references
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
@@ -73,16 +73,18 @@ class VllmDecoder:
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, config: DecoderConfig | None = None,
-                        num_speculative_tokens: int | None = None, dtype: str = "float32",
+                        max_draft_tokens: int | None = None, dtype: str = "float32",
                         max_model_len: int = 4096, speculation: str = "ours", memory_scope: str | None = None,
                         **llm_kwargs: Any) -> VllmDecoder:
         """A ``vllm.LLM`` on ``name_or_path`` (``"smollm2-135m-instruct"``: the offline default,
         converted on first use) with :class:`RagProposer` proposing up to
-        ``num_speculative_tokens`` (default :data:`~rag_accel.config.SPECULATIVE_TOKENS`, as ``rag-accel serve``)
-        tokens a step (a row's ``max_draft_tokens`` above it is capped there).
+        ``max_draft_tokens`` (default :data:`~rag_accel.config.VLLM_DRAFT_TOKENS`, as ``rag-accel serve``; vLLM's
+        ``num_speculative_tokens``) tokens a step (a row's ``config`` asking for more is capped there).
         ``speculation="off"``: plain vLLM (the baseline); ``"ngram"`` / ``"suffix"``: vLLM's own
         prompt lookup / suffix decoding (references are then ignored; stats count no drafts).
         ``memory_scope``: see the class. Other keywords go to ``vllm.LLM``."""
+        if "num_speculative_tokens" in llm_kwargs:
+            raise TypeError("num_speculative_tokens is vLLM's name for max_draft_tokens: pass max_draft_tokens=")
         try:
             from vllm import LLM
         except ImportError as e:
@@ -100,7 +102,7 @@ class VllmDecoder:
         if cfg.cost_curve is not None:
             raise ValueError("cost_curve is the transformers decoder's: a vLLM engine learns what its steps cost "
                              "as it runs; leave it None")
-        k = num_speculative_tokens if num_speculative_tokens is not None else SPECULATIVE_TOKENS
+        k = max_draft_tokens if max_draft_tokens is not None else VLLM_DRAFT_TOKENS
         path = local_model(name_or_path)
         kwargs: dict[str, Any] = dict(model=path, dtype=dtype, max_model_len=max_model_len, seed=0)
         spec = speculative_config(speculation, int(k))

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import MAX_REFERENCE_TOKENS, SERVE_MAX_REFERENCE_TOKENS, DecoderConfig  # (the second re-exported)
+from ..config import MAX_REFERENCE_TOKENS, SERVE_MAX_REFERENCE_TOKENS, VLLM_MAX_DRAFT_TOKENS, DecoderConfig  # (the second re-exported)
 from ..references import TextBound, certain_tokens
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
 from ..protocol import REQUEST_FIELDS, WORKER_BASE, request_config  # (re-exported: the worker's names for them)
@@ -37,7 +37,7 @@ _SUFFIX_HINT = ("speculation='suffix' is vLLM's suffix decoding, which needs arc
                 "with torch, ninja, cmake, nanobind==2.9.2, protobuf==5.29.6 and grpcio-tools, a few minutes)")
 
 
-def speculative_config(speculation: str, k: int) -> dict[str, Any] | None:
+def speculative_config(speculation: str, max_draft_tokens: int) -> dict[str, Any] | None:
     """vLLM's ``speculative_config`` for ``"ours"`` (:class:`RagProposer`, up to ``k`` tokens a
     step), ``"ngram"`` (vLLM's prompt lookup: ``k`` tokens, n-grams of 2 to 4, as benchmarked),
     ``"suffix"`` (vLLM's suffix decoding, up to ``k`` tokens, its other settings vLLM's defaults:
@@ -45,8 +45,9 @@ def speculative_config(speculation: str, k: int) -> dict[str, Any] | None:
     or ``"off"`` (``None``). ``"ours"`` also needs ``logits_processors=[TRACKER_PATH]``."""
     if speculation not in SPECULATION:
         raise ValueError(f"speculation must be one of {list(SPECULATION)}, got {speculation!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 64:
-        raise ValueError(f"num_speculative_tokens must be an int in [1, 64], got {k!r}")
+    k = max_draft_tokens  # vLLM's num_speculative_tokens: named so here only, where vLLM's API takes it
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= VLLM_MAX_DRAFT_TOKENS:
+        raise ValueError(f"max_draft_tokens must be an int in [1, {VLLM_MAX_DRAFT_TOKENS}] on a vLLM engine, got {k!r}")
     if speculation == "ours":
         return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": k}
     if speculation == "ngram":
