@@ -161,8 +161,9 @@ def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[d
         loads[name] = [loadavg()]
         try:
             dec = VllmDecoder.from_pretrained(args.model, **common, **engines[name])
-        except ImportError as e:
-            print(f"{name}: skipped ({e})", flush=True)
+        except Exception as e:  # (arctic-inference missing, or an engine this vLLM build cannot start): recorded
+            print(f"{name}: skipped ({type(e).__name__}: {e})", flush=True)
+            loads[name].append(f"skipped: {type(e).__name__}: {str(e)[:300]}")
             continue
         try:
             arms = [(name, False), (name + "+prediction", True)] if name == "vllm-ours" else [(name, False)]
