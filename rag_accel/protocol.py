@@ -22,15 +22,40 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
 from .config import COPY_DRAFTERS, DEFAULT_COPY_DRAFTERS, DecoderConfig
+from .inputs import check_stops
 from .outputs import GenerationOutput
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
-# The per-call options of generate / stream / generate_batch, and their defaults, on every decoder.
-# ``answers``: earlier answers to copy from; ``prediction``: OpenAI's Predicted Outputs (rag_accel.prediction), its
-# parts references of the call. In generate_batch each holds one entry per prompt, as references (batch_arguments).
+
+
+class CallOptions(TypedDict, total=False):
+    """The per-call options of ``generate`` / ``stream`` / ``generate_batch`` on every decoder, declared once: each
+    decoder's methods take them as ``**options: Unpack[CallOptions]``, and :meth:`Request.of` checks them.
+    ``answers``: earlier answers to copy from; ``prediction``: OpenAI's Predicted Outputs (rag_accel.prediction), its
+    parts references of the call. In generate_batch each of those two holds one entry per prompt, as references
+    (:func:`batch_arguments`)."""
+
+    max_new_tokens: int
+    stop: str | Sequence[str] | None
+    config: DecoderConfig | Mapping[str, Any] | None
+    speculate: bool
+    do_sample: bool
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    seed: int | None
+    answers: Any
+    prediction: Any
+
+
+# Their defaults (the keys are CallOptions', tests/test_protocol.py).
 CALL_OPTIONS: dict[str, Any] = dict(max_new_tokens=256, stop=None, config=None, speculate=True, do_sample=False,
                                     temperature=None, top_k=None, top_p=None, seed=None, answers=None,
                                     prediction=None)
@@ -43,6 +68,46 @@ REQUEST_FIELDS = frozenset({"drafters", "adaptive", "max_loss", "max_reference_t
 WORKER_BASE = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS)
 
 
+@dataclass(frozen=True)
+class Request:
+    """One call, built and checked once where it enters a decoder (:meth:`of`), then handed whole to the engine:
+    its prompt and references as given (each engine encodes them), its stop strings checked, its sampling read by
+    :func:`sampling_request` (``None``: greedy), the other options as given.
+
+    Example:
+        >>> r = Request.of("Hi", ["a passage"], {"max_new_tokens": 8, "stop": "\\n"})
+        >>> r.max_new_tokens, r.stops, r.sampling
+        (8, ['\\n'], None)
+        >>> Request.of("Hi", None, {"max_tokens": 8})
+        Traceback (most recent call last):
+        ...
+        TypeError: unexpected keyword arguments ['max_tokens'] (max_tokens: this call's name is max_new_tokens)
+    """
+
+    prompt: Any
+    references: Any = None
+    max_new_tokens: int = 256
+    stops: list[str] = field(default_factory=list)
+    config: DecoderConfig | Mapping[str, Any] | None = None
+    speculate: bool = True
+    sampling: dict[str, Any] | None = None
+    answers: Any = None
+    prediction: Any = None
+
+    @classmethod
+    def of(cls, prompt: Any, references: Any = None, options: Mapping[str, Any] | None = None) -> Request:
+        """The request a call's arguments make: unknown options refused (naming ours for another API's name),
+        ``stop`` and ``speculate`` checked, the sampling arguments read (refused without ``do_sample``)."""
+        options = {} if options is None else options
+        check_options(options)
+        o = {**CALL_OPTIONS, **options}
+        if not isinstance(o["speculate"], bool):
+            raise TypeError(f"speculate must be a bool, got {type(o['speculate']).__name__}")
+        sampling = sampling_request(o["do_sample"], o["temperature"], o["top_k"], o["top_p"], o["seed"])
+        return cls(prompt, references, o["max_new_tokens"], check_stops(o["stop"]), o["config"], o["speculate"],
+                   sampling, o["answers"], o["prediction"])
+
+
 @runtime_checkable
 class Decoder(Protocol):
     """The surface of every rag_accel decoder. ``prompt``: text, chat messages or token ids;
@@ -51,20 +116,13 @@ class Decoder(Protocol):
     (:mod:`rag_accel.prediction`); ``speculate=False``: no drafting for that call (the engine's plain
     decoding behind the same surface)."""
 
-    def generate(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
-                 stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
-                 speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                 answers: Any = None, prediction: Any = None) -> GenerationOutput: ...
+    def generate(self, prompt: Any, references: Any = None,
+                 **options: Unpack[CallOptions]) -> GenerationOutput: ...
 
-    def stream(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
-               stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
-               speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               answers: Any = None, prediction: Any = None) -> Iterator[str]: ...
+    def stream(self, prompt: Any, references: Any = None, **options: Unpack[CallOptions]) -> Iterator[str]: ...
 
     def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
-                       **options: Any) -> list[GenerationOutput]: ...
+                       **options: Unpack[CallOptions]) -> list[GenerationOutput]: ...
 
     def generate_greedy(self, prompt: Any, *, max_new_tokens: int = 256,
                         stop: str | Sequence[str] | None = None) -> GenerationOutput: ...

@@ -19,12 +19,42 @@ DECODERS = (ReferenceDecoder, VllmDecoder, RemoteDecoder)
 def test_every_decoder_has_the_surface_with_the_same_options_and_defaults(cls):
     for name in ("generate", "stream", "generate_batch", "generate_greedy", "encode_prompt", "close"):
         assert callable(getattr(cls, name, None)), f"{cls.__name__} has no {name}"
-    params = inspect.signature(cls.stream).parameters
-    for option, default in CALL_OPTIONS.items():
-        assert option in params, f"{cls.__name__}.stream takes no {option}"
-        assert params[option].default == default, (cls.__name__, option)
+    for method in ("generate", "stream", "generate_batch"):  # the options, declared once: **options
+        params = inspect.signature(getattr(cls, method)).parameters
+        assert params["options"].kind is inspect.Parameter.VAR_KEYWORD, (cls.__name__, method)
+        assert params["options"].annotation == "Unpack[CallOptions]", (cls.__name__, method)
+        assert not set(params) & set(CALL_OPTIONS), (cls.__name__, method, "spells out an option again")
     greedy = inspect.signature(cls.generate_greedy).parameters
     assert {"max_new_tokens", "stop"} <= set(greedy)
+
+
+def test_a_calls_options_are_declared_once_and_checked_once():
+    """Issue 65: CallOptions is the one declaration (CALL_OPTIONS holds its defaults); Request.of checks a call
+    where it enters, and no internal hop of any decoder takes the options one by one again."""
+    import ast
+    from pathlib import Path
+
+    from rag_accel.protocol import CallOptions, Request
+
+    assert set(CallOptions.__annotations__) == set(CALL_OPTIONS)
+    req = Request.of("q", ["r"], {"stop": ["\n\n"], "do_sample": True, "seed": 3, "max_new_tokens": 9})
+    assert (req.stops, req.sampling, req.max_new_tokens, req.speculate) == (["\n\n"], {"seed": 3}, 9, True)
+    with pytest.raises(TypeError, match="this call's name is references"):
+        Request.of("q", None, {"documents": ["r"]})
+    with pytest.raises(TypeError, match="speculate must be a bool"):
+        Request.of("q", None, {"speculate": "no"})
+    with pytest.raises(ValueError, match="only apply to sampling"):
+        Request.of("q", None, {"temperature": 0.5})
+    root = Path(__file__).resolve().parents[1] / "rag_accel"
+    spelled = []
+    for f in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names = {a.arg for a in [*node.args.args, *node.args.kwonlyargs]}
+                # (the sampling rule takes its own five arguments; generate_greedy takes max_new_tokens and stop)
+                if len(names & (set(CALL_OPTIONS) - {"do_sample", "temperature", "top_k", "top_p", "seed"})) >= 3:
+                    spelled.append(f"{f.relative_to(root)}:{node.lineno} {node.name}")
+    assert spelled == [], spelled
 
 
 def test_the_rule_for_sampling_arguments():
@@ -88,14 +118,14 @@ def test_the_remote_decoder_sends_its_memory_scope_and_refuses_a_bad_one():
     """``memory_scope`` travels in every request's ``vllm_xargs``, as the server reads it; a bad one
     is refused when the client is made, as the server would refuse each request (HTTP 400)."""
     from rag_accel.adapters import adapter_engine
+    from rag_accel.protocol import Request
     from rag_accel.vllm.requests import request_scope
 
     dec = RemoteDecoder("http://127.0.0.1:9", model="m", memory_scope="tenant-7")  # nothing listens: nothing sent
     for prompt in ("hi", [{"role": "user", "content": "q"}], [5, 6]):
-        call = dec._call(prompt, ["text"], 4, None, None, True, False, None, None, None, None)
+        call = dec._call(Request.of(prompt, ["text"], {"max_new_tokens": 4}))
         assert request_scope(call.kwargs["extra_body"]["vllm_xargs"]) == "tenant-7"
-    none = RemoteDecoder("http://127.0.0.1:9", model="m")._call("hi", None, 4, None, None, True, False,
-                                                                None, None, None, None)
+    none = RemoteDecoder("http://127.0.0.1:9", model="m")._call(Request.of("hi", None, {"max_new_tokens": 4}))
     assert "memory_scope" not in none.kwargs["extra_body"]["vllm_xargs"]  # the server's default, if any
     for bad, match in (("", "0 characters"), ("x" * 257, "257 characters"), (7, "int")):
         with pytest.raises(ValueError, match=f"memory_scope must be a string of 1 to 256 characters, got {match}"):

@@ -184,8 +184,10 @@ def test_remote_decoder_checks_inputs_before_sending():
     with pytest.raises(ValueError, match="http"):
         RemoteDecoder("localhost:8000")
     assert RemoteDecoder("http://h:1").base_url == "http://h:1/v1"
-    call = dec._call([{"role": "user", "content": "q"}], ["text", [1, 2]], 8, None, {"max_loss": 0.2}, False,
-                     False, None, None, None, None)
+    from rag_accel.protocol import Request
+
+    call = dec._call(Request.of([{"role": "user", "content": "q"}], ["text", [1, 2]],
+                                {"max_new_tokens": 8, "config": {"max_loss": 0.2}, "speculate": False}))
     xargs = call.kwargs["extra_body"]["vllm_xargs"]
     assert call.chat and request_inputs(xargs) == (["text", [1, 2]], False, {"max_loss": 0.2})
     assert call.kwargs["temperature"] == 0.0 and call.kwargs["extra_body"]["return_token_ids"] is True

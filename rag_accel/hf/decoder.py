@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,10 +29,13 @@ from ..references import (ReferenceSetUp, TokenCache, check_references, encode_r
                           tokenize_references)
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..policy import AcceptanceStats, leading_matches
-from ..protocol import batch_arguments, check_options, sampling_request
+from ..protocol import CallOptions, Request, batch_arguments
 from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
 from ..speculation import RequestDrafting, StepCosts
 from ..stopping import OutputText
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["GenerationOutput", "GenerationStats", "GenerationStream", "ReferenceDecoder", "context_window",
            "forward_seconds", "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
@@ -324,36 +327,20 @@ class ReferenceDecoder:
         check_lengths(prompt_len, max_new_tokens, self.context_window)
 
     # ----------------------------------------------------------------- public
-    def generate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
+    def generate(self, prompt: Any, references: Any = None, *, drafters: Sequence[Drafter] | None = None,
+                 **options: Unpack[CallOptions]) -> GenerationOutput:
         """Greedy output for ``prompt``, drafting from ``references``. See :meth:`stream` for arguments."""
-        check_options({k: v for k, v in kwargs.items() if k != "drafters"})
-        stream = self.stream(prompt, references, **kwargs)
+        stream = self.stream(prompt, references, drafters=drafters, **options)
         for _ in stream:
             pass
         assert stream.output is not None
         return stream.output
 
-    def stream(
-        self,
-        prompt: Any,
-        references: Any = None,
-        *,
-        max_new_tokens: int = 256,
-        stop: str | Sequence[str] | None = None,
-        config: DecoderConfig | Mapping[str, Any] | None = None,
-        answers: Any = None,
-        prediction: Any = None,
-        drafters: Sequence[Drafter] | None = None,
-        speculate: bool = True,
-        do_sample: bool = False,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-    ) -> GenerationStream:
+    def stream(self, prompt: Any, references: Any = None, *, drafters: Sequence[Drafter] | None = None,
+               **options: Unpack[CallOptions]) -> GenerationStream:
         """Stream the greedy output as text pieces.
 
-        Args:
+        Args (the options every decoder takes, :class:`~rag_accel.protocol.CallOptions`, and ``drafters``):
             prompt: string, chat messages, or token ids.
             references: documents to copy from: a list of strings or token-id lists; one string is one
                 reference (``None`` or empty: the drafters over the prompt and output only).
@@ -381,6 +368,8 @@ class ReferenceDecoder:
 
         Inputs are checked here, before any iteration.
         """
+        req = Request.of(prompt, references, options)
+        config, speculate = req.config, req.speculate
         cfg = self.config
         if isinstance(config, Mapping):
             cfg = cfg.replace(**config)
@@ -391,28 +380,25 @@ class ReferenceDecoder:
         if drafters is None and "draft_model" in cfg.drafters and self.draft_model is None:
             raise ValueError(f"drafters={cfg.drafters} lists 'draft_model' but this decoder has no draft model; "
                              "pass draft_model= to ReferenceDecoder / from_pretrained")
-        if not isinstance(speculate, bool):
-            raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
         if not speculate:
             drafters = []
-        stops = check_stops(stop)
-        prompt_ids = self.encode_prompt(prompt)
-        self._check_lengths(len(prompt_ids), max_new_tokens)
+        prompt_ids = self.encode_prompt(req.prompt)
+        self._check_lengths(len(prompt_ids), req.max_new_tokens)
         t0 = self.clock()
-        refs = check_references(self.tokenizer, with_prediction(references, prediction), self.vocab_size,
+        refs = check_references(self.tokenizer, with_prediction(req.references, req.prediction), self.vocab_size,
                                 cfg.max_reference_tokens)
-        given = check_references(self.tokenizer, answers, self.vocab_size, cfg.max_reference_tokens, "answers")
+        given = check_references(self.tokenizer, req.answers, self.vocab_size, cfg.max_reference_tokens, "answers")
         if may_exceed([*refs, *given], cfg.max_reference_tokens):  # only tokenising tells: refuse now
             ids = tokenize_references(self.tokenizer, [*refs, *given], cfg.max_reference_tokens,
                                       cache=self.reference_tokens)
             refs, given = ids[:len(refs)], ids[len(refs):]
         encode_s = self.clock() - t0  # (other texts are tokenised during the prefill)
-        sampling = self._sampling(do_sample, temperature, top_k, top_p, seed)
-        return GenerationStream(self._decode(prompt_ids, refs, given, max_new_tokens, stops, cfg, drafters,
+        sampling = self._sampling(req.sampling)
+        return GenerationStream(self._decode(prompt_ids, refs, given, req.max_new_tokens, req.stops, cfg, drafters,
                                              sampling, encode_s))
 
-    def _sampling(self, do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> Sampling | None:
-        given = sampling_request(do_sample, temperature, top_k, top_p, seed)
+    def _sampling(self, given: dict[str, Any] | None) -> Sampling | None:
+        """The request's sampling (:func:`~rag_accel.protocol.sampling_request`'s), unset values the model's."""
         if given is None:
             return None
         gen_cfg = getattr(self.model, "generation_config", None)
@@ -427,11 +413,11 @@ class ReferenceDecoder:
                         top_p=given_or_model("top_p", None), seed=given.get("seed"))
 
     def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
-                       **kwargs: Any) -> list[GenerationOutput]:
+                       **options: Unpack[CallOptions]) -> list[GenerationOutput]:
         """Several requests (``references[i]`` and ``answers[i]`` for ``prompts[i]``), other keywords as
         :meth:`stream`, the same for all; every request is checked before any runs. In process they run one after the
         other (one model, one sequence per forward); vLLM's decoder runs them in one batch."""
-        prompts, refs, opts = batch_arguments(prompts, references, kwargs)
+        prompts, refs, opts = batch_arguments(prompts, references, options)
         streams = [self.stream(p, r, **o) for p, r, o in zip(prompts, refs, opts)]  # (checks every request first)
         outputs = []
         for stream in streams:

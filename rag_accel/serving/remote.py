@@ -33,16 +33,18 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..config import DecoderConfig
-from ..inputs import check_chat, check_lengths, check_stops, check_text, is_chat, token_ids
+from ..inputs import check_chat, check_lengths, check_text, is_chat, token_ids
 from ..references import check_reference
 from ..memory import check_scope
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..prediction import prediction_parts
-from ..protocol import CALL_OPTIONS, WORKER_BASE, batch_arguments, check_options, config_changes, sampling_request
+from ..protocol import WORKER_BASE, CallOptions, Request, batch_arguments, config_changes
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["AsyncGenerationStream", "RemoteDecoder", "RemoteError"]
 
@@ -202,7 +204,7 @@ class RemoteDecoder:
         """The prompt's token ids as the server encodes it for a request: token ids as they are
         (checked), text and chat messages through the server's ``/tokenize`` (text with the special
         tokens ``/v1/completions`` adds, chat messages with the chat template and its generation prompt)."""
-        call = self._call(prompt, None, 1, None, None, True, False, None, None, None, None)
+        call = self._call(Request(prompt, max_new_tokens=1))
         args = call.kwargs
         if call.chat:
             body: dict[str, Any] = {"messages": args["messages"], "add_generation_prompt": True}
@@ -231,35 +233,31 @@ class RemoteDecoder:
         return client
 
     # ------------------------------------------------------------ inputs
-    def _call(self, prompt: Any, references: Any, max_new_tokens: int, stop: Any, config: Any, speculate: bool,
-              do_sample: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any, answers: Any = None,
-              prediction: Any = None) -> _Call:
-        """Check one request and build its arguments (nothing is sent)."""
-        stops = check_stops(stop)
+    def _call(self, req: Request) -> _Call:
+        """Build one checked request's HTTP arguments (nothing is sent)."""
+        prompt, max_new_tokens, stops = req.prompt, req.max_new_tokens, req.stops
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if not isinstance(speculate, bool):
-            raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
-        xargs: dict[str, Any] = {"speculate": speculate}
+        xargs: dict[str, Any] = {"speculate": req.speculate}
         if self.memory_scope is not None:
             xargs["memory_scope"] = self.memory_scope
-        for key, given in (("reference", references), ("answer", answers)):
+        for key, given in (("reference", req.references), ("answer", req.answers)):
             texts, ids = self._references(given, key)
             if texts:
                 xargs[f"{key}s"] = texts
             if ids:
                 xargs[f"{key}_ids"] = json.dumps(ids, separators=(",", ":"))
-        changes = config_changes(config, WORKER_BASE)  # (the server's rows start from it)
+        changes = config_changes(req.config, WORKER_BASE)  # (the server's rows start from it)
         if changes:
             xargs["rag_accel"] = json.dumps(changes)
         body: dict[str, Any] = {"vllm_xargs": xargs, "return_token_ids": True}
-        if prediction is not None:  # OpenAI's field, as any client sends it (rag_accel.vllm.predictions)
-            prediction_parts(prediction)  # (checked here, before anything is sent)
-            body["prediction"] = prediction
+        if req.prediction is not None:  # OpenAI's field, as any client sends it (rag_accel.vllm.predictions)
+            prediction_parts(req.prediction)  # (checked here, before anything is sent)
+            body["prediction"] = req.prediction
         kwargs: dict[str, Any] = dict(max_tokens=max_new_tokens)
         if stops:
             kwargs["stop"] = stops
-        given = sampling_request(do_sample, temperature, top_k, top_p, seed)
+        given = req.sampling
         if given is None:
             kwargs["temperature"] = 0.0
         else:  # what is not given, the server fills from the model's generation config (as in process)
@@ -330,9 +328,9 @@ class RemoteDecoder:
         return e
 
     # ------------------------------------------------------------ public
-    def generate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
+    def generate(self, prompt: Any, references: Any = None, **options: Unpack[CallOptions]) -> GenerationOutput:
         """The output for ``prompt``, the server drafting from ``references``. Arguments as :meth:`stream`."""
-        call = self._call(prompt, references, **_options(kwargs))
+        call = self._call(Request.of(prompt, references, options))
         try:
             response = self._create(self.client, call, stream=False)
         except self._openai.BadRequestError as e:
@@ -340,11 +338,7 @@ class RemoteDecoder:
         call.take(response)
         return call.output()
 
-    def stream(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
-               stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
-               speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               answers: Any = None, prediction: Any = None) -> GenerationStream:
+    def stream(self, prompt: Any, references: Any = None, **options: Unpack[CallOptions]) -> GenerationStream:
         """Stream the output as text pieces (``.output`` once the iteration ends), as
         :meth:`ReferenceDecoder.stream` does.
 
@@ -368,8 +362,7 @@ class RemoteDecoder:
         Closing the stream early (``.close()``, or dropping it) closes the connection; the
         server aborts that request and serves on.
         """
-        call = self._call(prompt, references, max_new_tokens, stop, config, speculate, do_sample, temperature,
-                          top_k, top_p, seed, answers, prediction)
+        call = self._call(Request.of(prompt, references, options))
         try:
             response = self._create(self.client, call, stream=True)
         except self._openai.BadRequestError as e:
@@ -390,13 +383,13 @@ class RemoteDecoder:
         return GenerationStream(pieces())
 
     def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
-                       **kwargs: Any) -> list[GenerationOutput]:
+                       **options: Unpack[CallOptions]) -> list[GenerationOutput]:
         """Several requests at once, in flight together (``references[i]`` for ``prompts[i]``).
         Keywords as :meth:`stream`, the same for all but ``answers`` (``answers[i]`` for ``prompts[i]``).
         Every request is checked before any is sent."""
-        prompts, refs, opts = batch_arguments(prompts, references, kwargs)
+        prompts, refs, opts = batch_arguments(prompts, references, options)
         for p, r, o in zip(prompts, refs, opts):
-            self._call(p, r, **o)
+            self._call(Request.of(p, r, o))
         if not prompts:
             return []
         with ThreadPoolExecutor(max_workers=min(64, len(prompts))) as pool:
@@ -407,9 +400,9 @@ class RemoteDecoder:
         """The baseline on the same server: this request without drafting."""
         return self.generate(prompt, None, max_new_tokens=max_new_tokens, stop=stop, speculate=False)
 
-    async def agenerate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
+    async def agenerate(self, prompt: Any, references: Any = None, **options: Unpack[CallOptions]) -> GenerationOutput:
         """:meth:`generate` without blocking the event loop (the async ``openai`` client)."""
-        call = self._call(prompt, references, **_options(kwargs))
+        call = self._call(Request.of(prompt, references, options))
         try:
             response = await self._acreate(call, stream=False)
         except self._openai.BadRequestError as e:
@@ -417,11 +410,12 @@ class RemoteDecoder:
         call.take(response)
         return call.output()
 
-    async def astream(self, prompt: Any, references: Any = None, **kwargs: Any) -> AsyncGenerationStream:
+    async def astream(self, prompt: Any, references: Any = None,
+                      **options: Unpack[CallOptions]) -> AsyncGenerationStream:
         """:meth:`stream` for ``async for``: ``stream = await dec.astream(...)``; ``async for piece in
         stream``; then ``stream.output``. The request is sent by the ``await``; a refusal raises
         :class:`RemoteError` at the first iteration, as in :meth:`stream`."""
-        call = self._call(prompt, references, **_options(kwargs))
+        call = self._call(Request.of(prompt, references, options))
         try:
             response = await self._acreate(call, stream=True)
         except self._openai.BadRequestError as e:
@@ -453,7 +447,3 @@ class RemoteDecoder:
     def __repr__(self) -> str:
         return f"RemoteDecoder({self.base_url!r}, model={self._model!r})"
 
-
-def _options(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    check_options(kwargs)
-    return {**CALL_OPTIONS, **kwargs}

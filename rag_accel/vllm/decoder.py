@@ -7,19 +7,22 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..config import COPY_DRAFTERS, VLLM_DRAFT_TOKENS, DecoderConfig
-from ..inputs import check_lengths, check_stops, encode_prompt
+from ..inputs import check_lengths, encode_prompt
 from ..references import check_references, encode_references, tokenize_references
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..prediction import with_prediction
-from ..protocol import PER_PROMPT, batch_arguments, config_changes, sampling_request
+from ..protocol import CallOptions, Request, batch_arguments, config_changes
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
 from .requests import (PROPOSER_PATH, TRACKER_PATH, WORKER_BASE, check_layout, request_config, request_scope,
                        speculative_config)
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["VllmDecoder"]
 
@@ -126,58 +129,49 @@ class VllmDecoder:
         limit = self.config.max_reference_tokens if max_tokens is None else max_tokens
         return encode_references(self.tokenizer, references, self.vocab_size, limit)
 
-    def _request(self, prompt: Any, references: Any, max_new_tokens: int, stop: Any, config: Any,
-                 speculate: bool, do_sample: bool, temperature: Any, top_k: Any, top_p: Any,
-                 seed: Any, answers: Any = None, prediction: Any = None) -> tuple[list[int], list[str], Any]:
-        """Check and encode one request: (prompt ids, stop strings, SamplingParams)."""
+    def _request(self, req: Request) -> tuple[list[int], list[str], Any]:
+        """Encode one checked request for the engine: (prompt ids, stop strings, SamplingParams)."""
         from vllm import SamplingParams
 
-        stops = check_stops(stop)
-        prompt_ids = self.encode_prompt(prompt)
-        check_lengths(len(prompt_ids), max_new_tokens, self.context_window)
-        if not isinstance(speculate, bool):
-            raise TypeError(f"speculate must be a bool, got {type(speculate).__name__}")
-        cfg = request_config(self.config, config_changes(config, self.config))
+        prompt_ids = self.encode_prompt(req.prompt)
+        check_lengths(len(prompt_ids), req.max_new_tokens, self.context_window)
+        cfg = request_config(self.config, config_changes(req.config, self.config))
         # what the worker's rows need: this call's config as its differences from their base (a decoder-level
         # config included: the worker never sees self.config)
         changes = config_changes(cfg, WORKER_BASE)
         limit = cfg.max_reference_tokens  # (references and answers together, as in the worker)
-        refs = check_references(self.tokenizer, with_prediction(references, prediction), self.vocab_size, limit)
-        given = check_references(self.tokenizer, answers, self.vocab_size, limit, "answers")
+        refs = check_references(self.tokenizer, with_prediction(req.references, req.prediction), self.vocab_size, limit)
+        given = check_references(self.tokenizer, req.answers, self.vocab_size, limit, "answers")
         ids = tokenize_references(self.tokenizer, [*refs, *given], limit)
         refs, given = ids[:len(refs)], ids[len(refs):]
         if "max_draft_tokens" in changes:
             changes["max_draft_tokens"] = min(changes["max_draft_tokens"], self.config.max_draft_tokens)
-        extra: dict[str, Any] = {"references": refs, "speculate": speculate, "rag_accel_id": f"rag-{next(_ids)}"}
+        extra: dict[str, Any] = {"references": refs, "speculate": req.speculate, "rag_accel_id": f"rag-{next(_ids)}"}
         if given:
             extra["answers"] = given
         if changes:
             extra["rag_accel"] = changes
         if self.memory_scope is not None:
             extra["memory_scope"] = self.memory_scope
-        given = sampling_request(do_sample, temperature, top_k, top_p, seed)
+        given = req.sampling
         if given is None:
             sampling: dict[str, Any] = dict(temperature=0.0)
         else:  # unset values: the model's generation config, as vLLM reads it (the HF decoder's defaults too)
             d = self.llm.get_default_sampling_params()
             sampling = dict(temperature=given.get("temperature", d.temperature), top_k=given.get("top_k", d.top_k),
                             top_p=given.get("top_p", d.top_p), seed=given.get("seed"))
-        params = SamplingParams(max_tokens=max_new_tokens, detokenize=False, extra_args=extra, **sampling)
-        return prompt_ids, stops, params
+        params = SamplingParams(max_tokens=req.max_new_tokens, detokenize=False, extra_args=extra, **sampling)
+        return prompt_ids, req.stops, params
 
     # ------------------------------------------------------------ public
-    def generate(self, prompt: Any, references: Any = None, **kwargs: Any) -> GenerationOutput:
+    def generate(self, prompt: Any, references: Any = None, **options: Unpack[CallOptions]) -> GenerationOutput:
         """Greedy output for ``prompt``, drafting from ``references``. See :meth:`stream` for arguments."""
-        for name in PER_PROMPT:  # (generate_batch takes one entry per prompt)
-            if name in kwargs:
-                kwargs[name] = [kwargs[name]]
-        return self.generate_batch([prompt], [references], **kwargs)[0]
+        outputs: list[GenerationOutput | None] = [None]
+        for _ in self._run([self._request(Request.of(prompt, references, options))], outputs):
+            pass
+        return outputs[0]  # type: ignore[return-value]
 
-    def stream(self, prompt: Any, references: Any = None, *, max_new_tokens: int = 256,
-               stop: str | Sequence[str] | None = None, config: DecoderConfig | Mapping[str, Any] | None = None,
-               speculate: bool = True, do_sample: bool = False, temperature: float | None = None,
-               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-               answers: Any = None, prediction: Any = None) -> GenerationStream:
+    def stream(self, prompt: Any, references: Any = None, **options: Unpack[CallOptions]) -> GenerationStream:
         """Stream the output as text pieces, as :meth:`ReferenceDecoder.stream` does.
 
         Args:
@@ -197,8 +191,7 @@ class VllmDecoder:
 
         Inputs are checked here, before any iteration.
         """
-        req = self._request(prompt, references, max_new_tokens, stop, config, speculate, do_sample,
-                            temperature, top_k, top_p, seed, answers, prediction)
+        req = self._request(Request.of(prompt, references, options))
 
         def pieces() -> Iterator[str]:
             outputs: list[GenerationOutput | None] = [None]
@@ -209,12 +202,12 @@ class VllmDecoder:
         return GenerationStream(pieces())
 
     def generate_batch(self, prompts: Sequence[Any], references: Sequence[Any] | None = None,
-                       **kwargs: Any) -> list[GenerationOutput]:
+                       **options: Unpack[CallOptions]) -> list[GenerationOutput]:
         """Several requests at once, concurrent in vLLM's batch (``references[i]`` for ``prompts[i]``).
         Keywords as :meth:`stream`, the same for all but ``answers`` (``answers[i]`` for ``prompts[i]``).
         Every request is checked before any runs."""
-        prompts, refs, opts = batch_arguments(prompts, references, kwargs)
-        reqs = [self._request(p, r, **o) for p, r, o in zip(prompts, refs, opts)]
+        prompts, refs, opts = batch_arguments(prompts, references, options)
+        reqs = [self._request(Request.of(p, r, o)) for p, r, o in zip(prompts, refs, opts)]
         outputs: list[GenerationOutput | None] = [None] * len(reqs)
         for _ in self._run(reqs, outputs):
             pass

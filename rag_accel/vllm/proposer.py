@@ -38,8 +38,7 @@ from .requests import (
     check_extra_args,
     check_layout,
     request_config,
-    request_answers,
-    request_inputs,
+    read_request,
     request_scope,
     WORKER_BASE,
 )
@@ -64,8 +63,8 @@ class _Row:
                  vocab_size: int | None) -> None:
         extra = params.extra_args or {}
         self.key = extra.get("rag_accel_id")
-        self.refs, self.speculate, changes = request_inputs(extra, vocab_size)
-        self.answers = request_answers(extra, vocab_size)  # earlier answers it brings (a cached answer)
+        # references, the earlier answers it brings (a cached answer), whether to draft, config changes: one pass
+        self.refs, self.answers, self.speculate, changes = read_request(extra, vocab_size)
         self.scope = request_scope(extra)  # its memory of earlier answers (None: none)
         self.greedy = (params.temperature or 0.0) < 1e-5
         self.max_tokens = params.max_tokens

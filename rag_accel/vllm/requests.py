@@ -23,8 +23,8 @@ from ..protocol import REQUEST_FIELDS, WORKER_BASE, request_config  # (re-export
 
 __all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV",
            "SPECULATION", "TRACKER_PATH", "PIPELINE_REFUSED", "WORKER_BASE", "ServerSettings", "check_extra_args",
-           "check_layout", "encode_text_bound", "request_answers", "request_config", "request_inputs", "request_scope",
-           "speculative_config"]
+           "check_layout", "encode_text_bound", "read_request", "request_answers", "request_config", "request_inputs",
+           "request_scope", "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
@@ -219,7 +219,8 @@ def request_scope(extra_args: Any) -> str | None:
 
 
 def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list[str | list[int]], bool, Any]:
-    """A request's rag_accel inputs from its ``extra_args``: (references, speculate, DecoderConfig changes).
+    """A request's rag_accel inputs from its ``extra_args``: (references, speculate, DecoderConfig changes); its
+    answers too, read in the same pass, by :func:`read_request` (which the worker's rows call, once).
 
     Two shapes arrive: ``SamplingParams(extra_args=...)`` in process (any Python values), and
     the OpenAI server's ``vllm_xargs`` (JSON values that are strings, numbers or flat lists of
@@ -247,8 +248,16 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
         >>> request_inputs({"references": "a", "reference_ids": "[[1, 2]]", "speculate": 0})
         (['a', [1, 2]], False, None)
     """
+    refs, _, spec, changes = read_request(extra_args, vocab_size)
+    return refs, spec, changes
+
+
+def read_request(extra_args: Any, vocab_size: int | None = None) -> tuple[list[str | list[int]],
+                                                                          list[str | list[int]], bool, Any]:
+    """(references, answers, speculate, DecoderConfig changes) of a request's ``extra_args``, read and checked in
+    one pass (:func:`request_inputs` says how)."""
     if extra_args is None:
-        return [], True, None
+        return [], [], True, None
     if not isinstance(extra_args, Mapping):
         raise ValueError(f"extra_args must be a dict, got {type(extra_args).__name__}")
     if extra_args.get("prediction_error") is not None:  # (rag_accel.vllm.predictions: a malformed prediction)
@@ -280,7 +289,7 @@ def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list
             changes = json.loads(changes)
         except ValueError as e:
             raise ValueError(f"extra_args['rag_accel'] is not valid JSON: {e}") from None
-    return refs, spec, changes
+    return refs, answers, spec, changes
 
 
 def _prediction(extra_args: Mapping[str, Any]) -> list[str]:
@@ -305,9 +314,7 @@ def request_answers(extra_args: Any, vocab_size: int | None = None) -> list[str 
         >>> request_answers({"answers": "It is 42.", "answer_ids": "[[7, 8]]"})
         ['It is 42.', [7, 8]]
     """
-    if not isinstance(extra_args, Mapping):
-        return []
-    return _sources(extra_args, "answers", "answer_ids", vocab_size, ServerSettings.current().max_reference_tokens)[0]
+    return read_request(extra_args, vocab_size)[1] if isinstance(extra_args, Mapping) else []
 
 
 def _sources(extra_args: Mapping[str, Any], key: str, ids_key: str, vocab_size: int | None,
