@@ -425,7 +425,8 @@ def serve(
     Per request: extra_body={"vllm_xargs": {"references": [...], "memory_scope": "tenant-1", "speculate": false}}."""
     import os
 
-    from .serving.serve import (cpu_environment, cpu_hints, default_dtype, exec_server, model_text_bound, model_vocab_size,
+    from .serving.serve import (cpu_environment, cpu_hints, default_dtype, exec_server, home_environment,
+                                model_text_bound, model_vocab_size,
                         resolve_model, serve_command, shell_line)
 
     if model.startswith("-"):
@@ -463,6 +464,7 @@ def serve(
         _fail(f"--memory-scope: {e}" if "memory_scope" in str(e) else str(e))
     env = settings.environment()
     on_cpu = (dtype or default_dtype()) == "float32"  # a CPU (or float32 asked for): the CPU backend's settings
+    env.update(home_environment(os.environ))  # (what the server writes goes under RAG_ACCEL_HOME)
     if on_cpu:
         env.update(cpu_environment(os.environ))
     if dry_run:

