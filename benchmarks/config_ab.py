@@ -97,10 +97,10 @@ def scoped(decoder, changes: dict):
     """``decoder`` with its requests in the memory scope ``changes`` names (``--option memory_scope``: the
     request's scope, not a config field, so it leaves ``changes``); any other option leaves it as it is."""
     if "memory_scope" in changes:
-        from rag_accel.vllm.requests import request_scope
+        from rag_accel.memory import check_scope
 
         scope = changes.pop("memory_scope")
-        decoder.memory_scope = None if scope is None else request_scope({"memory_scope": scope})
+        decoder.memory_scope = None if scope is None else check_scope(scope)
     return decoder
 
 

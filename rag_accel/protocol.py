@@ -11,21 +11,19 @@ The rules below are the one copy each decoder applies:
   the values not given are the model's own defaults (its ``generation_config``), filled in by the
   engine that runs the model: transformers' generation config in process, vLLM's default sampling
   parameters (read from the same file) in process or on the server.
-* :func:`config_changes`: the :class:`~rag_accel.config.DecoderConfig` changes a request asks for,
-  checked by :func:`request_config`, as a server's worker checks them; a vLLM worker's rows start from
-  :data:`WORKER_BASE`.
+* :func:`call_config`: the :class:`~rag_accel.config.DecoderConfig` a call runs with, built once where the
+  call enters (what travels on to a vLLM engine is :class:`rag_accel.vllm.requests.RequestArgs`).
 
 No engine is imported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypedDict, runtime_checkable
 
-from .config import COPY_DRAFTERS, DEFAULT_COPY_DRAFTERS, DecoderConfig
+from .config import DecoderConfig
 from .inputs import check_stops
 from .outputs import GenerationOutput
 
@@ -60,12 +58,6 @@ CALL_OPTIONS: dict[str, Any] = dict(max_new_tokens=256, stop=None, config=None, 
                                     temperature=None, top_k=None, top_p=None, seed=None, answers=None,
                                     prediction=None)
 PER_PROMPT = ("answers", "prediction")
-# DecoderConfig fields one request may change (a vLLM worker reads them from extra_args["rag_accel"]).
-# (cost_curve is the transformers decoder's: a vLLM engine learns its step costs as it runs.)
-REQUEST_FIELDS = frozenset({"drafters", "adaptive", "max_loss", "max_reference_tokens", "max_draft_tokens"})
-# The config every row of a vLLM engine starts from; a request's changes are relative to it, so a client's
-# decoder-level config travels as its differences from this (VllmDecoder, RemoteDecoder).
-WORKER_BASE = DecoderConfig(drafters=DEFAULT_COPY_DRAFTERS)
 
 
 @dataclass(frozen=True)
@@ -206,45 +198,19 @@ def sampling_request(do_sample: bool, temperature: Any = None, top_k: Any = None
     return given
 
 
-def config_changes(config: DecoderConfig | Mapping[str, Any] | None, base: DecoderConfig) -> dict[str, Any]:
-    """The per-request :class:`DecoderConfig` changes ``config`` asks for against ``base`` (the
-    decoder's config), checked as the vLLM worker checks them; a JSON-ready dict."""
-    if config is None:
-        return {}
-    if isinstance(config, DecoderConfig):
-        changes = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                   if getattr(config, f.name) != getattr(base, f.name)}
-    elif isinstance(config, Mapping):
-        changes = dict(config)
-    else:
-        raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
-    request_config(base, changes)
-    if "drafters" in changes:
-        changes["drafters"] = list(changes["drafters"])
-    return changes
-
-
-def request_config(base: DecoderConfig, changes: Any) -> DecoderConfig:
-    """``base`` with one request's changes (a dict of :data:`REQUEST_FIELDS`), checked; ``ValueError``
-    naming what is wrong (a server answers it with HTTP 400).
+def call_config(config: DecoderConfig | Mapping[str, Any] | None, base: DecoderConfig) -> DecoderConfig:
+    """The :class:`DecoderConfig` one call runs with: ``base`` (the decoder's) without a ``config``, a
+    ``DecoderConfig`` as given, or a dict of changes applied to ``base`` (checked: a ``ValueError`` names a bad
+    one). Built once, where the call enters the decoder.
 
     Example:
-        >>> request_config(WORKER_BASE, {"max_loss": 0.1}).max_loss
+        >>> call_config({"max_loss": 0.1}, DecoderConfig()).max_loss
         0.1
     """
-    if changes is None:
+    if config is None:
         return base
-    if not isinstance(changes, Mapping):
-        raise ValueError(f"extra_args['rag_accel'] must be a dict of DecoderConfig changes, "
-                         f"got {type(changes).__name__}")
-    unknown = sorted(set(changes) - REQUEST_FIELDS)
-    if unknown:
-        raise ValueError(f"extra_args['rag_accel'] has keys {unknown} a request cannot change; "
-                         f"choose from {sorted(REQUEST_FIELDS)}")
-    if "draft_model" in (changes.get("drafters") or ()):
-        raise ValueError(f"the vLLM proposer has no draft model: drafters may be "
-                         f"{', '.join(map(repr, COPY_DRAFTERS))}")
-    try:
-        return base.replace(**changes)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"extra_args['rag_accel']: {e}") from e
+    if isinstance(config, DecoderConfig):
+        return config
+    if isinstance(config, Mapping):
+        return base.replace(**config)
+    raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")

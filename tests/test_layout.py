@@ -228,7 +228,7 @@ ROOMS = {
 }
 TOP = {  # the decoding core, the command line and the adapters' factory
     "__init__", "_context", "adapters", "cli", "config", "drafters", "inputs", "kernels", "memory", "methods",
-    "models", "outputs", "policy", "prediction", "protocol", "references", "speculation", "stopping", "viz",
+    "models", "outputs", "policy", "prediction", "protocol", "references", "speculation", "stopping", "viz", "wire",
 }
 
 

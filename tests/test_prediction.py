@@ -16,7 +16,8 @@ import pytest
 from rag_accel.prediction import as_prediction, prediction_parts, with_prediction
 from rag_accel.protocol import batch_arguments
 from rag_accel.vllm.predictions import PredictedOutputs, prediction_xargs, usage_with_counts
-from rag_accel.vllm.requests import PROPOSER_PATH, check_extra_args, request_inputs
+from rag_accel.vllm.requests import PROPOSER_PATH, check_extra_args
+from rag_accel.wire import RequestArgs
 
 # --------------------------------------------------------------------------- the shape
 
@@ -59,8 +60,8 @@ def test_the_servers_extra_args_carry_a_prediction_as_references(monkeypatch):
     body = {"messages": [], "prediction": as_prediction(["one", "two"]), "vllm_xargs": {"references": ["r"]}}
     key = prediction_xargs(body)
     assert "prediction" not in body and body["vllm_xargs"]["rag_accel_id"] == key
-    refs, speculate, _ = request_inputs(body["vllm_xargs"])
-    assert refs == ["r", "one", "two"] and speculate
+    args = RequestArgs.read(body["vllm_xargs"])
+    assert args.references == ("r", "one", "two") and args.speculate
     bad = {"prediction": {"type": "content", "content": 5}}
     prediction_xargs(bad)
     with pytest.raises(ValueError, match="prediction.content must be"):

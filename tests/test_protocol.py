@@ -8,7 +8,7 @@ import pytest
 
 from helpers import hf_greedy, tiny_model
 from rag_accel import ReferenceDecoder
-from rag_accel.protocol import CALL_OPTIONS, Decoder, batch_arguments, config_changes, sampling_request
+from rag_accel.protocol import CALL_OPTIONS, Decoder, batch_arguments, call_config, sampling_request
 from rag_accel.serving.remote import RemoteDecoder
 from rag_accel.vllm.decoder import VllmDecoder
 
@@ -67,7 +67,7 @@ def test_the_rule_for_sampling_arguments():
         sampling_request("yes")
 
 
-def test_batch_arguments_and_config_changes_are_checked_before_any_work():
+def test_batch_arguments_and_a_calls_config_are_checked_before_any_work():
     from rag_accel import DecoderConfig
 
     with pytest.raises(TypeError, match="list of prompts"):
@@ -76,18 +76,13 @@ def test_batch_arguments_and_config_changes_are_checked_before_any_work():
         batch_arguments(["a", "b"], [["r"]], {})
     with pytest.raises(TypeError, match="unexpected keyword"):
         batch_arguments(["a"], None, {"max_tokens": 3})
-    base = DecoderConfig()
-    assert config_changes(None, base) == {}
-    assert config_changes(base.replace(max_loss=0.1), base) == {"max_loss": 0.1}
-    assert config_changes({"drafters": ("reference",)}, base) == {"drafters": ["reference"]}
-    with pytest.raises(ValueError):
-        config_changes({"max_loss": 7}, base)
-    # a setting a request cannot change is refused by name, not dropped: from a dict, and from a decoder's
-    # config (the transformers decoder's cost_curve, which a vLLM engine learns as it runs)
-    with pytest.raises(ValueError, match=r"keys \['frequency_factor'\] a request cannot change"):
-        config_changes({"frequency_factor": 2}, base)
-    with pytest.raises(ValueError, match=r"keys \['cost_curve'\] a request cannot change"):
-        config_changes(base.replace(max_draft_tokens=2, cost_curve=(1.0, 1.1, 1.2)), base)
+    base = DecoderConfig(max_loss=0.2)
+    assert call_config(None, base) is base
+    assert call_config(DecoderConfig(max_loss=0.1), base) == DecoderConfig(max_loss=0.1)  # whole, as given
+    assert call_config({"drafters": ("reference",)}, base) == base.replace(drafters=("reference",))
+    for bad, error in (({"max_loss": 7}, ValueError), ({"frequency_factor": 2}, ValueError), ("fast", TypeError)):
+        with pytest.raises(error):
+            call_config(bad, base)
 
 
 def test_the_in_process_decoder_is_a_decoder_and_its_batch_and_speculate_off_are_greedy(tokenizer):
@@ -119,12 +114,12 @@ def test_the_remote_decoder_sends_its_memory_scope_and_refuses_a_bad_one():
     is refused when the client is made, as the server would refuse each request (HTTP 400)."""
     from rag_accel.adapters import adapter_engine
     from rag_accel.protocol import Request
-    from rag_accel.vllm.requests import request_scope
+    from rag_accel.wire import RequestArgs
 
     dec = RemoteDecoder("http://127.0.0.1:9", model="m", memory_scope="tenant-7")  # nothing listens: nothing sent
     for prompt in ("hi", [{"role": "user", "content": "q"}], [5, 6]):
         call = dec._call(Request.of(prompt, ["text"], {"max_new_tokens": 4}))
-        assert request_scope(call.kwargs["extra_body"]["vllm_xargs"]) == "tenant-7"
+        assert RequestArgs.read(call.kwargs["extra_body"]["vllm_xargs"]).memory_scope == "tenant-7"
     none = RemoteDecoder("http://127.0.0.1:9", model="m")._call(Request.of("hi", None, {"max_new_tokens": 4}))
     assert "memory_scope" not in none.kwargs["extra_body"]["vllm_xargs"]  # the server's default, if any
     for bad, match in (("", "0 characters"), ("x" * 257, "257 characters"), (7, "int")):

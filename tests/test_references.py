@@ -12,7 +12,7 @@ import pytest
 from rag_accel.references import TokenCache, certain_tokens, check_references, text_bound
 from rag_accel.references import WAITED_REFERENCE_SIZE, ReferenceSetUp
 from rag_accel.serving.serve import model_text_bound
-from rag_accel.vllm.requests import ServerSettings, encode_text_bound, request_inputs
+from rag_accel.vllm.requests import ServerSettings, check_extra_args, encode_text_bound
 
 LIMIT = 2000
 TEXTS = {
@@ -53,7 +53,7 @@ def test_one_limit_rule_on_both_engines(tokenizer, served_bound, name):
     certainly over the limit, never one that fits; the set-up both engines run counts the rest exactly."""
     text = TEXTS[name]
     exact = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    at_admission = _refused(lambda: request_inputs({"references": [text]}))
+    at_admission = _refused(lambda: check_extra_args({"references": [text]}))
     in_process = _refused(lambda: check_references(tokenizer, [text], len(tokenizer), LIMIT))
     assert at_admission == in_process
     assert not at_admission or exact > LIMIT  # never refuses what fits
@@ -77,7 +77,7 @@ def test_references_and_answers_count_together(tokenizer, served_bound):
     big = "word " * 20_000  # certainly over together (2 x 1,235 tokens at least), neither alone
     assert certain_tokens([big], ServerSettings.current().bound) < LIMIT
     with pytest.raises(ValueError, match="hold over"):
-        request_inputs({"references": [big], "answers": [big]})
+        check_extra_args({"references": [big], "answers": [big]})
 
 
 def test_the_threshold_is_one_size_in_one_unit():
@@ -133,14 +133,15 @@ def test_a_text_reference_without_a_tokenizer_is_an_error_the_engine_sees():
 
 def test_one_string_is_one_reference_on_every_way_in(tokenizer):
     """Issue 66: a single string as ``references`` means one reference (documented in ``stream`` and in
-    ``request_inputs``), never its characters nor nothing: in process, in ``vllm_xargs``, and drafted from."""
+    ``ServerSettings.read``), never its characters nor nothing: in process, in ``vllm_xargs``, and drafted from."""
     from helpers import hf_greedy, tiny_model
 
     from rag_accel import ReferenceDecoder
 
     text = "the quick brown fox jumps over the lazy dog"
     assert check_references(tokenizer, text, len(tokenizer), 1000) == [text]
-    assert request_inputs({"references": text})[0] == [text] == request_inputs({"references": [text]})[0]
+    read = ServerSettings.current().read
+    assert read({"references": text}).references == (text,) == read({"references": [text]}).references
     model = tiny_model("llama", vocab_size=len(tokenizer))
     prompt = tokenizer(text)["input_ids"][:3]
     want = hf_greedy(model, prompt, 12)

@@ -34,12 +34,11 @@ from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages  # noqa: E40
 from rag_accel.serving.remote import RemoteDecoder, RemoteError  # noqa: E402
 from rag_accel.serving.server_process import Server, group_processes  # noqa: E402
 from rag_accel.vllm.requests import MIDDLEWARE_PATH  # noqa: E402
+from rag_accel.wire import WORKER_BASE, RequestArgs  # noqa: E402
 from rag_accel.vllm import (  # noqa: E402
     PROPOSER_PATH,
     TRACKER_PATH,
     check_extra_args,
-    request_answers,
-    request_inputs,
     speculative_config,
 )
 
@@ -150,12 +149,14 @@ def test_cli_serve_defaults_for_untrusted_clients_and_refuses_pipeline_paralleli
 
 def test_extra_args_as_the_server_delivers_them():
     """vllm_xargs holds strings, numbers and flat lists only; JSON booleans arrive as 0/1."""
-    assert request_inputs({"references": ["a", "b"], "reference_ids": "[[1, 2], [3]]", "speculate": 0,
-                           "rag_accel": '{"max_loss": 0.1}'}) == (["a", "b", [1, 2], [3]], False, {"max_loss": 0.1})
-    assert request_inputs({"reference_ids": [5, 6, 7], "speculate": 1}) == ([[5, 6, 7]], True, None)
-    assert request_answers({"answers": "an earlier answer", "answer_ids": "[[1, 2], [3]]"}) == \
-        ["an earlier answer", [1, 2], [3]]
-    assert request_answers({"references": ["a"]}) == [] and request_answers(None) == []
+    args = RequestArgs.read({"references": ["a", "b"], "reference_ids": "[[1, 2], [3]]", "speculate": 0,
+                             "rag_accel": '{"max_loss": 0.1}'})
+    assert args == RequestArgs(("a", "b", (1, 2), (3,)), (), False, WORKER_BASE.replace(max_loss=0.1))
+    args = RequestArgs.read({"reference_ids": [5, 6, 7], "speculate": 1})
+    assert (args.references, args.speculate, args.config) == (((5, 6, 7),), True, WORKER_BASE)
+    assert RequestArgs.read({"answers": "an earlier answer", "answer_ids": "[[1, 2], [3]]"}).answers == \
+        ("an earlier answer", (1, 2), (3,))
+    assert RequestArgs.read({"references": ["a"]}).answers == () and RequestArgs.read(None) == RequestArgs()
     check_extra_args({"rag_accel": '{"max_loss": 0.1}'})
     for bad, match in (({"reference_ids": "[[1, 'x']]"}, "JSON"), ({"reference_ids": "[1, 2]"}, "list of token-id"),
                        ({"reference_ids": 5}, "reference_ids"), ({"speculate": 2}, "speculate"),
@@ -189,7 +190,8 @@ def test_remote_decoder_checks_inputs_before_sending():
     call = dec._call(Request.of([{"role": "user", "content": "q"}], ["text", [1, 2]],
                                 {"max_new_tokens": 8, "config": {"max_loss": 0.2}, "speculate": False}))
     xargs = call.kwargs["extra_body"]["vllm_xargs"]
-    assert call.chat and request_inputs(xargs) == (["text", [1, 2]], False, {"max_loss": 0.2})
+    assert call.chat and RequestArgs.read(xargs) == RequestArgs(("text", (1, 2)), (), False,
+                                                                WORKER_BASE.replace(max_loss=0.2))
     assert call.kwargs["temperature"] == 0.0 and call.kwargs["extra_body"]["return_token_ids"] is True
 
 

@@ -106,7 +106,7 @@ def test_every_int_field_must_be_a_real_int(name, value):
 def test_settings_that_left_the_config_are_refused_by_name(dec, name):
     """Issue 55: the settings no user had a reason to tune are constants now; asking for one is an error that
     names it, not a silent no-op, per decoder and per call (a vLLM request's extra_args likewise)."""
-    from rag_accel.protocol import request_config
+    from rag_accel.wire import request_config
 
     with pytest.raises(TypeError, match=name):
         DecoderConfig(**{name: 1})

@@ -634,12 +634,11 @@ def test_a_decoder_level_config_reaches_the_workers_rows(dec, items, baseline):
 
 def test_rows_start_from_the_workers_base_plus_the_requests_changes():
     from rag_accel import DecoderConfig
-    from rag_accel.protocol import config_changes
-    from rag_accel.vllm.requests import WORKER_BASE
+    from rag_accel.wire import WORKER_BASE, RequestArgs
 
     tracker = RowTracker(_fake_config())
-    wire = config_changes(DecoderConfig(drafters=("reference",), max_loss=0.2), WORKER_BASE)
-    params = SamplingParams(temperature=0, max_tokens=20, extra_args={"rag_accel": wire})
+    wire = RequestArgs(config=DecoderConfig(drafters=("reference",), max_loss=0.2)).extra_args()
+    params = SamplingParams(temperature=0, max_tokens=20, extra_args=wire)
     tracker.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
                                      added=[(0, params, [1, 5], []), (1, SamplingParams(max_tokens=5), [1], [])]))
     assert tracker.rows[0].config == WORKER_BASE.replace(drafters=("reference",), max_loss=0.2)
@@ -833,7 +832,8 @@ def test_bench_runs_the_vllm_methods_beside_the_transformers_ones(dec, items, ba
     """``rag-accel bench``'s loop with vLLM engines: the same prompt ids for every method,
     vLLM outputs compared with vllm-greedy (and with transformers' greedy), steps from the
     engine; then the throughput loop with 2 requests in flight."""
-    from rag_accel.bench import run_benchmark, run_concurrency, summarize, summarize_concurrency
+    from rag_accel.bench.harness import run_benchmark, run_concurrency
+    from rag_accel.bench.results import summarize, summarize_concurrency
     from rag_accel.hf.decoder import ReferenceDecoder
 
     hf = ReferenceDecoder.from_pretrained(MODEL)
@@ -877,7 +877,7 @@ def test_bench_engines_are_built_after_a_spare_that_is_closed(monkeypatch, items
     import multiprocessing
     import os
 
-    from rag_accel.bench import vllm_engines
+    from rag_accel.bench.harness import vllm_engines
     from rag_accel.methods import PEER_ENVIRONMENT
 
     built, closed, seen = [], [], []

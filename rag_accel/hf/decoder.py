@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from ..references import (ReferenceSetUp, TokenCache, check_references, encode_r
                           tokenize_references)
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..policy import AcceptanceStats, leading_matches
-from ..protocol import CallOptions, Request, batch_arguments
+from ..protocol import CallOptions, Request, batch_arguments, call_config
 from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
 from ..speculation import RequestDrafting, StepCosts
 from ..stopping import OutputText
@@ -369,14 +369,7 @@ class ReferenceDecoder:
         Inputs are checked here, before any iteration.
         """
         req = Request.of(prompt, references, options)
-        config, speculate = req.config, req.speculate
-        cfg = self.config
-        if isinstance(config, Mapping):
-            cfg = cfg.replace(**config)
-        elif isinstance(config, DecoderConfig):
-            cfg = config
-        elif config is not None:
-            raise TypeError(f"config must be a DecoderConfig or a dict, got {type(config).__name__}")
+        cfg, speculate = call_config(req.config, self.config), req.speculate
         if drafters is None and "draft_model" in cfg.drafters and self.draft_model is None:
             raise ValueError(f"drafters={cfg.drafters} lists 'draft_model' but this decoder has no draft model; "
                              "pass draft_model= to ReferenceDecoder / from_pretrained")

@@ -28,7 +28,7 @@ Calls from many threads run concurrently (one connection pool, no lock): the ser
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -41,7 +41,8 @@ from ..references import check_reference
 from ..memory import check_scope
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..prediction import prediction_parts
-from ..protocol import WORKER_BASE, CallOptions, Request, batch_arguments, config_changes
+from ..protocol import CallOptions, Request, batch_arguments, call_config
+from ..wire import WORKER_BASE, RequestArgs
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -238,18 +239,10 @@ class RemoteDecoder:
         prompt, max_new_tokens, stops = req.prompt, req.max_new_tokens, req.stops
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        xargs: dict[str, Any] = {"speculate": req.speculate}
-        if self.memory_scope is not None:
-            xargs["memory_scope"] = self.memory_scope
-        for key, given in (("reference", req.references), ("answer", req.answers)):
-            texts, ids = self._references(given, key)
-            if texts:
-                xargs[f"{key}s"] = texts
-            if ids:
-                xargs[f"{key}_ids"] = json.dumps(ids, separators=(",", ":"))
-        changes = config_changes(req.config, WORKER_BASE)  # (the server's rows start from it)
-        if changes:
-            xargs["rag_accel"] = json.dumps(changes)
+        refs, answers = self._references(req.references), self._references(req.answers, "answer")
+        # the server's rows start from WORKER_BASE: a dict of changes applies to it
+        args = RequestArgs(refs, answers, req.speculate, call_config(req.config, WORKER_BASE), self.memory_scope)
+        xargs = args.extra_args(http=True)
         body: dict[str, Any] = {"vllm_xargs": xargs, "return_token_ids": True}
         if req.prediction is not None:  # OpenAI's field, as any client sends it (rag_accel.vllm.predictions)
             prediction_parts(req.prediction)  # (checked here, before anything is sent)
@@ -289,24 +282,17 @@ class RemoteDecoder:
         return _Call(False, dict(kwargs, prompt=prompt_ids))
 
     @staticmethod
-    def _references(references: Any, what: str = "reference") -> tuple[list[str], list[list[int]]]:
-        """(text references, token-id references), checked as in process (the vocabulary: by the server);
-        ``what="answer"``: a request's answers, alike."""
+    def _references(references: Any, what: str = "reference") -> tuple[str | list[int], ...]:
+        """References (``what="answer"``: a request's answers) checked as in process (the vocabulary: by the
+        server), empty ones left out."""
         if references is None:
-            return [], []
+            return ()
         if isinstance(references, str):
             references = [references]
         if not isinstance(references, Sequence):
             raise TypeError(f"{what}s must be a list of strings or token-id lists, got {type(references).__name__}")
-        texts, ids = [], []
-        for i, ref in enumerate(references):
-            r = check_reference(ref, i, _ANY_VOCAB, what)
-            if isinstance(r, str):
-                if r:
-                    texts.append(r)
-            elif r:
-                ids.append([int(t) for t in r])
-        return texts, ids
+        checked = (check_reference(ref, i, _ANY_VOCAB, what) for i, ref in enumerate(references))
+        return tuple(r if isinstance(r, str) else [int(t) for t in r] for r in checked if len(r))
 
     # ------------------------------------------------------------ sending
     def _create(self, client: Any, call: _Call, stream: bool) -> Any:
@@ -314,28 +300,26 @@ class RemoteDecoder:
         extra = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
         return api.create(model=self.model, **call.kwargs, **extra)
 
-    def _refused(self, e: Exception) -> Exception:
-        """A refusal (HTTP 400, or a streamed error event with code 400) as :class:`RemoteError`
-        with the server's message; anything else as it is."""
-        body = getattr(e, "body", None)
-        code = getattr(e, "code", None) or (body.get("code") if isinstance(body, Mapping) else None)
-        if isinstance(e, self._openai.BadRequestError) or (isinstance(e, self._openai.APIError)
-                                                           and str(code) == "400"):
+    @contextlib.contextmanager
+    def _refusals(self) -> Iterator[None]:
+        """A refusal (HTTP 400, or a streamed error event with code 400) raised as :class:`RemoteError` with the
+        server's message; any other error as it is."""
+        try:
+            yield
+        except self._openai.APIError as e:
+            body = getattr(e, "body", None)
+            code = getattr(e, "code", None) or (body.get("code") if isinstance(body, Mapping) else None)
+            if not isinstance(e, self._openai.BadRequestError) and str(code) != "400":
+                raise
             msg = body.get("message") if isinstance(body, Mapping) else None
-            err = RemoteError(f"the server refused the request: {msg or e}")
-            err.__cause__ = e
-            return err
-        return e
+            raise RemoteError(f"the server refused the request: {msg or e}") from e
 
     # ------------------------------------------------------------ public
     def generate(self, prompt: Any, references: Any = None, **options: Unpack[CallOptions]) -> GenerationOutput:
         """The output for ``prompt``, the server drafting from ``references``. Arguments as :meth:`stream`."""
         call = self._call(Request.of(prompt, references, options))
-        try:
-            response = self._create(self.client, call, stream=False)
-        except self._openai.BadRequestError as e:
-            raise self._refused(e) from e
-        call.take(response)
+        with self._refusals():
+            call.take(self._create(self.client, call, stream=False))
         return call.output()
 
     def stream(self, prompt: Any, references: Any = None, **options: Unpack[CallOptions]) -> GenerationStream:
@@ -363,21 +347,15 @@ class RemoteDecoder:
         server aborts that request and serves on.
         """
         call = self._call(Request.of(prompt, references, options))
-        try:
+        with self._refusals():
             response = self._create(self.client, call, stream=True)
-        except self._openai.BadRequestError as e:
-            raise self._refused(e) from e
 
         def pieces() -> Iterator[str]:
-            try:
+            with self._refusals(), contextlib.closing(response):
                 for chunk in response:
                     piece = call.take(chunk)
                     if piece:
                         yield piece
-            except self._openai.APIError as e:
-                raise self._refused(e) from e
-            finally:
-                response.close()
             return call.output()
 
         return GenerationStream(pieces())
@@ -403,11 +381,8 @@ class RemoteDecoder:
     async def agenerate(self, prompt: Any, references: Any = None, **options: Unpack[CallOptions]) -> GenerationOutput:
         """:meth:`generate` without blocking the event loop (the async ``openai`` client)."""
         call = self._call(Request.of(prompt, references, options))
-        try:
-            response = await self._acreate(call, stream=False)
-        except self._openai.BadRequestError as e:
-            raise self._refused(e) from e
-        call.take(response)
+        with self._refusals():
+            call.take(await self._acreate(call, stream=False))
         return call.output()
 
     async def astream(self, prompt: Any, references: Any = None,
@@ -416,19 +391,16 @@ class RemoteDecoder:
         stream``; then ``stream.output``. The request is sent by the ``await``; a refusal raises
         :class:`RemoteError` at the first iteration, as in :meth:`stream`."""
         call = self._call(Request.of(prompt, references, options))
-        try:
+        with self._refusals():
             response = await self._acreate(call, stream=True)
-        except self._openai.BadRequestError as e:
-            raise self._refused(e) from e
 
         async def pieces() -> AsyncIterator[str]:
             try:
-                async for chunk in response:
-                    piece = call.take(chunk)
-                    if piece:
-                        yield piece
-            except self._openai.APIError as e:
-                raise self._refused(e) from e
+                with self._refusals():
+                    async for chunk in response:
+                        piece = call.take(chunk)
+                        if piece:
+                            yield piece
             finally:
                 await response.close()
 

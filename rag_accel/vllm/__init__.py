@@ -12,8 +12,9 @@ The pieces, each in its own module:
   that never changes logits, tells it which request sits in which row (vLLM tells logits
   processors, not proposers), and its ``validate_params`` refuses one bad request at admission
   (HTTP 400 on the server) while the engine serves the others.
-- :mod:`~rag_accel.vllm.requests`: a request's inputs (``extra_args`` / ``vllm_xargs``), read and
-  checked in one place.
+- :mod:`~rag_accel.vllm.requests`: the engine's speculative config and the server's settings, under which a
+  request's inputs (``extra_args`` / ``vllm_xargs``, one schema: :class:`rag_accel.wire.RequestArgs`) are read and
+  checked.
 - :mod:`~rag_accel.vllm.costs`: :class:`BatchStepCosts`, what a draft token costs a batch, learnt
   from the engine's steps.
 - :mod:`~rag_accel.vllm.patches`: the two changes to vLLM's internals, declared, applied once per
@@ -23,16 +24,17 @@ The pieces, each in its own module:
   ``vllm.LLM`` in this process.
 
 Per-request inputs travel in ``SamplingParams.extra_args`` (the OpenAI server fills it
-from ``vllm_xargs``)::
+from ``vllm_xargs``), in one versioned schema (:class:`rag_accel.wire.RequestArgs` writes and reads it)::
 
-    {"references": ["passage text", [12, 34, 56]],   # strings or token-id lists
+    {"rag_accel_schema": 1,                          # its version (our clients write it; absent: 1)
+     "references": ["passage text", [12, 34, 56]],   # strings or token-id lists
      "answers": ["a cached answer to a similar question"],  # earlier answers: drafted as the memory's
      "speculate": False,                               # this request: no drafting
      "rag_accel": {"max_loss": 0.05}}                  # DecoderConfig changes
 
 Over HTTP (``vllm_xargs`` allows only strings, numbers and flat lists of them) token-id
 references travel as ``"reference_ids": "[[12, 34, 56]]"`` (a JSON string; answers as ``"answer_ids"``),
-``rag_accel`` as a JSON string, and ``speculate`` arrives as ``0``/``1``: :func:`request_inputs` reads both shapes.
+``rag_accel`` as a JSON string, and ``speculate`` arrives as ``0``/``1``: :meth:`RequestArgs.read <rag_accel.wire.RequestArgs.read>` reads both shapes.
 
 Cost of a draft at batch size ``B``: the engine learns its step time as a line in the tokens it
 schedules (:class:`~rag_accel.vllm.costs.BatchStepCosts`), each step timed as the whole engine
@@ -56,16 +58,15 @@ from .requests import (
     SERVE_MAX_REFERENCE_TOKENS,
     SPECULATION,
     TRACKER_PATH,
+    RequestArgs,
     ServerSettings,
     check_extra_args,
-    request_answers,
-    request_inputs,
     speculative_config,
 )
 
 __all__ = ["BatchStepCosts", "PROPOSER_PATH", "RagProposer", "RowTracker", "SERVE_MAX_REFERENCE_TOKENS",
-           "SPECULATION", "TRACKER_PATH", "ServerSettings", "VllmDecoder", "check_extra_args",
-           "request_answers", "request_inputs", "speculative_config"]
+           "SPECULATION", "TRACKER_PATH", "RequestArgs", "ServerSettings", "VllmDecoder", "check_extra_args",
+           "speculative_config"]
 
 # Imported on first use (PEP 562), so that reading a request's inputs (rag_accel.serving.remote, rag-accel serve)
 # imports neither vLLM nor torch. vLLM resolves "rag_accel.vllm.RagProposer" and "rag_accel.vllm:RowTracker"

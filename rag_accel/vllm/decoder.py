@@ -15,11 +15,12 @@ from ..inputs import check_lengths, encode_prompt
 from ..references import check_references, encode_references, tokenize_references
 from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..prediction import with_prediction
-from ..protocol import CallOptions, Request, batch_arguments, config_changes
+from ..memory import check_scope
+from ..protocol import CallOptions, Request, batch_arguments, call_config
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
-from .requests import (PROPOSER_PATH, TRACKER_PATH, WORKER_BASE, check_layout, request_config, request_scope,
-                       speculative_config)
+from ..wire import RequestArgs
+from .requests import PROPOSER_PATH, TRACKER_PATH, check_layout, speculative_config
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -55,7 +56,7 @@ class VllmDecoder:
 
     def __init__(self, llm: Any, config: DecoderConfig | None = None, *, memory_scope: str | None = None) -> None:
         self.llm = llm
-        self.memory_scope = request_scope({"memory_scope": memory_scope}) if memory_scope is not None else None
+        self.memory_scope = check_scope(memory_scope, "memory_scope") if memory_scope is not None else None
         self.config = config or DecoderConfig()
         if not isinstance(self.config, DecoderConfig):
             raise TypeError(f"config must be a DecoderConfig, got {type(self.config).__name__}")
@@ -117,7 +118,7 @@ class VllmDecoder:
         if speculation == "ours":  # refused before an engine starts, not in its workers
             check_layout(kwargs.get("pipeline_parallel_size"), vllm_version())
         if memory_scope is not None:  # (refused before an engine starts)
-            request_scope({"memory_scope": memory_scope})
+            check_scope(memory_scope, "memory_scope")
         return cls(LLM(**kwargs), cfg.replace(max_draft_tokens=max(cfg.max_draft_tokens, int(k))),
                    memory_scope=memory_scope)
 
@@ -135,24 +136,15 @@ class VllmDecoder:
 
         prompt_ids = self.encode_prompt(req.prompt)
         check_lengths(len(prompt_ids), req.max_new_tokens, self.context_window)
-        cfg = request_config(self.config, config_changes(req.config, self.config))
-        # what the worker's rows need: this call's config as its differences from their base (a decoder-level
-        # config included: the worker never sees self.config)
-        changes = config_changes(cfg, WORKER_BASE)
+        cfg = call_config(req.config, self.config)
         limit = cfg.max_reference_tokens  # (references and answers together, as in the worker)
         refs = check_references(self.tokenizer, with_prediction(req.references, req.prediction), self.vocab_size, limit)
         given = check_references(self.tokenizer, req.answers, self.vocab_size, limit, "answers")
         ids = tokenize_references(self.tokenizer, [*refs, *given], limit)
-        refs, given = ids[:len(refs)], ids[len(refs):]
-        if "max_draft_tokens" in changes:
-            changes["max_draft_tokens"] = min(changes["max_draft_tokens"], self.config.max_draft_tokens)
-        extra: dict[str, Any] = {"references": refs, "speculate": req.speculate, "rag_accel_id": f"rag-{next(_ids)}"}
-        if given:
-            extra["answers"] = given
-        if changes:
-            extra["rag_accel"] = changes
-        if self.memory_scope is not None:
-            extra["memory_scope"] = self.memory_scope
+        # the worker's rows get this call's config whole (self.config included: the worker never sees it),
+        # capped by the engine's draft length there
+        args = RequestArgs(tuple(ids[:len(refs)]), tuple(ids[len(refs):]), req.speculate, cfg, self.memory_scope)
+        extra = {**args.extra_args(), "rag_accel_id": f"rag-{next(_ids)}"}
         given = req.sampling
         if given is None:
             sampling: dict[str, Any] = dict(temperature=0.0)

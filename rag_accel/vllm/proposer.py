@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..config import DecoderConfig
 from ..drafters import Drafter, chain_order
 from ..references import TokenCache
 from ..memory import AnswerMemory
@@ -33,15 +32,7 @@ from ..references import ReferenceSetUp
 from ..speculation import RequestDrafting
 from . import patches
 from .costs import BatchStepCosts
-from .requests import (
-    ServerSettings,
-    check_extra_args,
-    check_layout,
-    request_config,
-    read_request,
-    request_scope,
-    WORKER_BASE,
-)
+from .requests import ServerSettings, check_extra_args, check_layout
 
 try:  # the module imports without vLLM (docs, doctests); using it needs vLLM
     from vllm.v1.sample.logits_processor import LogitsProcessor as _LogitsProcessor
@@ -59,17 +50,18 @@ class _Row:
     __slots__ = ("config", "refs", "answers", "speculate", "greedy", "max_tokens", "prompt_len", "key", "scope",
                  "drafting", "context", "sent", "source", "stats", "error", "pending")
 
-    def __init__(self, params: Any, prompt_ids: Sequence[int] | None, base: DecoderConfig,
-                 vocab_size: int | None) -> None:
+    def __init__(self, params: Any, prompt_ids: Sequence[int] | None, vocab_size: int | None) -> None:
         extra = params.extra_args or {}
         self.key = extra.get("rag_accel_id")
-        # references, the earlier answers it brings (a cached answer), whether to draft, config changes: one pass
-        self.refs, self.answers, self.speculate, changes = read_request(extra, vocab_size)
-        self.scope = request_scope(extra)  # its memory of earlier answers (None: none)
+        # references, the earlier answers it brings (a cached answer), whether to draft, its config, its memory
+        # scope (None: no memory of earlier answers): read once
+        args = ServerSettings.current().read(extra, vocab_size)
+        self.refs, self.answers = ([r if isinstance(r, str) else list(r) for r in given]
+                                   for given in (args.references, args.answers))
+        self.speculate, self.config, self.scope = args.speculate, args.config, args.memory_scope
         self.greedy = (params.temperature or 0.0) < 1e-5
         self.max_tokens = params.max_tokens
         self.prompt_len = len(prompt_ids) if prompt_ids is not None else None
-        self.config = request_config(base, changes)
         self.drafting: RequestDrafting | None = None
         self.context: list[int] = []
         self.sent, self.source = 0, ""
@@ -92,7 +84,6 @@ class RowTracker(_LogitsProcessor):
         self.step_start: float | None = None  # when the runner began this step (update_state)
         self.added = False  # a request joined this step (its prefill is in the step)
         self.finished: list[_Row] | None = None  # rows that left the batch, when the proposer collects them
-        self.base = WORKER_BASE  # every row's config before its request's changes
         self.vocab_size = None
         try:
             self.vocab_size = int(vllm_config.model_config.get_vocab_size())
@@ -115,7 +106,7 @@ class RowTracker(_LogitsProcessor):
         if params is None:
             return None
         try:
-            return _Row(params, prompt_ids, self.base, self.vocab_size)
+            return _Row(params, prompt_ids, self.vocab_size)
         except Exception as e:  # noqa: BLE001 - admission checks it; never fail the engine over one row
             log.warning("rag_accel: request not drafted: %s", e)
             return None

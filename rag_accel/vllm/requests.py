@@ -1,8 +1,9 @@
-"""A request's rag_accel inputs on vLLM: the ``extra_args`` keys, how they are read and checked.
+"""How a vLLM engine takes rag_accel: its speculative config, the server's settings, and its requests' inputs.
 
-Pure Python (no vLLM import): the frontend's admission check (:meth:`RowTracker.validate_params
-<rag_accel.vllm.RowTracker.validate_params>`, HTTP 400 on the server), the worker's rows and
-:mod:`rag_accel.serving.remote` read requests through these functions.
+Pure Python (no vLLM import). A request's inputs travel in one schema, :class:`rag_accel.wire.RequestArgs`
+(re-exported here); the frontend's admission check (:meth:`RowTracker.validate_params
+<rag_accel.vllm.RowTracker.validate_params>`, HTTP 400 on the server) and the worker's rows read them under the
+server's settings (:meth:`ServerSettings.read`).
 """
 
 from __future__ import annotations
@@ -12,19 +13,18 @@ import functools
 import json
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import MAX_REFERENCE_TOKENS, SERVE_MAX_REFERENCE_TOKENS, VLLM_MAX_DRAFT_TOKENS, DecoderConfig  # (the second re-exported)
-from ..references import TextBound, certain_tokens
+from ..references import TextBound
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
-from ..protocol import REQUEST_FIELDS, WORKER_BASE, request_config  # (re-exported: the worker's names for them)
+from ..wire import REQUEST_FIELDS, SCHEMA_KEY, SCHEMA_VERSION, WORKER_BASE, RequestArgs, request_config  # (re-exported)
 
 __all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV",
-           "SPECULATION", "TRACKER_PATH", "PIPELINE_REFUSED", "WORKER_BASE", "ServerSettings", "check_extra_args",
-           "check_layout", "encode_text_bound", "read_request", "request_answers", "request_config", "request_inputs",
-           "request_scope", "speculative_config"]
+           "SCHEMA_KEY", "SCHEMA_VERSION", "SPECULATION", "TRACKER_PATH", "PIPELINE_REFUSED",
+           "WORKER_BASE", "RequestArgs", "ServerSettings", "check_extra_args", "check_layout", "encode_text_bound",
+           "request_config", "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
@@ -88,10 +88,6 @@ _MAX_REFERENCE_TOKENS = DecoderConfig().max_reference_tokens
 
 
 # --------------------------------------------------------------------------- per-request input checks
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
 #: The one environment variable that carries :class:`ServerSettings` (JSON) to vLLM's API server and its workers.
 SETTINGS_ENV = "RAG_ACCEL_SERVER"
 _SETTINGS_VERSION = 1
@@ -179,6 +175,16 @@ class ServerSettings:
         """This process's settings: :data:`SETTINGS_ENV`'s, else the defaults (read once per value)."""
         return _settings(os.environ.get(SETTINGS_ENV) or "")
 
+    def read(self, extra_args: Any, vocab_size: int | None = None) -> RequestArgs:
+        """A request's inputs as this server reads them (:meth:`RequestArgs.read`): references and answers up to
+        ``max_reference_tokens``, text counted by ``text_bound``, ``memory_scope`` for a request naming none.
+
+        Example:
+            >>> ServerSettings(memory_scope="team").read({"references": ["a"], "speculate": 0})  # doctest: +ELLIPSIS
+            RequestArgs(references=('a',), answers=(), speculate=False, config=..., memory_scope='team')
+        """
+        return RequestArgs.read(extra_args, vocab_size, self.max_reference_tokens, self.bound, self.memory_scope)
+
     @property
     def bound(self) -> TextBound | None:
         """``text_bound`` as :func:`~rag_accel.references.certain_tokens` takes it (its pattern compiled)."""
@@ -198,176 +204,9 @@ def encode_text_bound(bound: TextBound | None) -> tuple[int, str | None] | None:
     return None if bound is None else (bound[0], bound[1].pattern if bound[1] else None)
 
 
-def request_scope(extra_args: Any) -> str | None:
-    """The memory scope of a request: ``extra_args["memory_scope"]``, a string of 1 to 256 characters
-    (answers given in a scope draft for later requests of that scope only); a request without one
-    takes the deployment's default, :attr:`ServerSettings.memory_scope` (``rag-accel serve --memory-scope``),
-    and with neither it neither reads nor writes the memory (``None``).
-
-    Example:
-        >>> request_scope({"memory_scope": "tenant-42"})
-        'tenant-42'
-        >>> request_scope({"memory_scope": 42})
-        Traceback (most recent call last):
-        ...
-        ValueError: extra_args['memory_scope'] must be a string of 1 to 256 characters, got int
-    """
-    scope = extra_args.get("memory_scope") if isinstance(extra_args, Mapping) else None
-    if scope is None:
-        return ServerSettings.current().memory_scope
-    return check_scope(scope, "extra_args['memory_scope']")
-
-
-def request_inputs(extra_args: Any, vocab_size: int | None = None) -> tuple[list[str | list[int]], bool, Any]:
-    """A request's rag_accel inputs from its ``extra_args``: (references, speculate, DecoderConfig changes); its
-    answers too, read in the same pass, by :func:`read_request` (which the worker's rows call, once).
-
-    Two shapes arrive: ``SamplingParams(extra_args=...)`` in process (any Python values), and
-    the OpenAI server's ``vllm_xargs`` (JSON values that are strings, numbers or flat lists of
-    them: no nested lists, no dicts, and JSON ``true``/``false`` arrive as ``1``/``0``). So:
-
-    - ``references``: a string or a list of strings (in process, token-id lists too);
-    - ``reference_ids``: token-id references over HTTP: a JSON string of a list of id lists
-      (``"[[1, 2, 3], [4, 5]]"``), or one flat list of ids (one reference);
-    - ``answers`` / ``answer_ids``: the same for earlier answers the request brings (a cached
-      answer to a similar question): :func:`request_answers` reads them;
-    - ``prediction``: a prediction's text parts (OpenAI's ``prediction`` on the server:
-      :mod:`rag_accel.vllm.predictions`), references of the request after ``references``;
-    - ``speculate``: ``True``/``False`` or ``1``/``0``;
-    - ``rag_accel``: DecoderConfig changes, a dict or a JSON string of one.
-
-    Size: references and answers together hold at most :func:`max_reference_tokens` tokens, the rule
-    of :mod:`rag_accel.references`: here, before any tokenising, token ids count as they are and text by
-    the served tokenizer's lower bound (:attr:`ServerSettings.text_bound`); the worker counts exactly, off its
-    step loop, and drafts without references and answers over the limit. With ``vocab_size``, ids outside
-    ``[0, vocab_size)`` are refused.
-
-    Raises ``ValueError`` naming what is wrong (vLLM answers it with HTTP 400).
-
-    Example:
-        >>> request_inputs({"references": "a", "reference_ids": "[[1, 2]]", "speculate": 0})
-        (['a', [1, 2]], False, None)
-    """
-    refs, _, spec, changes = read_request(extra_args, vocab_size)
-    return refs, spec, changes
-
-
-def read_request(extra_args: Any, vocab_size: int | None = None) -> tuple[list[str | list[int]],
-                                                                          list[str | list[int]], bool, Any]:
-    """(references, answers, speculate, DecoderConfig changes) of a request's ``extra_args``, read and checked in
-    one pass (:func:`request_inputs` says how)."""
-    if extra_args is None:
-        return [], [], True, None
-    if not isinstance(extra_args, Mapping):
-        raise ValueError(f"extra_args must be a dict, got {type(extra_args).__name__}")
-    if extra_args.get("prediction_error") is not None:  # (rag_accel.vllm.predictions: a malformed prediction)
-        raise ValueError(str(extra_args["prediction_error"]))
-    limit = ServerSettings.current().max_reference_tokens
-    refs, total = _sources(extra_args, "references", "reference_ids", vocab_size, limit)
-    answers, answer_total = _sources(extra_args, "answers", "answer_ids", vocab_size, limit)
-    if total > limit:
-        raise ValueError(f"extra_args['references'] hold over {limit} tokens")
-    parts = _prediction(extra_args)
-    if parts:
-        refs.extend(parts)
-        total += certain_tokens(parts, ServerSettings.current().bound)
-        if total > limit:
-            raise ValueError(f"prediction (with extra_args['references']) holds over {limit} tokens, the most a "
-                             "request's references may hold here")
-    if total + answer_total > limit:
-        raise ValueError(f"extra_args['references'] and extra_args['answers'] hold over {limit} tokens")
-    spec = extra_args.get("speculate", True)
-    if isinstance(spec, int) and not isinstance(spec, bool) and spec in (0, 1):
-        spec = bool(spec)  # JSON true/false through vllm_xargs
-    if not isinstance(spec, bool):
-        raise ValueError(f"extra_args['speculate'] must be true or false, got {spec!r}")
-    if parts and not spec:
-        raise ValueError("prediction given with speculate false: nothing would draft from it")
-    changes = extra_args.get("rag_accel")
-    if isinstance(changes, str):
-        try:
-            changes = json.loads(changes)
-        except ValueError as e:
-            raise ValueError(f"extra_args['rag_accel'] is not valid JSON: {e}") from None
-    return refs, answers, spec, changes
-
-
-def _prediction(extra_args: Mapping[str, Any]) -> list[str]:
-    """``extra_args["prediction"]``: a request's prediction, its text parts (put there from the body's
-    ``prediction`` by :mod:`rag_accel.vllm.predictions`, or given in ``vllm_xargs`` as a list of strings)."""
-    parts = extra_args.get("prediction")
-    if parts is None:
-        return []
-    if isinstance(parts, str):
-        parts = [parts]
-    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, str) for p in parts):
-        raise ValueError("extra_args['prediction'] must be a list of strings (a prediction's text parts)")
-    return [p for p in parts if p]
-
-
-def request_answers(extra_args: Any, vocab_size: int | None = None) -> list[str | list[int]]:
-    """The earlier answers a request brings, ``extra_args["answers"]`` and ``["answer_ids"]``, read as
-    :func:`request_inputs` reads references (which checks both; call it first). They draft as the memory
-    of answers does (:func:`rag_accel.memory.answers_drafter`).
-
-    Example:
-        >>> request_answers({"answers": "It is 42.", "answer_ids": "[[7, 8]]"})
-        ['It is 42.', [7, 8]]
-    """
-    return read_request(extra_args, vocab_size)[1] if isinstance(extra_args, Mapping) else []
-
-
-def _sources(extra_args: Mapping[str, Any], key: str, ids_key: str, vocab_size: int | None,
-             limit: int) -> tuple[list[str | list[int]], int]:
-    """``extra_args[key]`` (strings; in process token-id lists too) and ``extra_args[ids_key]`` (token-id
-    lists over HTTP) as one list, checked, and a lower bound of their tokens."""
-    refs = extra_args.get(key)
-    if refs is None:
-        refs = []
-    elif isinstance(refs, str):
-        refs = [refs]
-    elif not isinstance(refs, (list, tuple)):
-        raise ValueError(f"extra_args['{key}'] must be a list of strings or token-id lists, "
-                         f"got {type(refs).__name__}")
-    refs = list(refs)
-    ids = extra_args.get(ids_key)
-    if ids is not None:
-        if isinstance(ids, str):
-            if len(ids) // 8 > limit:  # refused before parsing: an id takes at most ~8 characters
-                raise ValueError(f"extra_args['{ids_key}'] hold over {limit} tokens")
-            try:
-                ids = json.loads(ids)
-            except ValueError as e:
-                raise ValueError(f"extra_args['{ids_key}'] is not valid JSON: {e}") from None
-            if not isinstance(ids, list) or not all(_is_ids(r) for r in ids):
-                raise ValueError(f"extra_args['{ids_key}'] must be a JSON list of token-id lists, "
-                                 "e.g. '[[1, 2, 3], [4, 5]]'")
-        elif _is_ids(ids):
-            ids = [ids]
-        else:
-            raise ValueError(f"extra_args['{ids_key}'] must be a JSON string of token-id lists "
-                             "or one list of token ids")
-        refs.extend(list(r) for r in ids)
-    total, bound = 0, ServerSettings.current().bound
-    for i, r in enumerate(refs):
-        if isinstance(r, str):
-            total += certain_tokens([r], bound)  # its tokens for certain; the worker counts exactly
-        elif _is_ids(r):
-            if r and min(r) < 0:
-                raise ValueError(f"extra_args['{key}'][{i}] has a negative token id")
-            if r and vocab_size is not None and max(r) >= vocab_size:
-                raise ValueError(f"extra_args['{key}'][{i}] has token id {max(r)}, outside the model's "
-                                 f"vocabulary (size {vocab_size})")
-            total += len(r)
-        else:
-            raise ValueError(f"extra_args['{key}'][{i}] must be a string or a list of token ids, "
-                             f"got {type(r).__name__}")
-    return refs, total
-
-
 def check_extra_args(extra_args: Any, vocab_size: int | None = None) -> None:
     """Raise ``ValueError`` naming what is wrong with a request's rag_accel ``extra_args``
-    (see :func:`request_inputs` for the keys).
+    (:class:`RequestArgs` says what they hold): vLLM's admission check.
 
     Example:
         >>> check_extra_args({"references": ["a passage", [1, 2, 3]], "speculate": True})
@@ -376,7 +215,4 @@ def check_extra_args(extra_args: Any, vocab_size: int | None = None) -> None:
         ...
         ValueError: extra_args['references'] must be a list of strings or token-id lists, got int
     """
-    _, _, changes = request_inputs(extra_args, vocab_size)
-    request_scope(extra_args)
-    if changes is not None:
-        request_config(DecoderConfig(), changes)
+    ServerSettings.current().read(extra_args, vocab_size)
