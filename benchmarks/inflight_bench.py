@@ -113,7 +113,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
     from rag_accel import ReferenceDecoder
-    from rag_accel.bench import VLLM_ENV_RECORDED
+    from rag_accel.bench.harness import VLLM_ENV_RECORDED
     from rag_accel.rag.msmarco import load_msmarco_sample
     from rag_accel.methods import SPECULATIVE_SETTINGS
     from rag_accel.vllm.requests import speculative_config

@@ -28,7 +28,7 @@ from langchain_rag_accel import ChatRagAccel, VectorIndexRetriever, rag_chain
 from llama_index.llms.rag_accel import RagAccelLLM, e5_embedding, faiss_vector_index
 
 from rag_accel import DEFAULT_MODEL, ReferenceDecoder
-from rag_accel.bench import environment
+from rag_accel.bench.harness import environment
 from rag_accel.rag.msmarco import load_msmarco_sample
 from rag_accel.rag.retrieval import OFFLINE_E5, Embedder, VectorIndex
 

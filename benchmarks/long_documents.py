@@ -86,7 +86,7 @@ def main() -> None:
     if args.plot is not None:
         return plot(args.plot)
     from rag_accel import ReferenceDecoder
-    from rag_accel.bench import VLLM_ENV_RECORDED
+    from rag_accel.bench.harness import VLLM_ENV_RECORDED
     from rag_accel_lab.inflight import make_engines
     from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
     from rag_accel.vllm.requests import speculative_config

@@ -97,7 +97,7 @@ def engine_section(path: Path) -> str:
         lines.append(f"| {m} | {v['speedup_geomean']:.2f}x | {v['speedup_worst']:.2f}x | "
                      f"{v['tokens_per_step']:.2f} | {v['tokens_per_s']:.1f} | {v['identical_rate']:.0%} |")
     if env.get("vllm"):  # the vLLM methods beside the transformers ones: the bench's own tables
-        from rag_accel.bench import concurrency_table, markdown_table
+        from rag_accel.bench.results import concurrency_table, markdown_table
 
         lines[2:] = [f"vLLM {env['vllm']}, {env.get('max_draft_tokens', env.get('num_speculative_tokens'))} draft tokens per step, env "
                      f"`{env.get('vllm_env', {})}`; machine load (1/5/15 min, 2 cores) before {env.get('load_before')}, "
@@ -388,7 +388,7 @@ def suffix_section(peers: dict) -> str:
 
 def summary_section() -> str:
     """The README's results: the peers of one run side by side, the serving run, cold against warm."""
-    from rag_accel.bench import concurrency_table, markdown_table
+    from rag_accel.bench.results import concurrency_table, markdown_table
 
     r = json.loads(PEERS.read_text())
     env = r["environment"]

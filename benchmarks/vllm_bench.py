@@ -231,7 +231,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.methods[0] != "vllm-greedy":
         ap.error("vllm-greedy must run first (it is the baseline of the identical-output rates)")
-    from rag_accel.bench import VLLM_ENV_RECORDED, peer_environment
+    from rag_accel.bench.harness import VLLM_ENV_RECORDED, peer_environment
     from rag_accel.rag.msmarco import load_msmarco_sample
 
     peer_environment()  # (before the record below, and before make_decoder starts any engine)

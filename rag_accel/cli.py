@@ -272,16 +272,8 @@ def bench(
     (and vLLM: vllm-greedy, vllm-ngram, vllm-suffix, vllm-suffix-f3, vllm-suffix-elsewhere, vllm-ours,
     vllm-ours-memory, with rag-accel[vllm] installed; the vllm-suffix* methods need arctic-inference;
     vllm-suffix-elsewhere runs the reworded case only)."""
-    from .bench import (
-        VLLM_HINT,
-        BenchReport,
-        environment,
-        loadavg,
-        run_benchmark,
-        run_concurrency,
-        too_long,
-        vllm_engines,
-    )
+    from .bench.harness import VLLM_HINT, environment, run_benchmark, run_concurrency, too_long, vllm_engines
+    from .bench.report import BenchReport, loadavg
     from .rag.msmarco import load_msmarco_sample
 
     load_before = loadavg()
@@ -452,8 +444,14 @@ def serve(
                             served_model_name=name, extra=ctx.args)
     except (FileNotFoundError, ValueError, ImportError, TypeError) as e:
         _fail(str(e))
+    from .memory import check_scope
     from .vllm.requests import ServerSettings
 
+    if memory_scope is not None:
+        try:
+            check_scope(memory_scope, "memory_scope")
+        except ValueError as e:
+            _fail(f"--memory-scope: {e}")
     try:  # the server's settings, typed and checked once here; its processes read them from one variable
         settings = ServerSettings(
             max_reference_tokens=max_reference_tokens, answer_memory_tokens=answer_memory_tokens,
@@ -461,7 +459,7 @@ def serve(
             vocab_size=model_vocab_size(path),  # admission refuses reference ids outside the vocabulary (HTTP 400)
             text_bound=model_text_bound(path))  # admission counts text references by it (HTTP 400 when over)
     except ValueError as e:
-        _fail(f"--memory-scope: {e}" if "memory_scope" in str(e) else str(e))
+        _fail(str(e))
     env = settings.environment()
     on_cpu = (dtype or default_dtype()) == "float32"  # a CPU (or float32 asked for): the CPU backend's settings
     env.update(home_environment(os.environ))  # (what the server writes goes under RAG_ACCEL_HOME)

@@ -15,7 +15,7 @@ import torch
 from helpers import tiny_model
 from typer.testing import CliRunner
 
-from rag_accel.bench import ALL_METHODS, VLLM_METHODS
+from rag_accel.methods import ALL_METHODS, VLLM_METHODS
 from rag_accel.cli import app
 
 runner = CliRunner()
@@ -160,7 +160,8 @@ def test_help_lists_types_defaults_and_choices_in_full(command):
 
 
 def test_bench_markdown_defines_its_columns_and_the_plot_shows_greedy(tmp_path):
-    from rag_accel.bench import Run, markdown_table, plot, summarize
+    from rag_accel.bench.results import Run, markdown_table, summarize
+    from rag_accel.bench.report import plot
 
     rs = [Run("greedy", "a", 1.0, 10, 10, True), Run("ours", "a", 0.5, 10, 4, True),
           Run("greedy", "b", 1.0, 10, 10, True), Run("ours", "b", 2.0, 10, 9, False)]
@@ -215,7 +216,7 @@ def test_bench_drafting_small(tmp_path):
 
 
 def test_summarize_takes_the_median_of_each_items_repeats():
-    from rag_accel.bench import Run, summarize
+    from rag_accel.bench.results import Run, summarize
 
     def runs(method, item, seconds):
         return [Run(method, item, s, 10, 5, True, repeat=k) for k, s in enumerate(seconds)]
@@ -232,7 +233,7 @@ def test_summarize_takes_the_median_of_each_items_repeats():
 
 
 def test_bench_vllm_methods_are_judged_against_vllm_greedy_per_item_too():
-    from rag_accel.bench import Run, markdown_table, summarize
+    from rag_accel.bench.results import Run, markdown_table, summarize
 
     rs = [Run("greedy", "a", 2.0, 10, 10, True), Run("vllm-greedy", "a", 1.0, 10, 10, True),
           Run("vllm-ours", "a", 0.5, 10, 4, True), Run("greedy", "b", 2.0, 10, 10, True),
@@ -244,7 +245,7 @@ def test_bench_vllm_methods_are_judged_against_vllm_greedy_per_item_too():
 
 
 def test_bench_repeats_runs_every_method_per_round(tokenizer):
-    from rag_accel.bench import run_benchmark
+    from rag_accel.bench.harness import run_benchmark
     from rag_accel.rag.msmarco import load_msmarco_sample
 
     dec = _tiny_decoder(tokenizer)
@@ -258,7 +259,8 @@ def test_bench_repeats_runs_every_method_per_round(tokenizer):
 
 
 def test_bench_reworded_case_gives_the_cached_answer_outside_the_prompt(tokenizer):
-    from rag_accel.bench import REWORDED, reworded_items, run_benchmark, summarize
+    from rag_accel.bench.harness import REWORDED, reworded_items, run_benchmark
+    from rag_accel.bench.results import summarize
     from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
     items = load_msmarco_sample(with_answers=True, limit=2)
@@ -280,7 +282,7 @@ def test_bench_reworded_case_gives_the_cached_answer_outside_the_prompt(tokenize
 
 
 def test_bench_vllm_methods_need_their_engines(tokenizer, tiny_model_dir):
-    from rag_accel.bench import run_benchmark
+    from rag_accel.bench.harness import run_benchmark
     from rag_accel.rag.msmarco import load_msmarco_sample
 
     dec = _tiny_decoder(tokenizer)
@@ -302,7 +304,7 @@ def test_bench_never_shows_vllm_suffix_a_prompt_twice(suffix, tokenizer):
     """vLLM's suffix decoding copies its own earlier answers: a second round of an item, or a warm-up
     on a timed item, would let it copy the answer. Refused before any engine is needed; its tuned
     setting (vllm-suffix-f3) alike."""
-    from rag_accel.bench import run_benchmark
+    from rag_accel.bench.harness import run_benchmark
     from rag_accel.rag.msmarco import load_msmarco_sample
 
     dec = _tiny_decoder(tokenizer)
@@ -321,7 +323,7 @@ def test_bench_never_shows_vllm_suffix_a_prompt_twice(suffix, tokenizer):
 
 
 def test_concurrency_summary_is_throughput_against_vllm_greedy_at_the_same_level():
-    from rag_accel.bench import BatchRun, concurrency_table, summarize_concurrency
+    from rag_accel.bench.results import BatchRun, concurrency_table, summarize_concurrency
 
     runs = [BatchRun("vllm-greedy", 4, 0, 2.0, 400, 4, 4), BatchRun("vllm-ours", 4, 0, 1.0, 400, 4, 4),
             BatchRun("vllm-greedy", 4, 1, 2.0, 400, 4, 4), BatchRun("vllm-ours", 4, 1, 3.0, 400, 3, 4),
@@ -470,7 +472,7 @@ def test_bench_stopped_midway_leaves_what_it_measured(tmp_path, monkeypatch, tin
 
 
 def test_run_benchmark_refuses_an_item_too_long_before_timing_anything(tmp_path, tokenizer):
-    from rag_accel.bench import run_benchmark, too_long
+    from rag_accel.bench.harness import run_benchmark, too_long
     from rag_accel.rag.msmarco import load_msmarco_sample
 
     corpus, _ = _corpus_with_a_long_item(tmp_path)

@@ -148,7 +148,7 @@ def test_readme_block_runs_as_written(block, shared_model, tmp_path, monkeypatch
 def test_reproduce_lines_name_existing_methods():
     """A results table's "Reproduce:" command must run on the current code; one that needs an older
     commit says so ("Reproduce (at commit ...)") and checks that commit out first."""
-    from rag_accel.bench import ALL_METHODS
+    from rag_accel.methods import ALL_METHODS
 
     lines = [ln for page in [*PAGES, RESULTS_PAGE] for ln in page.read_text(encoding="utf-8").splitlines()]
     assert any(ln.startswith("Reproduce") for ln in lines)

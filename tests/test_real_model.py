@@ -6,7 +6,8 @@ import pytest
 import torch
 from helpers import hf_greedy
 
-from rag_accel.bench import run_benchmark, summarize
+from rag_accel.bench.harness import run_benchmark
+from rag_accel.bench.results import summarize
 from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
 MAX_NEW = 48

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from rag_accel import DEFAULT_MODEL, ReferenceDecoder
-from rag_accel.bench import environment
+from rag_accel.bench.harness import environment
 from rag_accel.rag.cache import ResponseCache
 from rag_accel.rag.conversation import Conversation
 from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages

@@ -39,7 +39,7 @@ LEVELS = (1, 4)
 
 
 def build(model: str, k: int, max_model_len: int) -> dict:
-    from rag_accel.bench import spare_engine
+    from rag_accel.bench.harness import spare_engine
     from rag_accel_lab.inflight import ngram_config
     from rag_accel.vllm import VllmDecoder
 
@@ -104,7 +104,7 @@ def main() -> None:
     if args.plot is not None:
         return plot(args.plot)
     from rag_accel import ReferenceDecoder
-    from rag_accel.bench import VLLM_ENV_RECORDED
+    from rag_accel.bench.harness import VLLM_ENV_RECORDED
     from rag_accel_lab.inflight import run_levels, summarize, table, take_prompts
     from rag_accel.rag.msmarco import load_msmarco_sample
 

@@ -170,7 +170,7 @@ def main() -> None:
         return plot(args.plot)
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # (the timer goes to the workers pickled)
     from rag_accel import ReferenceDecoder
-    from rag_accel.bench import VLLM_ENV_RECORDED
+    from rag_accel.bench.harness import VLLM_ENV_RECORDED
     from rag_accel_lab.inflight import make_engines, take_prompts
     from rag_accel.rag.msmarco import load_msmarco_sample
 
