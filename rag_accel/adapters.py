@@ -214,7 +214,7 @@ def adapter_base() -> type:
         @field_validator("decoder_config")
         @classmethod
         def _valid_config(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-            return merged_decoder_config(v)
+            return None if v is None else merged_decoder_config({}, v)
 
         @field_validator("decoder")
         @classmethod
@@ -308,11 +308,12 @@ def start_generation(decoder: Any, prompt: Any, references: list[Any], *, config
 def merged_decoder_config(base: dict[str, Any] | None, per_call: Any = None) -> dict[str, Any] | None:
     """The adapter's ``decoder_config`` with a call's changes on top, checked against
     :class:`rag_accel.DecoderConfig` (unknown keys raise here, not mid-generation)."""
-    if per_call is not None and not isinstance(per_call, dict):
+    if per_call is None:
+        return base  # (checked when the adapter was made: its field's validator calls this with it alone)
+    if not isinstance(per_call, dict):
         raise TypeError(f"decoder_config must be a dict of DecoderConfig changes, got {type(per_call).__name__}")
-    merged = {**(base or {}), **(per_call or {})} if per_call is not None else base
-    if merged is not None:
-        DecoderConfig().replace(**merged)
+    merged = {**(base or {}), **per_call}
+    DecoderConfig().replace(**merged)  # (before the engine loads; the decoder builds the call's config once)
     return merged
 
 
