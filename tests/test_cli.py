@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -655,3 +656,24 @@ def test_a_model_name_is_checked_before_any_work(monkeypatch):
 def test_a_wrong_option_name_gets_ours_in_the_error(real_decoder):
     with pytest.raises(TypeError, match="max_tokens: this call's name is max_new_tokens"):
         real_decoder.generate("Hello", max_tokens=5)
+
+
+def test_the_server_removes_intel_openmps_files_of_its_ended_processes(tmp_path):
+    """Issue 66: the Intel OpenMP the launcher preloads registers each process in /dev/shm and removes the file at a
+    normal exit; vLLM ends its engine and worker by signal, so at the server's exit their files are removed: an
+    ended process's, and one of this group still exiting once it has ended; this process's own and others stay."""
+    from rag_accel.serving.serve import remove_stale_openmp_files
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    exiting = subprocess.Popen(["sleep", "0.5"])  # this process group's, still running
+    reaper = threading.Thread(target=exiting.wait)  # (as a parent does: a zombie would count as running)
+    reaper.start()
+    files = {p: tmp_path / f"__KMP_REGISTERED_LIB_{p}_{os.getuid()}" for p in (ended.pid, exiting.pid, os.getpid())}
+    other = tmp_path / "__KMP_REGISTERED_LIB_not-a-pid"
+    for f in (*files.values(), other):
+        f.write_bytes(b"x")
+    removed = remove_stale_openmp_files(tmp_path, wait_s=20)
+    reaper.join()
+    assert sorted(removed) == sorted([files[ended.pid], files[exiting.pid]])
+    assert files[os.getpid()].exists() and other.exists()

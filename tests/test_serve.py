@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -212,12 +213,17 @@ def started_server():
         yield srv
     finally:
         log = srv.log_path
+        pids = group_processes(pgid)  # the server, its engine and its worker
         clean = srv.stop()
     # After the module's tests (none of them stops the shared server): SIGINT ends the server and its
     # engine in time, no process of its group is left, and a clean stop leaves no log file behind.
     assert clean, f"SIGINT did not end the server and its engine in time:\n{srv.log_tail()}"
     assert srv.proc.returncode is not None and group_processes(pgid) == []
     assert log is not None and not log.exists() and srv.log_path is None
+    # Intel OpenMP (preloaded by the launcher) registers each process in /dev/shm; the server's exit removes the
+    # files of its engine and worker, which vLLM ends by signal (issue 66: two were left at every stop)
+    left = [f.name for p in pids for f in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{p}_*")]
+    assert left == [], left
 
 
 @pytest.fixture(scope="module")

@@ -298,5 +298,49 @@ def exec_server(cmd: Sequence[str], env_changes: Mapping[str, str]) -> None:
     os.execve(cmd[0], list(cmd), env)
 
 
+#: Where Intel OpenMP registers each process that loads it (one 1 KB file, ``__KMP_REGISTERED_LIB_<pid>_<uid>``),
+#: removed when that process exits normally; vLLM ends its engine and worker processes by signal, so theirs stay.
+OPENMP_REGISTRY = Path("/dev/shm")
+
+
+def remove_stale_openmp_files(registry: Path = OPENMP_REGISTRY, wait_s: float = 3.0) -> list[Path]:
+    """Remove Intel OpenMP's registration files of this user's processes that have ended (the runtime itself
+    counts such a file as stale); those of this process group's other processes that are still exiting are waited
+    for, up to ``wait_s``. Run at the server's exit: the Intel OpenMP that :func:`cpu_environment` preloads would
+    leave two files in ``/dev/shm`` at every stop. Returns the files removed.
+
+    Example:
+        >>> remove_stale_openmp_files(Path("/nonexistent"))
+        []
+    """
+    import time
+
+    removed: list[Path] = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        exiting = False
+        for f in sorted(registry.glob("__KMP_REGISTERED_LIB_*")):
+            try:
+                pid = int(f.name.rsplit("_", 2)[-2])
+                if pid == os.getpid() or f.stat().st_uid != os.getuid():
+                    continue  # (this process's own: its runtime removes it)
+                os.kill(pid, 0)
+            except (ValueError, IndexError, OSError) as e:
+                if isinstance(e, ProcessLookupError):  # ended: the file is stale
+                    f.unlink(missing_ok=True)
+                    removed.append(f)
+                continue
+            try:
+                exiting = exiting or os.getpgid(pid) == os.getpgid(0)
+            except ProcessLookupError:
+                exiting = True  # (it ended just now: the next pass removes its file)
+        if not exiting or time.monotonic() > deadline:
+            return removed
+        time.sleep(0.1)
+
+
 if __name__ == "__main__":  # python -m rag_accel.serving.serve serve MODEL ...: the same as `vllm serve MODEL ...`
+    import atexit
+
+    atexit.register(remove_stale_openmp_files)
     vllm_cli(sys.argv[1:])
