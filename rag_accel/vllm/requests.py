@@ -19,12 +19,11 @@ from typing import Any
 from ..config import MAX_REFERENCE_TOKENS, SERVE_MAX_REFERENCE_TOKENS, VLLM_MAX_DRAFT_TOKENS, DecoderConfig  # (the second re-exported)
 from ..references import TextBound
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
-from ..wire import REQUEST_FIELDS, SCHEMA_KEY, SCHEMA_VERSION, WORKER_BASE, RequestArgs, request_config  # (re-exported)
+from ..wire import RequestArgs  # (re-exported: rag_accel.vllm names it)
 
-__all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "REQUEST_FIELDS", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV",
-           "SCHEMA_KEY", "SCHEMA_VERSION", "SPECULATION", "TRACKER_PATH", "PIPELINE_REFUSED",
-           "WORKER_BASE", "RequestArgs", "ServerSettings", "check_extra_args", "check_layout", "encode_text_bound",
-           "request_config", "speculative_config"]
+__all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV", "SPECULATION",
+           "TRACKER_PATH", "PIPELINE_REFUSED", "RequestArgs", "ServerSettings", "check_extra_args", "check_layout",
+           "encode_text_bound", "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
