@@ -21,6 +21,10 @@ def tiny_model(arch: str, vocab_size: int, seed: int = 0, eos_token_id=None, con
     elif arch == "qwen2":
         cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, max_position_embeddings=1024, use_sliding_window=False, **common)
+    elif arch == "qwen2-h128":  # Qwen2.5-1.5B's heads (12 of 128 on 2 key/value heads): exact steps batch their rows
+        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=12,
+                          num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, use_sliding_window=False,
+                          **common)
     elif arch == "gpt2":
         cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **common)
     elif arch == "gemma3":  # sliding-window attention (an 8-token window) beside full attention, as Gemma 3's

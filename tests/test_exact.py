@@ -20,7 +20,7 @@ from rag_accel.hf import attention, linears
 from rag_accel.hf.kv import rollback_cache
 from rag_accel.hf.linears import EXACT_CANDIDATES, ExactPlan
 
-ARCHS = ["llama", "qwen2", "gpt2", "gemma3"]
+ARCHS = ["llama", "qwen2", "qwen2-h128", "gpt2", "gemma3"]
 SIZES = (2, 3, 4, 8, 16, 33)
 
 
@@ -52,7 +52,8 @@ def test_exact_is_on_by_default_in_bfloat16_only(tokenizer):
         ReferenceDecoder(model, tokenizer, exact="yes")
 
 
-@pytest.mark.parametrize("context_len", [12, 300])  # 300: past Gemma's 8-token window, and many KV blocks
+# 300: past Gemma's 8-token window, and many KV blocks; 500: rows on both sides of the 512-key block edge
+@pytest.mark.parametrize("context_len", [12, 300, 500])
 def test_every_verify_row_is_bit_equal_to_a_one_token_step(bf16, context_len):
     g = torch.Generator().manual_seed(context_len)
     context = torch.randint(0, bf16.vocab_size, (context_len,), generator=g).tolist()
@@ -133,6 +134,42 @@ def test_row_attention_is_a_one_token_steps_attention_at_every_row():
     want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[None, None],
                                                             scale=0.25, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(attention.row_attention(q, k, v, 0.25).float(), want, atol=0.03, rtol=0.03)
+
+
+def test_block_attention_is_attention_and_the_probe_holds_beyond_its_cases():
+    """The probe's verdict, checked on cache lengths and row counts it never tried: where it finds batched rows
+    invariant for a head shape, they are; where not, some row of its own cases differed (so row attention runs)."""
+    g = torch.Generator().manual_seed(1)
+    for heads, kv, dim in ((12, 2, 128), (4, 1, 256), (9, 3, 64)):
+        verdict = attention.block_is_invariant(heads, kv, dim, torch.bfloat16)
+        for t, q_len in ((77, 7), (530, 24), (1400, 12)):
+            q = torch.randn(1, heads, q_len, dim, generator=g).bfloat16()
+            k, v = (torch.randn(1, kv, t, dim, generator=g).bfloat16() for _ in range(2))
+            rows = attention.block_attention(q, k, v, dim ** -0.5)
+            mask = torch.ones(q_len, t, dtype=torch.bool).tril(t - q_len)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=mask[None, None], enable_gqa=True).transpose(1, 2)
+            torch.testing.assert_close(rows.float(), want, atol=0.03, rtol=0.03)
+            if verdict:
+                for i in range(q_len):
+                    end = t - q_len + i + 1
+                    one = attention.block_attention(q[:, :, i:i + 1], k[:, :, :end], v[:, :, :end], dim ** -0.5)
+                    assert torch.equal(rows[:, i:i + 1], one), (heads, kv, dim, t, q_len, i)
+
+
+def test_the_1_5b_shaped_heads_take_the_batched_path(tokenizer, monkeypatch):
+    """The tiny model with Qwen2.5-1.5B's heads runs its exact steps' attention in one call per layer where this
+    machine's kernel allows it (the bit-equality tests above then cover that path)."""
+    if not attention.block_is_invariant(12, 2, 128, torch.bfloat16):
+        pytest.skip("this machine's attention kernel does not reduce 12 x 128 heads on 2 key/value heads invariantly")
+    dec = ReferenceDecoder(tiny_model("qwen2-h128", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer)
+    calls, real = [], attention.block_attention
+    monkeypatch.setattr(attention, "block_attention", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
+    with torch.inference_mode():
+        cache = dec._new_cache()
+        dec._forward(list(range(5, 40)), cache, last_only=True)
+        dec._forward(list(range(40, 48)), cache, exact=True)
+    assert calls == [8, 8]  # one call per layer, all 8 rows
 
 
 @pytest.mark.slow
