@@ -23,9 +23,10 @@ Exact steps (``ReferenceDecoder(exact=True)``) compute each query row as a one-t
 kernel's key block (torch's CPU flash kernel splits keys in blocks of 512), so that every row, alone or among
 others, is reduced over the same blocks; or :func:`row_attention`, one call per row, invariant by construction.
 The first is taken for a head shape and dtype only where :func:`block_is_invariant` finds it bit-exact on this
-machine's kernel (on this project's CPU, torch 2.13: head size 128 and 256 yes, 64 no); sliding-window layers
-always run row by row. Measured (Qwen2.5-Coder-1.5B's heads, bf16, 865 cached tokens, one layer): a one-token step
-97 us row by row, 153 us in blocks; 16 rows 1344 against 792 us.
+machine's kernel (on this project's CPU, torch 2.13, bf16, it turned on the number of query heads per key/value
+head, not the head size: 4, 5, 6 and 8 yes, 1, 2, 3 and 7 no); sliding-window layers always run row by row. On
+Qwen2.5-Coder-1.5B in bf16 (6 per key/value head) a 16-token verify went from 1.35x to 1.15x the mode's one-token
+step (benchmarks/results/verify_costs_cpu_exact_bf16_block.md).
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ PROBES = tuple((t, q) for t in (3, 40, 511, 512, 513, 900, 1100, 2100) for q in 
 def block_is_invariant(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str = "cpu") -> bool:
     """Whether :func:`block_attention` gives every row of every :data:`PROBES` call, bit for bit, the values of
     the same row alone (random queries, keys and values of this head shape, on this machine's kernel; once per
-    shape and process: about 0.2 s on a 2-core CPU)."""
+    shape and process: about 0.15 s on a 2-core CPU)."""
     gen = torch.Generator().manual_seed(0)
     scale = head_dim ** -0.5
     for t, q_len in PROBES:
