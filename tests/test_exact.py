@@ -157,6 +157,22 @@ def test_block_attention_is_attention_and_the_probe_holds_beyond_its_cases():
                     assert torch.equal(rows[:, i:i + 1], one), (heads, kv, dim, t, q_len, i)
 
 
+def test_the_probe_answers_for_the_thread_count_it_ran_at():
+    """The kernel splits its work by the intra-op thread count, so a verdict found at one count is not reused at
+    another: each count gets its own probe, each only once."""
+    threads = torch.get_num_threads()
+    attention._probe.cache_clear()
+    for _ in range(2):
+        attention.block_is_invariant(8, 2, 32, torch.bfloat16)
+    assert attention._probe.cache_info().misses == 1
+    try:
+        torch.set_num_threads(threads + 1)
+        attention.block_is_invariant(8, 2, 32, torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    assert attention._probe.cache_info().misses == 2
+
+
 def test_the_1_5b_shaped_heads_take_the_batched_path(tokenizer, monkeypatch):
     """The tiny model with Qwen2.5-1.5B's heads runs its exact steps' attention in one call per layer where this
     machine's kernel allows it (the bit-equality tests above then cover that path)."""

@@ -23,10 +23,11 @@ Exact steps (``ReferenceDecoder(exact=True)``) compute each query row as a one-t
 kernel's key block (torch's CPU flash kernel splits keys in blocks of 512), so that every row, alone or among
 others, is reduced over the same blocks; or :func:`row_attention`, one call per row, invariant by construction.
 The first is taken for a head shape and dtype only where :func:`block_is_invariant` finds it bit-exact on this
-machine's kernel (on this project's CPU, torch 2.13, bf16, it turned on the number of query heads per key/value
-head, not the head size: 4, 5, 6 and 8 yes, 1, 2, 3 and 7 no); sliding-window layers always run row by row. On
-Qwen2.5-Coder-1.5B in bf16 (6 per key/value head) a 16-token verify went from 1.35x to 1.15x the mode's one-token
-step (benchmarks/results/verify_costs_cpu_exact_bf16_block.md).
+machine's kernel. That turns on the machine and the number of query heads per key/value head, not the head size:
+on one of this project's 2-core CPUs (torch 2.13, bf16) 4, 5, 6 and 8 passed, 1, 2, 3 and 7 failed; on another,
+3 and 7 passed too. Sliding-window layers always run row by row. On Qwen2.5-Coder-1.5B in bf16 (6 per key/value
+head) a 16-token verify went from 1.35x to 1.15x the mode's one-token step
+(benchmarks/results/verify_costs_cpu_exact_bf16_block.md).
 """
 
 from __future__ import annotations
@@ -110,9 +111,11 @@ def row_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
 KEY_BLOCK = 512
 
 
+@functools.lru_cache(maxsize=4)
 def _row_limits_mask(q_len: int, rep: int, t: int, padded: int, dtype: torch.dtype,
                      device: torch.device) -> torch.Tensor:
-    """[rep * q_len, padded]: 0 where row ``(r, i)`` sees key ``j`` (``j < t - q_len + i + 1``), -inf elsewhere."""
+    """[rep * q_len, padded]: 0 where row ``(r, i)`` sees key ``j`` (``j < t - q_len + i + 1``), -inf elsewhere.
+    Cached (read only): every layer of a step asks for the same one."""
     limits = (t - q_len + 1 + torch.arange(q_len, device=device)).repeat(rep)
     keys = torch.arange(padded, device=device)
     return torch.zeros(rep * q_len, padded, dtype=dtype, device=device).masked_fill_(
@@ -151,11 +154,16 @@ def block_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 PROBES = tuple((t, q) for t in (3, 40, 511, 512, 513, 900, 1100, 2100) for q in (2, 5, 16, 33) if q <= t)
 
 
-@functools.cache
 def block_is_invariant(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str = "cpu") -> bool:
     """Whether :func:`block_attention` gives every row of every :data:`PROBES` call, bit for bit, the values of
-    the same row alone (random queries, keys and values of this head shape, on this machine's kernel; once per
-    shape and process: about 0.15 s on a 2-core CPU)."""
+    the same row alone (random queries, keys and values of this head shape, on this machine's kernel at torch's
+    current intra-op thread count, by which the kernel splits its work; once per shape, thread count and process:
+    about 0.15-0.3 s on a 2-core CPU)."""
+    return _probe(heads, kv_heads, head_dim, dtype, device, torch.get_num_threads())
+
+
+@functools.cache
+def _probe(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, threads: int) -> bool:
     gen = torch.Generator().manual_seed(0)
     scale = head_dim ** -0.5
     for t, q_len in PROBES:
