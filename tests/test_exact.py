@@ -11,6 +11,8 @@ with drafts always right, always wrong and mixed equal the same decoder's with d
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import OracleDrafter, tiny_model
@@ -140,11 +142,13 @@ def test_block_attention_is_attention_and_the_probe_holds_beyond_its_cases():
     """The probe's verdict, checked on cache lengths and row counts it never tried: where it finds batched rows
     invariant for a head shape, they are; where not, some row of its own cases differed (so row attention runs)."""
     g = torch.Generator().manual_seed(1)
-    for heads, kv, dim in ((12, 2, 128), (4, 1, 256), (9, 3, 64)):
-        verdict = attention.block_is_invariant(heads, kv, dim, torch.bfloat16)
-        for t, q_len in ((77, 7), (530, 24), (1400, 12)):
-            q = torch.randn(1, heads, q_len, dim, generator=g).bfloat16()
-            k, v = (torch.randn(1, kv, t, dim, generator=g).bfloat16() for _ in range(2))
+    cases = ((77, 7), (530, 24)) + tuple((1400, q) for q in range(2, 34))  # every row count a verify sends
+    for (heads, kv, dim), dtype in itertools.product(((12, 2, 128), (4, 1, 256), (9, 3, 64)),
+                                                     (torch.bfloat16, torch.float32)):
+        verdict = attention.block_is_invariant(heads, kv, dim, dtype)
+        for t, q_len in cases:
+            q = torch.randn(1, heads, q_len, dim, generator=g).to(dtype)
+            k, v = (torch.randn(1, kv, t, dim, generator=g).to(dtype) for _ in range(2))
             rows = attention.block_attention(q, k, v, dim ** -0.5)
             mask = torch.ones(q_len, t, dtype=torch.bool).tril(t - q_len)
             want = torch.nn.functional.scaled_dot_product_attention(
@@ -154,7 +158,7 @@ def test_block_attention_is_attention_and_the_probe_holds_beyond_its_cases():
                 for i in range(q_len):
                     end = t - q_len + i + 1
                     one = attention.block_attention(q[:, :, i:i + 1], k[:, :, :end], v[:, :, :end], dim ** -0.5)
-                    assert torch.equal(rows[:, i:i + 1], one), (heads, kv, dim, t, q_len, i)
+                    assert torch.equal(rows[:, i:i + 1], one), (heads, kv, dim, dtype, t, q_len, i)
 
 
 def test_the_probe_answers_for_the_thread_count_it_ran_at():
