@@ -139,8 +139,9 @@ def test_row_attention_is_a_one_token_steps_attention_at_every_row():
 
 
 def test_block_attention_is_attention_and_the_probe_holds_beyond_its_cases():
-    """The probe's verdict, checked on cache lengths and row counts it never tried: where it finds batched rows
-    invariant for a head shape, they are; where not, some row of its own cases differed (so row attention runs)."""
+    """The probe's verdict, checked at cache lengths it never tried and at every row count a verify sends: where it
+    finds batched rows invariant for a head shape, they are; where not, some row of its own cases differed (so row
+    attention runs)."""
     g = torch.Generator().manual_seed(1)
     cases = ((77, 7), (530, 24)) + tuple((1400, q) for q in range(2, 34))  # every row count a verify sends
     for (heads, kv, dim), dtype in itertools.product(((12, 2, 128), (4, 1, 256), (9, 3, 64)),

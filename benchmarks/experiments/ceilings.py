@@ -15,9 +15,9 @@ a forward over ``1 + L`` tokens of the target; for a draft, ``L + 1`` one-token 
 prompt (its cache must hold the context before its first draft). No drafter can do better than this oracle on
 these answers at these costs: it is the ceiling of the drafting, the prefill included (the same for every
 method). The oracle's steps cost what our decoder's do (the planned projections; in bf16 and fp16, where the
-decoder runs exact steps by default and the costs run measured them, exact steps); it is set against greedy at
-our decoder's plain steps (``planned`` or ``exact``: drafting off, what drafting alone can add) and at ``model.generate``'s
-(``library``: what a user compares with), per dtype of the costs run.
+decoder runs exact steps by default and the costs run measured them, exact steps); it is set against greedy
+at our decoder's plain steps (``planned`` or ``exact``: drafting off, what drafting alone can add) and at
+``model.generate``'s (``library``: what a user compares with), per dtype of the costs run.
 """
 
 from __future__ import annotations
