@@ -46,12 +46,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from rag_accel_lab.machine import cpu_description
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_EDITS = ROOT.parent / "shared" / "data" / "edits" / "edits_dev.jsonl"
 BUNDLED_EDITS = ROOT / "benchmarks" / "data" / "edits_mit.jsonl"
 SYSTEM = ("You are a careful coding assistant. Apply the requested change to the file and reply with the whole "
           "updated file in one fenced code block, nothing else.")
-K = 10  # draft tokens a vLLM step verifies at most (rag_accel.config.VLLM_DRAFT_TOKENS)
+K = 10  # draft tokens a vLLM step verifies at most, by default (rag_accel.config.VLLM_DRAFT_TOKENS)
 HF_METHODS = ("greedy", "hf-pld", "hf-assisted", "ours", "ours-plain", "ours-noref", "ours-hybrid")
 VLLM_METHODS = ("vllm-greedy", "vllm-ngram", "vllm-suffix", "vllm-draft", "vllm-ours")
 
@@ -149,12 +151,13 @@ def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[d
     items = (edit_items(args.data, args.items, args.max_chars, tokenizer) if args.task == "edit"
              else rag_items(args.items, tokenizer))
     warm, timed = items[-1], items[:-1] if len(items) > 1 else items
-    common = dict(max_draft_tokens=K, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
+    k = args.max_draft_tokens
+    common = dict(max_draft_tokens=k, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
                   enable_prefix_caching=False)
     engines = {"vllm-greedy": {"speculation": "off"}, "vllm-ngram": {"speculation": "ngram"},
                "vllm-suffix": {"speculation": "suffix"}, "vllm-ours": {"speculation": "ours"},
                "vllm-draft": {"speculation": "off", "speculative_config": {
-                   "method": "draft_model", "model": local_model(args.draft_model), "num_speculative_tokens": K}}}
+                   "method": "draft_model", "model": local_model(args.draft_model), "num_speculative_tokens": k}}}
     rows, loads = [], {}
     os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # (rag_accel.methods.PEER_ENVIRONMENT)
     for name in ["vllm-greedy", *[m for m in methods if m != "vllm-greedy"]]:
@@ -230,7 +233,12 @@ def markdown(result: dict) -> str:
              f"{result['date'][:10]}", "", f"- command: `{result['command']}`",
              f"- machine: {result['machine']}; load (1/5/15 min) before {result['load_before']}, after {result['load_after']}"
              + (f"; environment: {', '.join(f'{k}={v}' for k, v in result['env'].items())}" if result.get("env") else ""),
-             f"- items: {result['items']} ({result['data']}); every output compared with {result['baseline']}'s", ""]
+             (f"- items: {result['items']} ({result['data']}); every output compared with {result['baseline']}'s"
+              if result["task"] == "edit" else
+              f"- items: the bundled MS-MARCO sample's last {result['items'] + 1} answered items but the last (it warms "
+              f"the engine), 64 new tokens, the passages in the prompt; every output compared with "
+              f"{result['baseline']}'s; \"+prediction\": no prediction here, the passages also sent as the "
+              f"request's references"), ""]
     for level, summary in result["summary"].items():
         per_request = level == "1"
         lines += [f"{'One request at a time' if per_request else level + ' requests in flight'}:", "",
@@ -281,6 +289,8 @@ def main() -> None:
     ap.add_argument("--methods", default="", help="a subset (default: all of the engine's)")
     ap.add_argument("--in-flight", type=int, default=4, help="vLLM: requests in flight after one at a time")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-draft-tokens", type=int, default=K, help="vLLM: every drafting method's most draft "
+                    "tokens a step (num_speculative_tokens)")
     ap.add_argument("--data", type=Path, default=None, help="edit items (default: ../shared/data/edits when present, "
                     "else the bundled MIT-licensed ones)")
     ap.add_argument("--out", required=True, help="path without suffix: writes .json, .md and .png")
@@ -308,8 +318,8 @@ def main() -> None:
     result = {"engine": args.engine, "task": args.task, "model": args.model, "draft_model": args.draft_model,
               "command": command.replace(f"--items {args.items}", f"--items {args.items - 1}"),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, transformers "
-                         f"{transformers.__version__}", "load_before": load_before, "load_after": loadavg(),
+              "machine": f"{platform.machine()}, {cpu_description()}, {os.cpu_count()} cores, torch "
+                         f"{torch.__version__}, transformers {transformers.__version__}", "load_before": load_before, "load_after": loadavg(),
               "env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD",
                                                  "NUMBA_THREADING_LAYER") if k in os.environ},
               "wall_s": round(time.perf_counter() - t0), "data": str(args.data.relative_to(ROOT.parent))

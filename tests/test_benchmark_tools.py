@@ -146,3 +146,28 @@ def test_the_edit_items_are_drawn_once_and_carry_the_file_as_prediction():
         before = it["prediction"]
         assert len(before) <= 1500 and it["references"] == [before] and before in it["messages"][1]["content"]
         assert it["max_new_tokens"] == int(1.5 * len(before.split())) + 64
+
+
+def test_the_edit_replay_charges_each_step_what_the_engine_would():
+    """A drafter's steps on a known answer: each keeps its draft up to the first wrong token plus the model's own
+    next one, never drafts the answer's last token, and costs ``1 + slope L`` for ``L`` draft tokens sent."""
+    er = load("edit_replay")
+    assert er.ngram_steps([1, 2, 3], [1, 2, 3, 4, 5], 2, lambda ctx, k: [2, 3, 9][:k]) == [(2, 2), (0, 0)]
+    assert er.ngram_steps([7], [1, 2, 3], 4, lambda ctx, k: [9, 9]) == [(1, 0), (0, 0)]  # wrong: one token a step
+    assert er.ngram_steps([7], [1, 2, 3, 4], 8, lambda ctx, k: [2, 3, 4, 5]) == [(2, 2)]  # cut before the last
+    s = er.summarise([[(2, 2), (0, 0)]], [[1, 2, 3, 4, 5]], 0.5)
+    assert s["tokens_per_step"] == pytest.approx(5 / 3) and s["sent_per_step"] == pytest.approx(2 / 3)
+    assert s["modelled_speedup_decoding"] == pytest.approx(4 / 3)  # 4 tokens after the first in 2 + 1 plain steps
+
+
+def test_a_run_page_names_the_cpu_and_its_bfloat16_units():
+    """bfloat16 timings differ by whole factors between a CPU with AMX and one without bf16 instructions (where a
+    verify of 10 tokens can cost more than it saves): a timed run's page must say which CPU it ran on."""
+    from rag_accel_lab.machine import cpu_description
+
+    assert cpu_description("model name\t: AMD EPYC\nflags\t\t: fpu avx avx2 fma\n") == (
+        "AMD EPYC (AVX2, no bfloat16 instructions)")
+    assert cpu_description("model name\t: Xeon\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n") == (
+        "Xeon (AVX-512, AVX-512 BF16, AMX)")
+    assert cpu_description("model name\t: Xeon\nflags\t\t: avx2 avx512f\n") == "Xeon (AVX-512)"
+    assert isinstance(cpu_description(), str) and cpu_description()  # this machine's, whatever it is
