@@ -235,8 +235,8 @@ def markdown(result: dict) -> str:
              + (f"; environment: {', '.join(f'{k}={v}' for k, v in result['env'].items())}" if result.get("env") else ""),
              (f"- items: {result['items']} ({result['data']}); every output compared with {result['baseline']}'s"
               if result["task"] == "edit" else
-              f"- items: the bundled MS-MARCO sample's last {result['items'] + 1} answered items but the last (it warms "
-              f"the engine), 64 new tokens, the passages in the prompt; every output compared with "
+              f"- items: the bundled MS-MARCO sample's last {result['items'] + 1} answered items but the last (it "
+              f"warms the engine), 64 new tokens, the passages in the prompt; every output compared with "
               f"{result['baseline']}'s; \"+prediction\": no prediction here, the passages also sent as the "
               f"request's references"), ""]
     for level, summary in result["summary"].items():
@@ -319,7 +319,8 @@ def main() -> None:
               "command": command.replace(f"--items {args.items}", f"--items {args.items - 1}"),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {cpu_description()}, {os.cpu_count()} cores, torch "
-                         f"{torch.__version__}, transformers {transformers.__version__}", "load_before": load_before, "load_after": loadavg(),
+                         f"{torch.__version__}, transformers {transformers.__version__}",
+              "load_before": load_before, "load_after": loadavg(),
               "env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD",
                                                  "NUMBA_THREADING_LAYER") if k in os.environ},
               "wall_s": round(time.perf_counter() - t0), "data": str(args.data.relative_to(ROOT.parent))

@@ -170,4 +170,5 @@ def test_a_run_page_names_the_cpu_and_its_bfloat16_units():
     assert cpu_description("model name\t: Xeon\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n") == (
         "Xeon (AVX-512, AVX-512 BF16, AMX)")
     assert cpu_description("model name\t: Xeon\nflags\t\t: avx2 avx512f\n") == "Xeon (AVX-512)"
+    assert "AVX" not in cpu_description("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # aarch64: no x86 flags
     assert isinstance(cpu_description(), str) and cpu_description()  # this machine's, whatever it is

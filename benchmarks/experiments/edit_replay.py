@@ -35,7 +35,9 @@ import argparse
 import importlib.util
 import json
 import math
+import shlex
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -200,10 +202,7 @@ def main() -> None:
     bench = json.loads(args.bench.read_text())
     n = (args.items or bench["items"]) + 1  # the bench loads one more, its warm-up item, which has no answer
     prepared, bare = prepared_items(bench, args.data, n, args.max_chars)
-    command = (f"python benchmarks/experiments/edit_replay.py --bench {args.bench} --data {args.data} "
-               f"--out {args.out}" + (f" --items {args.items}" if args.items else "")
-               + (f" --k {','.join(map(str, args.k))}" if args.k != KS else "")
-               + (f" --slopes {','.join(map(str, args.slopes))}" if args.slopes != SLOPES else ""))
+    command = "python benchmarks/experiments/edit_replay.py " + shlex.join(sys.argv[1:])
     run_ = {"command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "bench": str(args.bench), "data": str(args.data), "model": bench["model"],
             "dtype": bench.get("info", {}).get("dtype", "?"), "baseline": bench["baseline"], "items": len(prepared),

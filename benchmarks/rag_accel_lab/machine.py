@@ -22,7 +22,9 @@ def cpu_description(cpuinfo: str | None = None) -> str:
         cpuinfo = path.read_text()
     fields = dict(line.split(":", 1) for line in cpuinfo.splitlines() if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}  # one CPU's lines: its cores are alike
-    flags = set(fields.get("flags", "").split())
+    if "flags" not in fields:  # not an x86 CPU (aarch64 names its "Features"): no x86 units to report
+        return fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields["flags"].split())
     units = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "AVX-512 BF16"), ("amx_bf16", "AMX"))
              if flag in flags]
     if not units:
