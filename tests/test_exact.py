@@ -20,7 +20,7 @@ from helpers import OracleDrafter, tiny_model
 from rag_accel import DecoderConfig, ReferenceDecoder
 from rag_accel.hf import attention, linears
 from rag_accel.hf.kv import rollback_cache
-from rag_accel.hf.linears import EXACT_CANDIDATES, ExactPlan
+from rag_accel.invariant import EXACT_CANDIDATES, ExactPlan, exact_linear, invariant_rows, is_invariant
 
 ARCHS = ["llama", "qwen2", "qwen2-h128", "gpt2", "gemma3"]
 SIZES = (2, 3, 4, 8, 16, 33)
@@ -111,13 +111,29 @@ def test_an_exact_plan_is_invariant_and_computes_the_product():
     weight, bias = torch.randn(48, 32, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
     x = torch.randn(20, 32, generator=g).bfloat16()
     for plan in EXACT_CANDIDATES:
-        got = linears.exact_linear(x, weight, bias, plan)
+        got = exact_linear(x, weight, bias, plan)
         torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, weight, bias).float(), atol=0.1,
                                    rtol=0.05)
-    assert linears.is_invariant(weight, bias, ExactPlan(1, False, pad=1), rows=9)  # each row alone: by construction
+    assert is_invariant(weight, bias, ExactPlan(1, False, pad=1), rows=9)  # each row alone: by construction
     plan = linears.exact_plan([torch.nn.Linear(32, 48).bfloat16()])
     mod = torch.nn.Linear(32, 48).bfloat16()
-    assert linears.is_invariant(mod.weight, mod.bias, plan, rows=2 * plan.chunk + 1)  # chunks repeat it
+    assert is_invariant(mod.weight, mod.bias, plan, rows=2 * plan.chunk + 1)  # chunks repeat it
+
+
+def test_invariant_rows_finds_where_a_kernel_stops_being_invariant():
+    """:func:`invariant_rows` gives the last row count up to which every row equals the row alone: here a kernel that
+    computes up to 3 rows one by one, and from 4 on gets the last column of every row off by one bit."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 256, generator=g).bfloat16()
+
+    def rows(x):
+        out = torch.cat([x[i:i + 1] @ weight.t() for i in range(len(x))])
+        if len(x) > 3:
+            out[:, -1] = torch.nextafter(out[:, -1], out.new_full((1,), float("inf")))
+        return out
+
+    assert invariant_rows(rows, 256, torch.bfloat16, 12) == 3
+    assert invariant_rows(lambda x: torch.cat([r[None] @ weight.t() for r in x]), 256, torch.bfloat16, 12) == 12
 
 
 def test_row_attention_is_a_one_token_steps_attention_at_every_row():

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .._context import scoped
+from ..invariant import EXACT_CANDIDATES, ExactPlan, compute_rows, exact_linear, is_invariant
 
 # What wrapped linears compute inside the decoder's forwards: OFF (their own forward), FAST (their speed plan),
 # EXACT (their invariant plan: a row's values do not depend on how many rows come with it).
@@ -95,19 +96,6 @@ class LinearPlan:
         return cls(tuple(rows), tuple(transposed))
 
 
-def _compute(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
-             transposed: bool) -> torch.Tensor:
-    """``F.linear(hidden, weight, bias)`` over ``rows`` rows (``hidden``'s, padded with zeros), in the
-    transposed layout if ``transposed``; the first ``len(hidden)`` rows, contiguous."""
-    n = hidden.shape[0]
-    x = hidden.contiguous()
-    if rows > n:
-        x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
-    out = (weight @ x.t()).t() if transposed else torch.nn.functional.linear(x, weight)
-    out = out[:n].contiguous()
-    return out if bias is None else out + bias
-
-
 def planned_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    plan: LinearPlan) -> torch.Tensor:
     """``F.linear(hidden, weight, bias)`` as ``plan`` says for ``hidden``'s number of rows.
@@ -121,58 +109,8 @@ def planned_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     n = hidden.numel() // hidden.shape[-1]
     if n >= len(plan.rows) or not plan.rows[n]:
         return torch.nn.functional.linear(hidden, weight, bias)
-    out = _compute(hidden.reshape(n, hidden.shape[-1]), weight, bias, plan.rows[n], plan.transposed[n])
+    out = compute_rows(hidden.reshape(n, hidden.shape[-1]), weight, bias, plan.rows[n], plan.transposed[n])
     return out.reshape(*hidden.shape[:-1], weight.shape[0])
-
-
-@dataclass(frozen=True)
-class ExactPlan:
-    """Rows computed in chunks of at most ``chunk``, each padded with zero rows to at least ``pad``, in the
-    transposed layout if ``transposed``: a plan under which a row's values do not depend on how many rows come
-    with it, nor on where among them it is (:func:`exact_plan` finds one by testing the kernels it uses).
-
-    Example:
-        >>> w, x = torch.randn(6, 4), torch.randn(5, 4)
-        >>> plan = ExactPlan(chunk=2, transposed=True)
-        >>> torch.allclose(exact_linear(x, w, None, plan), torch.nn.functional.linear(x, w), atol=1e-6)
-        True
-    """
-
-    chunk: int
-    transposed: bool
-    pad: int = 2
-
-
-def exact_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 plan: ExactPlan) -> torch.Tensor:
-    """``F.linear(hidden, weight, bias)`` as ``plan`` computes it, whatever the number of rows."""
-    n = hidden.numel() // hidden.shape[-1]
-    rows = hidden.reshape(n, hidden.shape[-1])
-    c = plan.chunk
-    parts = [_compute(rows[i:i + c], weight, bias, max(plan.pad, min(c, n - i)), plan.transposed)
-             for i in range(0, n, c)]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return out.reshape(*hidden.shape[:-1], weight.shape[0])
-
-
-#: The invariant plans tried, cheapest first for a verify (one product for up to 33 rows; then chunks): the first
-#: whose rows equal each row computed alone is taken. Found on this project's CPU (torch 2.13, oneDNN): in bfloat16
-#: ``weight @ hidden.T`` gives every row of 2-33 the values of the same row alone (two rows, the second zeros) for
-#: every weight shape of Qwen2.5-Coder-0.5B/1.5B, where ``F.linear`` differs from two rows on; in float32 only up to
-#: three rows do (MKL). The last, every row alone in the library's layout, is invariant by construction.
-EXACT_CANDIDATES = (ExactPlan(33, True), ExactPlan(16, True), ExactPlan(8, True), ExactPlan(4, True),
-                    ExactPlan(3, True), ExactPlan(2, True), ExactPlan(1, False, pad=1))
-
-
-def is_invariant(weight: torch.Tensor, bias: torch.Tensor | None, plan: ExactPlan, rows: int | None = None) -> bool:
-    """Whether under ``plan`` every row of 1..``rows`` rows (default ``plan.chunk``: chunks repeat it) is bit for bit
-    the same row computed alone, on random rows in the weight's dtype and device."""
-    rows = rows or plan.chunk
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, weight.shape[1], generator=gen).to(device=weight.device, dtype=weight.dtype)
-    with torch.inference_mode():
-        alone = torch.cat([exact_linear(x[j:j + 1], weight, bias, plan) for j in range(rows)])
-        return all(torch.equal(exact_linear(x[:n], weight, bias, plan), alone[:n]) for n in range(2, rows + 1))
 
 
 def exact_plan(modules: Sequence[torch.nn.Linear]) -> ExactPlan:
@@ -224,13 +162,13 @@ def time_layouts(modules: Sequence[torch.nn.Linear], rows: Sequence[int] = MEASU
     inputs = {n: torch.randn(n, weight.shape[1], generator=gen).to(weight.dtype) for n in rows}
     best: dict[tuple[int, bool], float] = {}
     with torch.inference_mode():
-        _compute(inputs[rows[0]], weight, cycle[0].bias, rows[0], False)  # (the first call of all pays set-ups)
+        compute_rows(inputs[rows[0]], weight, cycle[0].bias, rows[0], False)  # (the first call of all pays set-ups)
         for _ in range(repeats):
             for n in rows:
                 for transposed in (False, True):
                     t0 = time.perf_counter()
                     for m in cycle:
-                        _compute(inputs[n], m.weight, m.bias, n, transposed)
+                        compute_rows(inputs[n], m.weight, m.bias, n, transposed)
                     seconds = (time.perf_counter() - t0) / len(cycle)
                     key = (n, transposed)
                     best[key] = min(best.get(key, seconds), seconds)

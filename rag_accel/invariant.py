@@ -1,0 +1,109 @@
+"""Row-invariant products on a CPU: a row's bits do not depend on the rows computed beside it.
+
+A decoder's verify step multiplies ``1 + L`` rows by every weight where a plain step multiplies one; an engine's
+forward also holds other requests' rows. A library's matrix product picks its blocking, and so its order of
+additions, by the number of rows, so a row's result can change with its neighbours by a rounding. Exact steps
+compute every row as it would be computed alone, by a plan found on the machine, never assumed:
+
+- :class:`ExactPlan` / :func:`exact_linear`: torch's own kernels in chunks of a fixed size, in the layout
+  (``weight @ hidden.T`` or ``F.linear``) that :func:`is_invariant` finds invariant for a weight shape;
+- :func:`invariant_rows`: for any row kernel (an engine's own, such as vLLM's oneDNN product), the largest number
+  of rows for which every row of every smaller call is bit-equal to the row alone: calls of at most that many rows
+  are then invariant.
+
+Both engines use them: the transformers decoder's exact steps (:mod:`rag_accel.hf.linears`) and vLLM's CPU worker
+in exact mode (:mod:`rag_accel.vllm.exact`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["EXACT_CANDIDATES", "ExactPlan", "compute_rows", "exact_linear", "invariant_rows", "is_invariant"]
+
+
+def compute_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,
+             transposed: bool) -> torch.Tensor:
+    """``F.linear(hidden, weight, bias)`` over ``rows`` rows (``hidden``'s, padded with zeros), in the
+    transposed layout if ``transposed``; the first ``len(hidden)`` rows, contiguous."""
+    n = hidden.shape[0]
+    x = hidden.contiguous()
+    if rows > n:
+        x = torch.cat([x, x.new_zeros(rows - n, x.shape[1])])
+    out = (weight @ x.t()).t() if transposed else torch.nn.functional.linear(x, weight)
+    out = out[:n].contiguous()
+    return out if bias is None else out + bias
+
+
+
+@dataclass(frozen=True)
+class ExactPlan:
+    """Rows computed in chunks of at most ``chunk``, each padded with zero rows to at least ``pad``, in the
+    transposed layout if ``transposed``: a plan under which a row's values do not depend on how many rows come
+    with it, nor on where among them it is (:func:`is_invariant` tests one on the kernels it uses).
+
+    Example:
+        >>> w, x = torch.randn(6, 4), torch.randn(5, 4)
+        >>> plan = ExactPlan(chunk=2, transposed=True)
+        >>> torch.allclose(exact_linear(x, w, None, plan), torch.nn.functional.linear(x, w), atol=1e-6)
+        True
+    """
+
+    chunk: int
+    transposed: bool
+    pad: int = 2
+
+
+def exact_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 plan: ExactPlan) -> torch.Tensor:
+    """``F.linear(hidden, weight, bias)`` as ``plan`` computes it, whatever the number of rows."""
+    n = hidden.numel() // hidden.shape[-1]
+    rows = hidden.reshape(n, hidden.shape[-1])
+    c = plan.chunk
+    parts = [compute_rows(rows[i:i + c], weight, bias, max(plan.pad, min(c, n - i)), plan.transposed)
+             for i in range(0, n, c)]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.reshape(*hidden.shape[:-1], weight.shape[0])
+
+
+#: The invariant plans tried, cheapest first for a verify (one product for up to 33 rows; then chunks): the first
+#: whose rows equal each row computed alone is taken. Found on this project's CPU (torch 2.13, oneDNN): in bfloat16
+#: ``weight @ hidden.T`` gives every row of 2-33 the values of the same row alone (two rows, the second zeros) for
+#: every weight shape of Qwen2.5-Coder-0.5B/1.5B, where ``F.linear`` differs from two rows on; in float32 only up to
+#: three rows do (MKL). The last, every row alone in the library's layout, is invariant by construction.
+EXACT_CANDIDATES = (ExactPlan(33, True), ExactPlan(16, True), ExactPlan(8, True), ExactPlan(4, True),
+                    ExactPlan(3, True), ExactPlan(2, True), ExactPlan(1, False, pad=1))
+
+
+def is_invariant(weight: torch.Tensor, bias: torch.Tensor | None, plan: ExactPlan, rows: int | None = None) -> bool:
+    """Whether under ``plan`` every row of 1..``rows`` rows (default ``plan.chunk``: chunks repeat it) is bit for bit
+    the same row computed alone, on random rows in the weight's dtype and device."""
+    rows = rows or plan.chunk
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, weight.shape[1], generator=gen).to(device=weight.device, dtype=weight.dtype)
+    with torch.inference_mode():
+        alone = torch.cat([exact_linear(x[j:j + 1], weight, bias, plan) for j in range(rows)])
+        return all(torch.equal(exact_linear(x[:n], weight, bias, plan), alone[:n]) for n in range(2, rows + 1))
+
+
+def invariant_rows(rows: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
+                   max_rows: int) -> int:
+    """The largest ``c <= max_rows`` for which ``rows(x)`` gives every row of every ``x`` of ``1..c`` rows bit for
+    bit what it gives that row alone (random rows in ``dtype``; at least 1: a row alone is itself).
+
+    Example:
+        >>> w = torch.randn(8, 16)
+        >>> invariant_rows(lambda x: torch.cat([x[i:i + 1] @ w.t() for i in range(len(x))]), 16, torch.float32, 5)
+        5
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(max_rows, in_features, generator=gen).to(dtype)
+    with torch.inference_mode():
+        alone = torch.cat([rows(x[j:j + 1]) for j in range(max_rows)])
+        for n in range(2, max_rows + 1):
+            if not torch.equal(rows(x[:n]), alone[:n]):
+                return n - 1
+    return max_rows
