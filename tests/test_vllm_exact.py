@@ -24,7 +24,7 @@ import_vllm_or_skip()
 
 import torch  # noqa: E402
 
-from rag_accel.rag.msmarco import load_msmarco_sample, rag_completion  # noqa: E402
+from rag_accel.rag.msmarco import load_msmarco_sample, rag_completion, rag_messages  # noqa: E402
 from rag_accel.vllm import VllmDecoder  # noqa: E402
 from rag_accel.vllm.exact import MAX_CHUNK, exact_kernel, piece_rows, pieces_are_exact  # noqa: E402
 
@@ -115,8 +115,10 @@ def _tiny(arch: str, tmp_path_factory) -> str:
 
 
 def _prompts(dec, n: int) -> list[list[int]]:
-    items = load_msmarco_sample(limit=n)
-    return [dec.encode_prompt(rag_completion(it.query, it.passages))[-600:] for it in items]
+    """The sample's first ``n`` questions over their passages: chat prompts where the tokenizer has a template."""
+    chat = getattr(dec.tokenizer, "chat_template", None)
+    return [dec.encode_prompt(rag_messages(it.query, it.passages) if chat else rag_completion(it.query, it.passages))
+            for it in load_msmarco_sample(limit=n)]
 
 
 def _generate(dec, prompts, refs, speculate=True):
@@ -214,7 +216,7 @@ def test_offline_models_are_exact_in_bfloat16(model, compiled):
     try:
         assert dec.exact
         plain = _check_exact(dec, _prompts(dec, 5))
-        assert sum(len(ids) for ids, _ in plain) > 3 * NEW  # (answers, not stops at once)
+        assert sum(len(ids) for ids, _ in plain) > 2 * NEW  # (answers, not stops at once)
     finally:
         _close(dec)
 
