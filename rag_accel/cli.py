@@ -410,6 +410,10 @@ def serve(
         None, help="The memory scope of requests that name none (vllm_xargs memory_scope). Default: none, so "
                    "such requests neither read nor write the memory; give one only where every client may "
                    "learn, by timing, what the others were answered (docs/vllm-and-serving.md)."),
+    exact: bool = typer.Option(True, "--exact/--no-exact", help="Exact steps in vLLM's CPU worker, for bfloat16 and "
+                               "float16: every row computed as it would be alone, so no output changes with "
+                               "speculation, drafts or the batch (docs/vllm-and-serving.md). --no-exact: vLLM's own "
+                               "kernels."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the command and exit."),
 ) -> None:
     """Start vLLM's OpenAI-compatible server with our proposer: prints the `vllm serve` command, then
@@ -417,8 +421,8 @@ def serve(
     Per request: extra_body={"vllm_xargs": {"references": [...], "memory_scope": "tenant-1", "speculate": false}}."""
     import os
 
-    from .serving.serve import (cpu_environment, cpu_hints, default_dtype, exec_server, home_environment,
-                                model_text_bound, model_vocab_size,
+    from .serving.serve import (cpu_backend, cpu_environment, cpu_hints, default_dtype, exec_server,
+                                home_environment, model_text_bound, model_vocab_size,
                         resolve_model, serve_command, shell_line)
 
     if model.startswith("-"):
@@ -460,8 +464,11 @@ def serve(
             text_bound=model_text_bound(path))  # admission counts text references by it (HTTP 400 when over)
     except ValueError as e:
         _fail(str(e))
+    from .vllm.requests import EXACT_ENV, exact_mode
+
     env = settings.environment()
-    on_cpu = (dtype or default_dtype()) == "float32"  # a CPU (or float32 asked for): the CPU backend's settings
+    env[EXACT_ENV] = exact_mode(None if exact else False)  # (the workers read it: rag_accel.vllm.exact)
+    on_cpu = cpu_backend() or dtype == "float32"  # the CPU backend's settings
     env.update(home_environment(os.environ))  # (what the server writes goes under RAG_ACCEL_HOME)
     if on_cpu:
         env.update(cpu_environment(os.environ))

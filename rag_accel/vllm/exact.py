@@ -38,7 +38,7 @@ import torch
 from ..invariant import EXACT_CANDIDATES, ExactPlan, exact_linear, invariant_rows, is_invariant
 from .requests import EXACT_ENV
 
-log = logging.getLogger("rag_accel.vllm")
+log = logging.getLogger("vllm.rag_accel")  # (under vLLM's logger: its workers' log shows the mode)
 
 #: How an engine's worker processes compute (:data:`EXACT_ENV`): "auto" (exact steps for bfloat16 and float16
 #: weights), "on" (every dtype), "off" or unset (vLLM's own kernels). ``VllmDecoder`` and ``rag-accel serve`` set it
@@ -292,6 +292,9 @@ def _wrap_build(original: Any) -> Any:
                     rows = 1
                 self._rag_accel_rows = rows
                 _STATUS["attention"] += 1
+                log.info("rag_accel: exact steps (%s=%s): %d linear layers in invariant chunks, attention in pieces "
+                         "of %d query rows (%s, %s)", EXACT_ENV, mode(), _STATUS["linears"], rows, self.isa,
+                         str(self.dtype).replace("torch.", ""))
         if not rows:
             return original(self, common_prefix_len, cm, fast_build)
         n = cm.num_reqs
