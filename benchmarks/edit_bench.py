@@ -40,7 +40,9 @@ import math
 import os
 import platform
 import random
+import shlex
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -153,12 +155,12 @@ def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[d
     warm, timed = items[-1], items[:-1] if len(items) > 1 else items
     k = args.max_draft_tokens
     common = dict(max_draft_tokens=k, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
-                  enable_prefix_caching=False)
+                  enable_prefix_caching=False, exact=None if args.exact else False)
     engines = {"vllm-greedy": {"speculation": "off"}, "vllm-ngram": {"speculation": "ngram"},
                "vllm-suffix": {"speculation": "suffix"}, "vllm-ours": {"speculation": "ours"},
                "vllm-draft": {"speculation": "off", "speculative_config": {
                    "method": "draft_model", "model": local_model(args.draft_model), "num_speculative_tokens": k}}}
-    rows, loads = [], {}
+    rows, loads, exact = [], {}, {}
     os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # (rag_accel.methods.PEER_ENVIRONMENT)
     for name in ["vllm-greedy", *[m for m in methods if m != "vllm-greedy"]]:
         loads[name] = [loadavg()]
@@ -169,6 +171,7 @@ def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[d
             loads[name].append(f"skipped: {type(e).__name__}: {str(e)[:300]}")
             continue
         try:
+            exact[name] = dec.exact
             arms = [(name, False), (name + "+prediction", True)] if name == "vllm-ours" else [(name, False)]
             dec.generate(warm["messages"], max_new_tokens=8)
             for method, with_pred in arms:
@@ -195,7 +198,7 @@ def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[d
             del dec
             gc.collect()
         loads[name].append(loadavg())
-    return {"dtype": args.dtype, "load": loads, "in_flight": args.in_flight}, rows
+    return {"dtype": args.dtype, "load": loads, "in_flight": args.in_flight, "exact": exact}, rows
 
 
 # --------------------------------------------------------------------------- report
@@ -238,7 +241,12 @@ def markdown(result: dict) -> str:
               f"- items: the bundled MS-MARCO sample's last {result['items'] + 1} answered items but the last (it "
               f"warms the engine), 64 new tokens, the passages in the prompt; every output compared with "
               f"{result['baseline']}'s; \"+prediction\": no prediction here, the passages also sent as the "
-              f"request's references"), ""]
+              f"request's references")]
+    if result["info"].get("exact"):
+        on = [m for m, v in result["info"]["exact"].items() if v]
+        lines.append(f"- exact steps in vLLM's CPU worker: {'on for ' + ', '.join(on) if on else 'off'}"
+                     + ("" if len(on) in (0, len(result["info"]["exact"])) else " (off for the others)"))
+    lines.append("")
     for level, summary in result["summary"].items():
         per_request = level == "1"
         lines += [f"{'One request at a time' if per_request else level + ' requests in flight'}:", "",
@@ -253,6 +261,10 @@ def markdown(result: dict) -> str:
             lines.append(f"| {m} | {head} | {tps} | {s['tokens_per_s']:.1f} | {s['identical']:.0%} | {plain} | "
                          f"{s.get('accepted_prediction_tokens', '-')} |")
         lines.append("")
+    if result.get("compared_to"):
+        c = result["compared_to"]
+        lines += [f"Identical to {c['baseline']}'s outputs in {c['run']} ({c['dtype']}): "
+                  + ", ".join(f"{m} {v:.0%}" for m, v in c["identical"].items()), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -293,6 +305,12 @@ def main() -> None:
                     "tokens a step (num_speculative_tokens)")
     ap.add_argument("--data", type=Path, default=None, help="edit items (default: ../shared/data/edits when present, "
                     "else the bundled MIT-licensed ones)")
+    ap.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
+                    help="vLLM: exact steps in the CPU worker where the dtype is bfloat16 or float16 (the library's "
+                         "default); --no-exact: vLLM's own kernels")
+    ap.add_argument("--compare-to", type=Path, default=None,
+                    help="another run's JSON (the same items): each method's identical rate against its baseline's "
+                         "outputs too (a float32 run's greedy, say)")
     ap.add_argument("--out", required=True, help="path without suffix: writes .json, .md and .png")
     args = ap.parse_args()
     args.data = args.data or (SHARED_EDITS if SHARED_EDITS.is_file() else BUNDLED_EDITS)
@@ -313,10 +331,9 @@ def main() -> None:
     import torch
     import transformers
 
-    command = "python benchmarks/edit_bench.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, "") and k != "data")
+    command = shlex.join(["python", "benchmarks/edit_bench.py", *sys.argv[1:]])
     result = {"engine": args.engine, "task": args.task, "model": args.model, "draft_model": args.draft_model,
-              "command": command.replace(f"--items {args.items}", f"--items {args.items - 1}"),
+              "command": command,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "machine": f"{platform.machine()}, {cpu_description()}, {os.cpu_count()} cores, torch "
                          f"{torch.__version__}, transformers {transformers.__version__}",
@@ -328,6 +345,16 @@ def main() -> None:
               "items": args.items - 1, "baseline": baseline, "info": info,
               "summary": {str(lv): summarise(rows, baseline, lv if args.engine == "vllm" else None) for lv in levels},
               "rows": rows}
+    if args.compare_to is not None:
+        other = json.loads(args.compare_to.read_text())
+        base = {r["item"]: r["token_ids"] for r in other["rows"]
+                if r["method"] == other["baseline"] and r.get("level", 1) == 1}
+        result["compared_to"] = {"run": args.compare_to.stem, "dtype": other["info"]["dtype"],
+                                 "baseline": other["baseline"], "identical": {
+                                     f"{m} ({lv} in flight)": statistics.fmean(
+                                         r["token_ids"] == base[r["item"]] for r in rows
+                                         if r["method"] == m and r.get("level", 1) == int(lv) and r["item"] in base)
+                                     for lv, summary in result["summary"].items() for m in summary}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
