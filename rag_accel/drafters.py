@@ -28,7 +28,7 @@ from .config import DecoderConfig
 from .kernels import (CountedSuffixes, NgramIndex, NgramTables, SuffixArrayIndex, concat_with_separators,
                       copy_continuation, counted_draft)
 
-# The copy drafters' fixed settings, each the best measured (options until issue 55; no user had a reason to tune
+# The copy drafters' fixed settings, each the best measured (once options; no user had a reason to tune
 # them, and no run found one that paid elsewhere).
 # The references: a match of 2 to 32 tokens starts a copy. Replaying SmolLM2's own answers and the human answers of
 # 40 MS-MARCO items (benchmarks/experiments/simulate.py), 1-token matches lost 2-4%; a longer match tells the policy nothing more.

@@ -102,12 +102,27 @@ def is_chat(prompt: Any) -> bool:
     return isinstance(prompt, Sequence) and bool(prompt) and all(isinstance(m, Mapping) for m in prompt)
 
 
+#: The chat roles a message may have (OpenAI's and the chat templates' own).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def check_chat(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Chat messages checked (each has ``role`` and ``content``; text encodable), as plain dicts."""
+    """Chat messages checked (each has ``role``, one of :data:`CHAT_ROLES`, and ``content``; text encodable), as
+    plain dicts.
+
+    Example:
+        >>> check_chat([{"role": "wizard", "content": "hi"}])
+        Traceback (most recent call last):
+        ...
+        ValueError: chat message 0 has the role 'wizard'; a role is one of 'system', 'developer', 'user', 'assistant', 'tool'
+    """
     out = []
     for i, m in enumerate(messages):
         if "role" not in m or "content" not in m:
             raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
+        if m["role"] not in CHAT_ROLES:
+            raise ValueError(f"chat message {i} has the role {m['role']!r}; a role is one of "
+                             + ", ".join(map(repr, CHAT_ROLES)))
         for key, value in m.items():
             if isinstance(value, str):
                 check_text(value, f"chat message {i} {key!r}")

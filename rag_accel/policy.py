@@ -180,7 +180,7 @@ class DraftLengthPolicy:
             (default 0: the budget alone bounds the loss; it counts the prefill).
         request_prior: pseudo-hits behind :meth:`request_factor` (smaller: it
             falls faster after the first misses of a request; the pooling is always on: its
-            A/B, ``pool_misses`` until issue 55, measured no difference and it bounds failed drafts).
+            A/B, when it was the option ``pool_misses``, measured no difference and it bounds failed drafts).
         request_decay: each observation's weight in :meth:`request_factor` is
             multiplied by this at every later one (``1.0``: all count alike;
             smaller: recent misses outweigh an early hit; see :data:`REQUEST_DECAY`).

@@ -190,7 +190,7 @@ class RequestDrafting:
         The prompt usually holds the passages, so the frequency drafter (prompt + answer) proposes the copies the
         reference drafter does, often sooner (from a one-token match) and valued higher: the demo credited 32 of
         92 tokens to it and none to the passages, and a prediction that the prompt also holds counted no accepted
-        prediction tokens (issue 66). A copy that a passage or the prediction holds is credited to them.
+        prediction tokens. A copy that a passage or the prediction holds is credited to them.
 
         Example:
             >>> from rag_accel.drafters import reference_drafter

@@ -268,6 +268,14 @@ def test_lone_surrogates_name_the_input_and_the_place(dec, call, match):
     still_works(dec)
 
 
+def test_a_chat_role_no_template_knows_is_refused(dec):
+    """A misspelt or invented role ("wizard") was rendered by the chat template as it pleased, or dropped."""
+    with pytest.raises(ValueError, match=r"chat message 1 has the role 'wizard'; a role is one of 'system'"):
+        dec.generate([{"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}],
+                     max_new_tokens=2)
+    still_works(dec)
+
+
 @pytest.mark.parametrize("stop, err, match", [
     (123, TypeError, r"stop must be a string or a list of strings, got int"),
     (b"x", TypeError, r"stop must be a string or a list of strings, got bytes"),

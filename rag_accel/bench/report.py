@@ -155,7 +155,7 @@ class BenchReport:
         self.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
         tables = self.tables(runs, batch_runs)
         uses_vllm = any(m in VLLM_METHODS for m in self.methods)
-        k = env.get("max_draft_tokens", env.get("num_speculative_tokens"))  # (the name of runs before issue 65)
+        k = env.get("max_draft_tokens", env.get("num_speculative_tokens"))  # (the name older runs recorded)
         self.out.with_suffix(".md").write_text("\n".join([
             f"# {self.title()}", "",
             *([] if complete else [f"- incomplete: {done} of {len(self.item_ids)} items measured so far (the run "
