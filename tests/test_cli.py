@@ -33,8 +33,14 @@ def test_demo_two_queries():
     code, out = run(*args)
     assert code == 0, out
     assert out.count("Q: ") == 2
-    per_question = [line for line in out.splitlines() if "identical to greedy:" in line and "every answer" not in line]
+    per_question = [line for line in out.splitlines() if "identical to greedy:" in line and "every answer" not in line
+                    and "forward passes:" not in line]
     assert len(per_question) == 2 and all(line.endswith("identical to greedy: True") for line in per_question), out
+    # each question's first word after its answer is what noise cannot change: passes and identity, then the timing
+    # with progress dots (a slow machine is never silent for the minute it takes)
+    first = re.findall(r"forward passes: ours (\d+), greedy (\d+) \(.*\); identical to greedy: True", out)
+    assert len(first) == 2 and all(int(o) <= int(g) for o, g in first), out
+    assert out.index("forward passes: ours") < out.index("timing 2 runs of each, interleaved ....")
     assert "every answer identical to greedy: True" in out
     assert "retrieved: msmarco-" in out and "tokens/step" in out
     assert out.count("ours ") >= 2 and "prefill" in out and "lower middle of 2 interleaved runs" in out

@@ -178,20 +178,28 @@ def test_block_attention_is_attention_and_the_probe_holds_beyond_its_cases():
                     assert torch.equal(rows[:, i:i + 1], one), (heads, kv, dim, dtype, t, q_len, i)
 
 
-def test_the_probe_answers_for_the_thread_count_it_ran_at():
+def test_the_probe_answers_for_the_thread_count_it_ran_at(monkeypatch):
     """The kernel splits its work by the intra-op thread count, so a verdict found at one count is not reused at
     another: each count gets its own probe, each only once."""
     threads = torch.get_num_threads()
-    attention._probe.cache_clear()
+    probes = []
+    monkeypatch.setattr(attention, "_probe", lambda *key: probes.append(key) or True)
+    monkeypatch.setattr(attention, "_VERDICTS", {})
     for _ in range(2):
         attention.block_is_invariant(8, 2, 32, torch.bfloat16)
-    assert attention._probe.cache_info().misses == 1
+    assert len(probes) == 1
     try:
         torch.set_num_threads(threads + 1)
         attention.block_is_invariant(8, 2, 32, torch.bfloat16)
     finally:
         torch.set_num_threads(threads)
-    assert attention._probe.cache_info().misses == 2
+    assert [p[-1] for p in probes] == [threads, threads + 1]
+    attention.remember_verdicts({(8, 2, 32, torch.bfloat16, "cpu", threads + 7): False})  # an earlier process's
+    torch.set_num_threads(threads + 7)
+    try:
+        assert attention.block_is_invariant(8, 2, 32, torch.bfloat16) is False and len(probes) == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_1_5b_shaped_heads_take_the_batched_path(tokenizer, monkeypatch):

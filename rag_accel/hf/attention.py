@@ -161,11 +161,28 @@ def block_is_invariant(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
     """Whether :func:`block_attention` gives every row of every :data:`PROBES` call, bit for bit, the values of
     the same row alone (random queries, keys and values of this head shape, on this machine's kernel at torch's
     current intra-op thread count, by which the kernel splits its work; once per shape, thread count and process:
-    about 0.15-0.3 s on a 2-core CPU)."""
-    return _probe(heads, kv_heads, head_dim, dtype, device, torch.get_num_threads())
+    about 0.15-0.3 s on a 2-core CPU; :func:`remember_verdicts` seeds what an earlier process found)."""
+    key = (heads, kv_heads, head_dim, dtype, device, torch.get_num_threads())
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _probe(*key)
+    return _VERDICTS[key]
 
 
-@functools.cache
+#: (heads, kv heads, head size, dtype, device, threads) -> :func:`block_is_invariant`'s verdict, in this process.
+_VERDICTS: dict[tuple[int, int, int, torch.dtype, str, int], bool] = {}
+
+
+def verdicts() -> dict[tuple[int, int, int, torch.dtype, str, int], bool]:
+    """The probe's verdicts known in this process (:mod:`rag_accel.hf.calibration` remembers them)."""
+    return dict(_VERDICTS)
+
+
+def remember_verdicts(known: dict[tuple[int, int, int, torch.dtype, str, int], bool]) -> None:
+    """Take verdicts an earlier process found on this machine (its calibration) instead of probing again."""
+    for key, ok in known.items():
+        _VERDICTS.setdefault(key, ok)
+
+
 def _probe(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, threads: int) -> bool:
     gen = torch.Generator().manual_seed(0)
     scale = head_dim ** -0.5

@@ -16,11 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .attention import exact_attention, packed_gqa
+from .attention import exact_attention, packed_gqa, remember_verdicts, verdicts
 from .attention import install as install_packed_gqa
+from .calibration import Calibration
+from .threads import warn_if_oversubscribed
 from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
 from ..drafters import Draft, Drafter, chain_order
 from ..inputs import check_lengths, check_stops, encode_prompt
+from ..models import announce
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .linears import exact_linears, exact_plans, install_exact, plan_linears, planned_linears
 from .linears import install as install_linear_plans
@@ -151,6 +154,8 @@ class ReferenceDecoder:
         install_packed_gqa()  # inert until a forward of ours asks for it (see _forward)
         self.exact = self._exact_steps(model, exact)
         self._linear_plans: dict | None = None  # measured before the first forward that takes them (plan_linears)
+        # what an earlier process measured on this machine (from_pretrained opens it; None: measure, keep nothing)
+        self.calibration: Calibration | None = None
         # (max_draft, pack_gqa, fast_linears, exact) -> curve: each forward path is timed as it runs
         self._cost_curves: dict[tuple[int, bool, bool, bool], tuple[float, ...]] = {}
         self.acceptance = AcceptanceStats()  # learnt across requests; see reset_learning()
@@ -261,6 +266,8 @@ class ReferenceDecoder:
 
         dev = resolve_device(device)
         torch_dtype = _resolve_dtype(dtype, dev)
+        if dev.type == "cpu":
+            warn_if_oversubscribed()
         model, tokenizer = load_model_and_tokenizer(name_or_path, dev, torch_dtype, **model_kwargs)
         draft = draft_tokenizer = None
         if draft_model == "int8":
@@ -268,9 +275,24 @@ class ReferenceDecoder:
         elif draft_model is not None:
             draft, draft_tokenizer = load_model_and_tokenizer(draft_model, dev, torch_dtype)
         dec = cls(model, tokenizer, config, draft_model=draft, draft_tokenizer=draft_tokenizer, exact=exact)
+        dec.calibration = Calibration.open(getattr(model, "name_or_path", ""), model.dtype, dev,
+                                           getattr(draft, "name_or_path", None) if draft_model != "int8" else None)
+        if dec.calibration is not None:
+            remember_verdicts(dec.calibration.get("attention") or {})
         if calibrate and dec.config.adaptive:
+            if dec.calibration is None or not dec._calibrated(dec.config.max_draft_tokens):
+                announce(f"calibrating {name_or_path} on this machine ({torch.get_num_threads()} threads)"
+                         + (f"; remembered in {dec.calibration.path.parent}" if dec.calibration else "") + " ...")
             dec.cost_curve(dec.config.max_draft_tokens)
         return dec
+
+    def _calibrated(self, max_draft: int) -> bool:
+        """Whether the remembered calibration has what a first request needs (plans, this curve, no draft model)."""
+        cal = self.calibration
+        return (cal is not None and self.draft_model is None and (cal.get("linear_plans") is not None
+                                                                  or self.device.type != "cpu")
+                and (not self.exact or cal.get("exact_plans") is not None)
+                and self._curve_key(max_draft) in (cal.get("cost_curves") or {}))
 
     @property
     def universal(self) -> bool:
@@ -288,10 +310,20 @@ class ReferenceDecoder:
         model's are planned too (its drafting forwards take them: :class:`~rag_accel.hf.draft_models.ModelDrafter`)."""
         with self._lock:
             if self._linear_plans is None:
-                plans = plan_linears(self.model) if self.device.type == "cpu" else {}
+                cal = self.calibration
+                plans = cal.get("linear_plans") if cal else None
+                if plans is None:
+                    plans = plan_linears(self.model) if self.device.type == "cpu" else {}
+                    if cal:
+                        cal.put("linear_plans", plans)
                 install_linear_plans(self.model, plans)
                 if self.exact:
-                    install_exact(self.model, exact_plans(self.model))
+                    exact = cal.get("exact_plans") if cal else None
+                    if exact is None:
+                        exact = exact_plans(self.model)
+                        if cal:
+                            cal.put("exact_plans", exact)
+                    install_exact(self.model, exact)
                 if self.draft_model is not None:
                     install_linear_plans(self.draft_model, plan_linears(self.draft_model))
                 self._linear_plans = plans
@@ -481,15 +513,27 @@ class ReferenceDecoder:
         and forward path (``pack_gqa``, ``fast_linears``, ``exact``: by default the decoder's)."""
         if self.config.cost_curve is not None:
             return self.config.cost_curve
-        key = (max_draft, self.pack_gqa if pack_gqa is None else pack_gqa,
-               self.fast_linears if fast_linears is None else fast_linears, self.exact if exact is None else exact)
+        key = self._curve_key(max_draft, pack_gqa, fast_linears, exact)
         if key not in self._cost_curves:
-            self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_linears=key[2],
-                                                        exact=key[3])
+            cal = self.calibration
+            known = dict(cal.get("cost_curves") or {}) if cal else {}
+            if key in known:
+                self._cost_curves[key] = known[key]
+            else:
+                self._cost_curves[key] = measure_cost_curve(self, max_draft, pack_gqa=key[1], fast_linears=key[2],
+                                                            exact=key[3])
+                if cal:
+                    cal.put("cost_curves", {**known, key: self._cost_curves[key]})
+                    cal.put("attention", verdicts())  # (the exact forwards' probes ran by now)
         if self.draft_model is not None and self.draft_costs is None:
             self.draft_costs = measure_draft_costs(self)
             self._seed_step_costs(self.step_costs)
         return self._cost_curves[key]
+
+    def _curve_key(self, max_draft: int, pack_gqa: bool | None = None, fast_linears: bool | None = None,
+                   exact: bool | None = None) -> tuple[int, bool, bool, bool]:
+        return (max_draft, self.pack_gqa if pack_gqa is None else pack_gqa,
+                self.fast_linears if fast_linears is None else fast_linears, self.exact if exact is None else exact)
 
     def _seed_step_costs(self, costs: StepCosts) -> None:
         """Learnt step costs not learnt yet start from the calibration's measurement."""
@@ -735,21 +779,30 @@ class _SetUp:
             raise error
 
 
+#: Seconds after which the cost curve's timing stops at the round it is in (one timed round always runs).
+CALIBRATION_BUDGET_S = 10.0
+
+
 def forward_seconds(
     decoder: ReferenceDecoder, sizes: Sequence[int], context_len: int = 256, repeats: int = 2, *,
     pack_gqa: bool = True, fast_linears: bool = True, exact: bool = False, seed: int = 0,
+    budget_s: float | None = None,
 ) -> dict[int, float]:
     """Seconds of the decoder's forward over ``n`` new tokens on a cached ``context_len``-token context (random
     ids), for each ``n`` in ``sizes``: round-robin over sizes, the first round a warm-up (so drift hits all sizes
-    alike), the least disturbed of ``repeats``. ``pack_gqa``, ``fast_linears``, ``exact``: the forward path."""
+    alike), the least disturbed of ``repeats`` (fewer where ``budget_s`` has passed after one: a busy machine
+    stops early). ``pack_gqa``, ``fast_linears``, ``exact``: the forward path."""
     sync = torch.cuda.synchronize if decoder.device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, decoder.vocab_size, (context_len,), generator=gen).tolist()
     samples: dict[int, list[float]] = {n: [] for n in sizes}
+    start = time.perf_counter()
     with torch.inference_mode():
         cache = decoder._new_cache()
         decoder._forward(ctx, cache, last_only=True, fast_linears=fast_linears)
         for r in range(repeats + 1):
+            if r > 1 and budget_s is not None and time.perf_counter() - start > budget_s:
+                break
             for n in sizes:
                 ids = torch.randint(0, decoder.vocab_size, (n,), generator=gen).tolist()
                 sync()
@@ -769,14 +822,15 @@ def measure_cost_curve(
     """Time a forward over 1, 2, 4, ... tokens on a cached context, relative to 1 token.
 
     Returns ``curve[L]`` for ``L = 0..max_draft`` (linear interpolation between
-    measured sizes, made non-decreasing). Takes well under a second for small
-    models; done once per decoder.
+    measured sizes, made non-decreasing). A few seconds for small models on a quiet CPU, at most about
+    :data:`CALIBRATION_BUDGET_S` more than one round on a busy one; done once per machine
+    (:mod:`rag_accel.hf.calibration` remembers it).
     """
     if decoder.context_window is not None:
         context_len = max(1, min(context_len, decoder.context_window - max_draft - 2))
     sizes = sorted({1, *[s for s in (2, 4, 8, 16, 32, 64) if s <= max_draft], max_draft + 1})
     times = forward_seconds(decoder, sizes, context_len, repeats, pack_gqa=pack_gqa, fast_linears=fast_linears,
-                            exact=exact)
+                            exact=exact, budget_s=CALIBRATION_BUDGET_S)
     base = times[1]
     curve = []
     for L in range(max_draft + 1):
