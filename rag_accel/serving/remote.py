@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -75,14 +76,16 @@ def _finish(reason: str | None, stop_reason: Any) -> str:
 class _Call:
     """One request ready to send: which endpoint and its arguments; the answer accumulated."""
 
-    __slots__ = ("chat", "kwargs", "ids", "parts", "finish", "prompt_tokens", "t0", "predicted")
+    __slots__ = ("chat", "kwargs", "ids", "parts", "finish", "prompt_tokens", "completion_tokens", "t0", "predicted",
+                 "server")
 
-    def __init__(self, chat: bool, kwargs: dict[str, Any]) -> None:
-        self.chat, self.kwargs = chat, kwargs
+    def __init__(self, chat: bool, kwargs: dict[str, Any], server: str = "") -> None:
+        self.chat, self.kwargs, self.server = chat, kwargs, server
         self.ids: list[int] = []
         self.parts: list[str] = []
         self.finish = ""
         self.prompt_tokens = 0
+        self.completion_tokens: int | None = None  # (the server's usage: what a server without token ids tells)
         self.t0 = time.perf_counter()
         self.predicted: tuple[int | None, int | None] = (None, None)  # the server's prediction counts
 
@@ -94,6 +97,8 @@ class _Call:
         usage = getattr(response, "usage", None)
         if usage is not None and usage.prompt_tokens is not None:
             self.prompt_tokens = usage.prompt_tokens
+        if usage is not None and getattr(usage, "completion_tokens", None) is not None:
+            self.completion_tokens = usage.completion_tokens
         details = getattr(usage, "completion_tokens_details", None) if usage is not None else None
         if details is not None and getattr(details, "accepted_prediction_tokens", None) is not None:
             self.predicted = (details.accepted_prediction_tokens, details.rejected_prediction_tokens)
@@ -112,12 +117,30 @@ class _Call:
         return text
 
     def output(self) -> GenerationOutput:
-        stats = GenerationStats(prompt_tokens=self.prompt_tokens, new_tokens=len(self.ids), steps=None,
+        text = "".join(self.parts)
+        new_tokens = len(self.ids)
+        if not self.ids and text:  # a server that sends no token ids: not rag-accel serve (vLLM's)
+            _not_ours(self.server)
+            new_tokens = self.completion_tokens or 0
+        stats = GenerationStats(prompt_tokens=self.prompt_tokens, new_tokens=new_tokens, steps=None,
                                 drafted=None, accepted=None, finish_reason=self.finish,
                                 time_s=time.perf_counter() - self.t0, prefill_s=None, draft_s=None,
                                 setup_s=None, setup_wait_s=None, accepted_prediction_tokens=self.predicted[0],
                                 rejected_prediction_tokens=self.predicted[1])
-        return GenerationOutput(text="".join(self.parts), token_ids=list(self.ids), stats=stats)
+        return GenerationOutput(text=text, token_ids=list(self.ids), stats=stats)
+
+
+_WARNED: set[str] = set()
+
+
+def _not_ours(server: str) -> None:
+    """Warn once per server that sends answers without their token ids: it is not ``rag-accel serve``."""
+    if server in _WARNED:
+        return
+    _WARNED.add(server)
+    warnings.warn(f"the server at {server or '?'} answered without token ids: it is not rag-accel serve (vLLM with "
+                  "rag_accel's proposer), so it drafts nothing from references, answers or predictions; outputs "
+                  "carry no token_ids, and their token counts are its usage's", RuntimeWarning, stacklevel=3)
 
 
 class AsyncGenerationStream:
@@ -262,11 +285,11 @@ class RemoteDecoder:
             check_text(prompt, "prompt")
             if not prompt:
                 raise ValueError("empty prompt: nothing to condition on (give at least one token)")
-            return _Call(False, dict(kwargs, prompt=prompt))
+            return _Call(False, dict(kwargs, prompt=prompt), self.base_url)
         if isinstance(prompt, (bytes, bytearray)):
             raise TypeError("prompt is bytes; decode it to a string first (e.g. .decode('utf-8'))")
         if is_chat(prompt):
-            return _Call(True, dict(kwargs, messages=check_chat(prompt)))
+            return _Call(True, dict(kwargs, messages=check_chat(prompt)), self.base_url)
         try:
             prompt_ids = token_ids(prompt, "prompt", "a string, chat messages ({'role', 'content'}) or token ids")
         except TypeError:
@@ -279,7 +302,7 @@ class RemoteDecoder:
         if any(t < 0 for t in prompt_ids):
             raise ValueError("prompt has a negative token id")
         check_lengths(len(prompt_ids), max_new_tokens, None)
-        return _Call(False, dict(kwargs, prompt=prompt_ids))
+        return _Call(False, dict(kwargs, prompt=prompt_ids), self.base_url)
 
     @staticmethod
     def _references(references: Any, what: str = "reference") -> tuple[str | list[int], ...]:
