@@ -4,7 +4,8 @@ the mode on and off, one request at a time.
     python benchmarks/experiments/exact_costs.py --model smollm2-135m-instruct --dtype bfloat16 \\
         --out benchmarks/results/exact_costs_vllm_cpu_smollm2_bf16
 
-(in the vLLM virtualenv; ``--plot RUN.json`` draws its plot where matplotlib is installed). Two engines of the model (our proposer, at most 16 draft tokens a step, vLLM's default
+(in the vLLM virtualenv; ``--plot RUN.json`` draws its plot where matplotlib is installed). Two engines of the
+model (our proposer, at most 16 draft tokens a step, vLLM's default
 compilation unless ``--eager``), exact mode on and off (``VllmDecoder.from_pretrained(exact=...)``), both built
 first, then the sample's last ``--items`` questions taken in turn by each (the order of the engines alternating per
 item): the answer with drafting off (plain steps), then the same request with its own answer as the reference

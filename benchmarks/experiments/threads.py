@@ -87,10 +87,11 @@ def main() -> None:
             if job:
                 stop.set()
                 job.join()
-    summary = {f"{ld} {t}": {"load_s": statistics.median(r["load_s"] for r in rows if (r["load"], r["threads"]) == (ld, t)),
-                             "step_ms": statistics.median(r["step_ms"] for r in rows if (r["load"], r["threads"]) == (ld, t)),
-                             "answers_s": statistics.median(sum(r["answers_s"]) for r in rows
-                                                            if (r["load"], r["threads"]) == (ld, t))}
+    def median(key: str, load: str, threads: int) -> float:
+        return statistics.median(r[key] if key != "answers_s" else sum(r[key]) for r in rows
+                                 if (r["load"], r["threads"]) == (load, threads))
+
+    summary = {f"{ld} {t}": {k: median(k, ld, t) for k in ("load_s", "step_ms", "answers_s")}
                for ld in ("quiet", "busy") for t in sorted({1, cores})}
     run = {"command": shlex.join(["python", "benchmarks/experiments/threads.py", *sys.argv[1:]]),
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
