@@ -105,11 +105,18 @@ def _onednn_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[t
     n, k = weight.shape
     handle = handler.handler_tensor
 
+    mm = torch.ops._C.onednn_mm
+
     def rows(x: torch.Tensor, chunk: int) -> torch.Tensor:
-        x2 = x.reshape(-1, k).contiguous()
-        out = torch.empty((x2.shape[0], n), dtype=x.dtype)
-        for i in range(0, x2.shape[0], chunk):
-            torch.ops._C.onednn_mm(out[i:i + chunk], x2[i:i + chunk], bias, handle)
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype)
+        if m <= chunk:  # (a plain step, a verify, a small batch: one call, as vLLM's own dispatch makes it)
+            mm(out, x2, bias, handle)
+        else:
+            x2 = x2.contiguous()
+            for i in range(0, m, chunk):
+                mm(out[i:i + chunk], x2[i:i + chunk], bias, handle)
         return out.reshape(*x.shape[:-1], n)
 
     rows.handler = handler  # type: ignore[attr-defined]  # (keeps the primitive alive with the kernel)
@@ -168,7 +175,14 @@ def _wrap_dispatch(original: Any) -> Any:
             return original(layer, remove_weight)
         kernel, needs_weight = exact_kernel(weight.detach(), getattr(layer, "bias", None))
         key, n = _register(kernel), weight.shape[0]
-        layer.cpu_linear = lambda x, weight, bias, _key=key, _n=n: torch.ops.rag_accel.exact_linear(x, _key, _n)
+        is_compiling = torch.compiler.is_compiling
+        op = torch.ops.rag_accel.exact_linear
+
+        def cpu_linear(x: torch.Tensor, weight: Any, bias: Any) -> torch.Tensor:
+            # traced (torch.compile): one opaque op in the graph; eager: the kernel itself, without the dispatcher
+            return op(x, key, n) if is_compiling() else kernel(x)
+
+        layer.cpu_linear = cpu_linear
         if remove_weight and not needs_weight:
             layer.weight = torch.nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         _STATUS["linears"] += 1
