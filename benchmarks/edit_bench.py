@@ -242,6 +242,11 @@ def markdown(result: dict) -> str:
               f"warms the engine), 64 new tokens, the passages in the prompt; every output compared with "
               f"{result['baseline']}'s; \"+prediction\": no prediction here, the passages also sent as the "
               f"request's references")]
+    if result.get("note"):
+        lines.append(f"- {result['note']}")
+    if "vllm-suffix" in {m for summary in result["summary"].values() for m in summary} and len(result["summary"]) > 1:
+        lines.append("- vllm-suffix in flight: its tree holds the answers it gave to the same items one at a time "
+                     "just before, so it copies them whole there (other methods remember nothing): not comparable")
     if result["info"].get("exact"):
         on = [m for m, v in result["info"]["exact"].items() if v]
         lines.append(f"- exact steps in vLLM's CPU worker: {'on for ' + ', '.join(on) if on else 'off'}"
