@@ -10,7 +10,8 @@ from typing import Any
 
 from .outputs import GenerationOutput
 
-COLORS = {"reference": "#b7e4c7", "prompt_lookup": "#bde0fe", "ngram": "#ffe5a8"}
+COLORS = {"reference": "#b7e4c7", "frequency": "#e9d5ff", "prompt_lookup": "#bde0fe", "ngram": "#ffe5a8",
+          "draft_model": "#fbcfe8"}
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,10 @@ def steps_html(output: GenerationOutput, tokenizer: Any, passages: Sequence[str]
                 span = f'<a href="#passage-{s.passage + 1}" style="color:inherit;text-decoration:none">{span}</a>'
             parts.append(span)
         parts.append(decode(s.tokens[s.copied:]))
-    legend = " ".join(f'<span style="background:{c};padding:0 4px">{k}</span>' for k, c in COLORS.items())
+    seen = {s.source for s in copy_spans(output, ref_ids) if s.copied}
+    legend = " ".join(f'<span style="background:{COLORS.get(k, "#eee")};padding:0 4px">{k}</span>'
+                      for k in sorted(seen, key=lambda k: list(COLORS).index(k) if k in COLORS else len(COLORS)))
+    legend = legend or "(none accepted)"
     st = output.stats
     head = (f"<p><b>{st.new_tokens} tokens in {st.steps} forward passes ({st.tokens_per_step:.2f} tokens/step)</b>; "
             f"highlighted: accepted draft tokens by drafter {legend}; unhighlighted: one token per pass from the "

@@ -120,3 +120,7 @@ def test_copy_spans_locate_copied_runs_and_render(setup, tokenizer):
     assert [t for s in spans for t in s.tokens] == want
     page = steps_html(out, tokenizer, [tokenizer.decode(r) for r in refs])
     assert 'title="' in page and 'id="passage-2"' in page and "tokens/step" in page
+    # the legend names the drafters whose tokens were accepted, in their colours (it once listed a fixed set that
+    # had lost the frequency drafter and kept one the library no longer has by default)
+    legend = page.split("by drafter ")[1].split("; unhighlighted")[0]
+    assert ">reference</span>" in legend and "frequency" not in legend and "prompt_lookup" not in legend
