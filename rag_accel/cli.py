@@ -437,7 +437,7 @@ def serve(
     import os
 
     from .serving.serve import (cpu_backend, cpu_environment, cpu_hints, default_dtype, exec_server,
-                                home_environment, model_text_bound, model_vocab_size,
+                                home_environment, model_text_bound, model_vocab_size, vllm_bind_hint,
                         resolve_model, serve_command, shell_line)
 
     if model.startswith("-"):
@@ -501,7 +501,8 @@ def serve(
                     "is the default, vLLM falls back to V1 and logs a warning saying so)", fg=typer.colors.YELLOW,
                     err=True)
     if on_cpu:
-        for hint in cpu_hints(os.environ):
+        bind = vllm_bind_hint(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))  # (another job on a bound core)
+        for hint in [*cpu_hints(os.environ), *([bind] if bind else [])]:
             typer.secho(f"note: {hint}", fg=typer.colors.YELLOW, err=True)
     exec_server(cmd, env)
 

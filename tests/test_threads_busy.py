@@ -9,7 +9,9 @@ import time
 import pytest
 import torch
 
+from rag_accel import machine
 from rag_accel.hf import threads
+from rag_accel.serving.serve import vllm_bind_hint
 
 
 def _spin(stop) -> None:
@@ -31,14 +33,14 @@ def another_job():
 @pytest.fixture()
 def all_cores():
     before = torch.get_num_threads()
-    torch.set_num_threads(threads._cores())
-    yield threads._cores()
+    torch.set_num_threads(machine.cores())
+    yield machine.cores()
     torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(threads._cpu_times() is None, reason="no /proc/stat here")
+@pytest.mark.skipif(machine._cpu_times() is None, reason="no /proc/stat here")
 def test_a_spinning_job_is_seen_and_its_core_left_alone(another_job, all_cores, monkeypatch, capsys):
-    assert threads.busy_cores() >= 0.8
+    assert machine.busy_cores() >= 0.8
     line = threads.warn_if_oversubscribed()
     if all_cores == 1:
         assert line is None
@@ -51,3 +53,19 @@ def test_a_spinning_job_is_seen_and_its_core_left_alone(another_job, all_cores, 
     chosen = threads.use_free_cores()
     assert chosen is not None and chosen < all_cores and torch.get_num_threads() == chosen
     assert "computing on" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(machine._cpu_times() is None or machine.cores() < 2, reason="needs /proc/stat and 2 cores")
+def test_the_server_hint_names_the_free_cores(another_job):
+    """A core the spinning job holds, inside the binding vLLM's threads would take, gets a binding without it."""
+    busy = machine.busy_by_core()
+    held = [c for c, b in busy.items() if b >= machine.BUSY]
+    assert held
+    everything = ",".join(map(str, sorted(busy)))
+    hint = vllm_bind_hint(everything, busy)
+    if len(held) == len(busy):  # (every core busy: nothing better to bind)
+        assert hint is None
+        return
+    assert hint is not None and f"VLLM_CPU_OMP_THREADS_BIND={everything}" in hint
+    free = hint.rsplit("VLLM_CPU_OMP_THREADS_BIND=", 1)[1].split()[0]
+    assert not set(machine.cpu_list(free)) & set(held)

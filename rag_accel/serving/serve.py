@@ -45,7 +45,7 @@ from pathlib import Path
 
 from ..config import VLLM_DRAFT_TOKENS
 
-__all__ = ["cpu_backend", "cpu_environment", "cpu_hints", "default_dtype", "exec_server", "home_environment",
+__all__ = ["cpu_backend", "cpu_environment", "cpu_hints", "vllm_bind_hint", "default_dtype", "exec_server", "home_environment",
            "model_vocab_size",
            "resolve_model", "serve_command", "shell_line", "speculative_options", "vllm_cli", "vllm_executable",
            "vllm_installed"]
@@ -277,6 +277,33 @@ def home_environment(env: Mapping[str, str]) -> dict[str, str]:
 
     root = cache_home() / "vllm"
     return {k: v for k, v in (("VLLM_CACHE_ROOT", str(root)), ("TMPDIR", str(root / "tmp"))) if k not in env}
+
+
+def vllm_bind_hint(bind: str | None, busy: dict[int, float] | None = None) -> str | None:
+    """For ``rag-accel serve`` on a CPU: where other processes hold cores vLLM's threads are bound to
+    (``VLLM_CPU_OMP_THREADS_BIND``; unset: vLLM binds all but one), the binding that leaves them out.
+
+    Example:
+        >>> vllm_bind_hint("0-1", {0: 0.05, 1: 0.98})
+        'other processes keep core 1 busy, where VLLM_CPU_OMP_THREADS_BIND=0-1 binds vLLM threads that each step waits for: VLLM_CPU_OMP_THREADS_BIND=0 computes on the free ones'
+        >>> vllm_bind_hint("0", {0: 0.05, 1: 0.98}) is None
+        True
+    """
+    from ..machine import BUSY, busy_by_core, cpu_list
+
+    busy = busy_by_core() if busy is None else busy
+    held = sorted(c for c, b in busy.items() if b >= BUSY)
+    if not held:
+        return None
+    bound = cpu_list(bind) if bind and bind != "auto" else set(busy)
+    clash = sorted(set(held) & bound)
+    free = sorted(c for c in busy if c not in held)
+    if not clash or not free:
+        return None
+    cores = ", ".join(map(str, clash))
+    return (f"other processes keep core{'s' if len(clash) > 1 else ''} {cores} busy, where "
+            f"VLLM_CPU_OMP_THREADS_BIND={bind or '(unset: vLLM binds its own)'} binds vLLM threads that each step "
+            f"waits for: VLLM_CPU_OMP_THREADS_BIND={','.join(map(str, free))} computes on the free ones")
 
 
 def cpu_hints(env: Mapping[str, str]) -> list[str]:
