@@ -229,6 +229,8 @@ ROOMS = {
 TOP = {  # the decoding core, the command line and the adapters' factory
     "__init__", "_context", "adapters", "cli", "config", "drafters", "inputs", "kernels", "memory", "methods",
     "models", "outputs", "policy", "prediction", "protocol", "references", "speculation", "stopping", "viz", "wire",
+    # engine-free, shared by both engines: row-invariant products (torch only), what other processes do with the cores
+    "invariant", "machine",
 }
 
 

@@ -99,12 +99,10 @@ def _register(kernel: Callable[[torch.Tensor], torch.Tensor]) -> int:
 
 def _onednn_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor, int], torch.Tensor]:
     """``rows(x, chunk)``: ``F.linear(x, weight, bias)`` through vLLM's oneDNN kernel, ``chunk`` rows a call."""
-    from vllm import _custom_ops as ops
-
-    handler = ops.create_onednn_mm(weight.t(), MAX_CHUNK)
+    load_vllm_ops()
     n, k = weight.shape
-    handle = handler.handler_tensor
-
+    # (vLLM's create_onednn_mm keeps the handler's pointer in a tensor, so that a traced graph holds it as a constant)
+    handle = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), MAX_CHUNK), dtype=torch.int64)
     mm = torch.ops._C.onednn_mm
 
     def rows(x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -119,8 +117,26 @@ def _onednn_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[t
                 mm(out[i:i + chunk], x2[i:i + chunk], bias, handle)
         return out.reshape(*x.shape[:-1], n)
 
-    rows.handler = handler  # type: ignore[attr-defined]  # (keeps the primitive alive with the kernel)
     return rows
+
+
+#: vLLM's CPU ops exact mode calls itself, with the arguments it passes (patches.check_internals checks them).
+VLLM_OPS = {
+    "create_onednn_mm_handler": ("b", "primitive_cache_size"),
+    "onednn_mm": ("c", "a", "bias", "handler_tensor"),
+    "get_scheduler_metadata": ("num_req", "num_heads_q", "num_heads_kv", "head_dim", "seq_lens", "dtype",
+                               "query_start_loc", "casual", "window_size", "isa_hint", "enable_kv_split",
+                               "dynamic_causal", "kv_cache_dtype"),
+    "cpu_attention_with_kv_cache": ("query", "key_cache", "value_cache", "output", "query_start_loc", "seq_lens",
+                                    "scale", "causal", "alibi_slopes", "sliding_window_size", "block_table", "softcap",
+                                    "scheduler_metadata", "s_aux", "dynamic_causal", "k_scale", "v_scale",
+                                    "kv_cache_dtype"),
+}
+
+
+def load_vllm_ops() -> None:
+    """vLLM's CPU ops (``torch.ops._C``), registered when its layers' module is first imported."""
+    import vllm.model_executor.layers.utils  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,8 +256,7 @@ def _attend(requests: list[tuple[int, int, int]], q_all: list[torch.Tensor], key
             window: int) -> list[torch.Tensor]:
     """vLLM's CPU attention kernel on ``requests`` ((which, query rows, sequence length) each), split into pieces of
     ``rows`` as exact mode splits them; each request's output rows."""
-    from vllm import _custom_ops as ops
-
+    load_vllm_ops()
     heads, kv_heads, head_dim = shape
     q = torch.cat([q_all[r][t - n:t] for r, n, t in requests])
     qsl = torch.tensor([0, *itertools.accumulate(n for _, n, _ in requests)], dtype=torch.int32)
@@ -250,14 +265,12 @@ def _attend(requests: list[tuple[int, int, int]], q_all: list[torch.Tensor], key
     split = split_queries(qsl, seq, table, rows)
     if split is not None:
         qsl, seq, table = split
-    meta = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=len(seq), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, seq_lens=seq, dtype=q.dtype,
-        query_start_loc=qsl, causal=True, sliding_window_size=window, isa=isa, enable_kv_split=False)
+    # (the ops as vLLM's cpu_attn backend calls them, through vllm._custom_ops' wrappers of the same names)
+    meta = torch.ops._C.get_scheduler_metadata(len(seq), heads, kv_heads, head_dim, seq, q.dtype, qsl, True, window,
+                                               isa, False, None, "auto")
     out = torch.empty_like(q)
-    ops.cpu_attention_with_kv_cache(
-        query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=qsl, seq_lens=seq,
-        scale=head_dim ** -0.5, causal=True, alibi_slopes=None, sliding_window=window, block_table=table, softcap=0.0,
-        scheduler_metadata=meta, s_aux=None)
+    torch.ops._C.cpu_attention_with_kv_cache(q, key_cache, value_cache, out, qsl, seq, head_dim ** -0.5, True, None,
+                                             window, table, 0.0, meta, None, None, 1.0, 1.0, "auto")
     return list(out.split([n for _, n, _ in requests]))
 
 

@@ -122,8 +122,6 @@ INTERNALS = (
              patched=True),
     Internal("vllm.model_executor.layers.utils:cpu_unquantized_gemm", ("layer", "x", "weight", "bias"),
              "calls layer.cpu_linear(x, weight, bias): the kernel patch 4 sets"),
-    Internal("vllm._custom_ops:create_onednn_mm", ("weight", "primitive_cache_size"),
-             "exact mode's products: vLLM's own oneDNN kernel, in chunks of the rows a probe finds invariant"),
     Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build",
              ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
              "wrapped (patch 5): a request's query rows go to the attention kernel as one-tile pieces", patched=True),
@@ -237,6 +235,19 @@ def _exact_call_sites() -> list[str | None]:
           "common_attn_metadata.block_table_tensor", "enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV")),
     )
     problems: list[str | None] = []
+    try:
+        import torch
+
+        from .exact import VLLM_OPS, load_vllm_ops
+
+        load_vllm_ops()
+        for name, params in VLLM_OPS.items():  # (vLLM's ops exact mode calls itself, positionally)
+            op = getattr(torch.ops._C, name, None)
+            names = tuple(a.name for a in op.default._schema.arguments) if op is not None else None
+            if names != params:
+                problems.append(f"torch.ops._C.{name} takes {names}, rag_accel.vllm.exact passes {params}")
+    except Exception as e:  # noqa: BLE001 - vLLM without its CPU ops: exact mode cannot run
+        problems.append(f"could not read vLLM's CPU ops: {e}")
     for target, needles in checks:
         try:
             src = inspect.getsource(getattr(_resolve(target), "__wrapped__", _resolve(target)))
