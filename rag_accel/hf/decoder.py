@@ -35,6 +35,8 @@ from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..policy import AcceptanceStats, leading_matches
 from ..protocol import CallOptions, Request, batch_arguments, call_config
 from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
+from .static import StaticLease, release
+from .static import resolve as resolve_static_steps
 from ..speculation import RequestDrafting, StepCosts
 from ..stopping import OutputText
 
@@ -119,7 +121,8 @@ class ReferenceDecoder:
     fast_linears: bool = True
 
     def __init__(self, model: Any, tokenizer: Any, config: DecoderConfig | None = None, *,
-                 draft_model: Any = None, draft_tokenizer: Any = None, exact: bool | None = None) -> None:
+                 draft_model: Any = None, draft_tokenizer: Any = None, exact: bool | None = None,
+                 static_steps: bool | None = None) -> None:
         if not hasattr(model, "forward") or not hasattr(model, "config"):
             raise TypeError(f"model must be a Hugging Face causal LM, got {type(model).__name__}")
         if not callable(getattr(tokenizer, "decode", None)) or not callable(tokenizer):
@@ -154,6 +157,10 @@ class ReferenceDecoder:
         self._cache_kwarg = cache_kwarg(model)
         install_packed_gqa()  # inert until a forward of ours asks for it (see _forward)
         self.exact = self._exact_steps(model, exact)
+        # on a GPU: steps on a static KV cache, captured as CUDA graphs (rag_accel.hf.static; None on a CPU by default)
+        self._static = resolve_static_steps(model, static_steps, self.exact, self._cache_kwarg,
+                                            self.config.max_draft_tokens, self.context_window)
+        self._static_curves: dict[int, tuple[float, ...]] = {}  # max_draft -> the static steps' cost curve
         self._linear_plans: dict | None = None  # measured before the first forward that takes them (plan_linears)
         # what an earlier process measured on this machine (from_pretrained opens it; None: measure, keep nothing)
         self.calibration: Calibration | None = None
@@ -236,6 +243,7 @@ class ReferenceDecoder:
         draft_model: str | None = None,
         calibrate: bool = True,
         exact: bool | None = None,
+        static_steps: bool | None = None,
         **model_kwargs: Any,
     ) -> ReferenceDecoder:
         """Load model and tokenizer from a hub name or local folder (``"smollm2-135m-instruct"``:
@@ -258,7 +266,12 @@ class ReferenceDecoder:
         of :mod:`rag_accel.hf.linears`). ``None`` (the default): on a CPU in bfloat16 and float16; off in float32
         (where invariant products cost a chunk of at most three rows on this CPU; float32's outputs equal
         ``model.generate``'s in every exactness test) and on a GPU (unmeasured there: ``True`` asks for it).
-        ``False`` opts out."""
+        ``False`` opts out.
+
+        ``static_steps``: steps on one preallocated KV cache in a few sizes, captured as CUDA graphs
+        (:mod:`rag_accel.hf.static`; a step of a small model costs the GPU's time, not the host's). ``None`` (the
+        default): on a GPU, for models without sliding-window layers, where steps are not ``exact``; ``True`` asks for
+        them (on a CPU they run eagerly: the same outputs, for tests); ``False`` opts out."""
         if "backend" in model_kwargs:
             raise ValueError(f"ReferenceDecoder is the transformers decoder and takes no backend= (got "
                              f"{model_kwargs['backend']!r}): for vLLM use rag_accel.vllm.VllmDecoder.from_pretrained"
@@ -275,7 +288,8 @@ class ReferenceDecoder:
             draft = int8_draft_model(model)
         elif draft_model is not None:
             draft, draft_tokenizer = load_model_and_tokenizer(draft_model, dev, torch_dtype)
-        dec = cls(model, tokenizer, config, draft_model=draft, draft_tokenizer=draft_tokenizer, exact=exact)
+        dec = cls(model, tokenizer, config, draft_model=draft, draft_tokenizer=draft_tokenizer, exact=exact,
+                  static_steps=static_steps)
         dec.calibration = Calibration.open(getattr(model, "name_or_path", ""), model.dtype, dev,
                                            getattr(draft, "name_or_path", None) if draft_model != "int8" else None)
         if dec.calibration is not None:
@@ -497,6 +511,9 @@ class ReferenceDecoder:
         drafting on and off share it)."""
         if (fast_linears or exact) and self._linear_plans is None:
             self.plan_linears()
+        if isinstance(cache, StaticLease):  # (its steps take no packed attention: a graph replays one path)
+            with planned_linears(fast_linears):
+                return cache.forward(ids, last_only, self.device)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, S]
         kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
         if last_only and self._logits_to_keep:
@@ -507,8 +524,19 @@ class ReferenceDecoder:
         with packed_gqa(pack_gqa), planned_linears(fast_linears):
             return self.model(input_ids=input_ids, **kwargs).logits[0]  # [S or 1, V]
 
-    def _new_cache(self) -> Any:
+    def _new_cache(self, need: int | None = None) -> Any:
+        """A request's KV cache: the static cache (:attr:`static_steps`) where it is free and holds ``need``
+        positions, else a dynamic one."""
+        if self._static is not None and need is not None:
+            lease = self._static.lease(need)
+            if lease is not None:
+                return lease
         return new_cache(self.model)
+
+    @property
+    def static_steps(self) -> bool:
+        """Whether requests' steps run on the static cache in fixed sizes (captured as CUDA graphs on a GPU)."""
+        return self._static is not None
 
     def cost_curve(self, max_draft: int, pack_gqa: bool | None = None,
                    fast_linears: bool | None = None, exact: bool | None = None) -> tuple[float, ...]:
@@ -516,6 +544,10 @@ class ReferenceDecoder:
         and forward path (``pack_gqa``, ``fast_linears``, ``exact``: by default the decoder's)."""
         if self.config.cost_curve is not None:
             return self.config.cost_curve
+        if self._static is not None and pack_gqa is fast_linears is exact is None:
+            if max_draft not in self._static_curves:  # (not remembered: a GPU times its steps in a moment)
+                self._static_curves[max_draft] = measure_cost_curve(self, max_draft, static=True)
+            return self._static_curves[max_draft]
         key = self._curve_key(max_draft, pack_gqa, fast_linears, exact)
         if key not in self._cost_curves:
             cal = self.calibration
@@ -577,23 +609,27 @@ class ReferenceDecoder:
         t_start = self.clock()
         with self._lock, torch.inference_mode():
             req = self._start(prompt_ids, max_new_tokens, stops, cfg, sampling)
-            refs_setup = None
-            if custom_drafters is None and "reference" in cfg.drafters and any(len(r) for r in [*refs, *answers]):
-                refs_setup = ReferenceSetUp(refs, answers, lambda: self.tokenizer, cfg.max_reference_tokens,
-                                            self.reference_tokens)
-            setup = _SetUp(lambda: self._set_up_drafting(req, custom_drafters), refs_setup)
-            try:
-                new_tokens = self._prefill(req)
+            try:  # (a request that fails before its loop hands the static cache back)
+                refs_setup = None
+                if custom_drafters is None and "reference" in cfg.drafters and any(len(r) for r in [*refs, *answers]):
+                    refs_setup = ReferenceSetUp(refs, answers, lambda: self.tokenizer, cfg.max_reference_tokens,
+                                                self.reference_tokens)
+                setup = _SetUp(lambda: self._set_up_drafting(req, custom_drafters), refs_setup)
+                try:
+                    new_tokens = self._prefill(req)
+                except BaseException:
+                    setup.stop()
+                    raise
+                finally:  # (a failed prefill's error wins over the set-up's)
+                    t0 = self.clock()
+                    setup.wait()
+                setup.check()
+                req.stats.setup_wait_s = self.clock() - t0
+                req.stats.setup_s += encode_s
+                self._drafting_ready(req)
             except BaseException:
-                setup.stop()
+                release(req.cache)
                 raise
-            finally:  # (a failed prefill's error wins over the set-up's)
-                t0 = self.clock()
-                setup.wait()
-            setup.check()
-            req.stats.setup_wait_s = self.clock() - t0
-            req.stats.setup_s += encode_s
-            self._drafting_ready(req)
         try:
             while True:
                 n_kept, piece = req.out.push(new_tokens)  # emit, up to EOS / a stop string / max_new_tokens
@@ -614,6 +650,7 @@ class ReferenceDecoder:
                     new_tokens = self._accept(req, draft, sent, preds, seconds)  # 3. and 4.
         finally:  # ended, failed or dropped half-read: references not indexed yet are not needed
             setup.stop()
+            release(req.cache)
         stats = req.stats
         stats.new_tokens, stats.finish_reason = len(req.out.token_ids), req.out.finish
         stats.time_s = self.clock() - t_start
@@ -628,15 +665,17 @@ class ReferenceDecoder:
         if cfg.cost_curve is not None:
             curve = cfg.cost_curve
         elif cfg.adaptive:
-            had = len(self._cost_curves)
+            had = len(self._cost_curves) + len(self._static_curves)
             curve = self.cost_curve(cfg.max_draft_tokens)
-            if len(self._cost_curves) > had:  # measured for this request
+            if len(self._cost_curves) + len(self._static_curves) > had:  # measured for this request
                 stats.calibration_s = self.clock() - t0
         else:
             curve = (1.0,) * (cfg.max_draft_tokens + 1)
         out = OutputText(self.tokenizer, stops, self.eos_token_ids, max_new_tokens)
         # prompt + output so far; drafters index it incrementally
-        return _Request(list(prompt_ids), self._new_cache(), None, out, stats, cfg, sampling, curve)
+        # (a static cache holds the prompt, the answer and the largest step's padding)
+        cache = self._new_cache(len(prompt_ids) + max_new_tokens + cfg.max_draft_tokens + 1)
+        return _Request(list(prompt_ids), cache, None, out, stats, cfg, sampling, curve)
 
     def _set_up_drafting(self, req: _Request, custom_drafters: Sequence[Drafter] | None) -> None:
         """The request's drafting over its prompt, its references left out (runs during the
@@ -789,58 +828,68 @@ CALIBRATION_BUDGET_S = 10.0
 def forward_seconds(
     decoder: ReferenceDecoder, sizes: Sequence[int], context_len: int = 256, repeats: int = 2, *,
     pack_gqa: bool = True, fast_linears: bool = True, exact: bool = False, seed: int = 0,
-    budget_s: float | None = None,
+    budget_s: float | None = None, static: bool = False,
 ) -> dict[int, float]:
     """Seconds of the decoder's forward over ``n`` new tokens on a cached ``context_len``-token context (random
     ids), for each ``n`` in ``sizes``: round-robin over sizes, the first round a warm-up (so drift hits all sizes
     alike), the least disturbed of ``repeats`` (fewer where ``budget_s`` has passed after one: a busy machine
-    stops early). ``pack_gqa``, ``fast_linears``, ``exact``: the forward path."""
+    stops early). ``pack_gqa``, ``fast_linears``, ``exact``: the forward path; ``static``: the decoder's static
+    steps (:attr:`ReferenceDecoder.static_steps`; each size padded to its step's, as a request's are)."""
     sync = torch.cuda.synchronize if decoder.device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(seed)
     ctx = torch.randint(0, decoder.vocab_size, (context_len,), generator=gen).tolist()
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     start = time.perf_counter()
     with torch.inference_mode():
-        cache = decoder._new_cache()
-        decoder._forward(ctx, cache, last_only=True, fast_linears=fast_linears)
-        for r in range(repeats + 1):
-            if r > 1 and budget_s is not None and time.perf_counter() - start > budget_s:
-                break
-            for n in sizes:
-                ids = torch.randint(0, decoder.vocab_size, (n,), generator=gen).tolist()
-                sync()
-                t0 = time.perf_counter()
-                decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_linears=fast_linears, exact=exact)
-                sync()
-                if r:
-                    samples[n].append(time.perf_counter() - t0)
-                rollback_cache(cache, n)
+        # (the static cache where it is free: a request holding it leaves this timing to a dynamic one)
+        cache = decoder._new_cache(context_len + max(sizes) + 1 if static else None)
+        try:
+            decoder._forward(ctx, cache, last_only=True, fast_linears=fast_linears)
+            for r in range(repeats + 1):
+                if r > 1 and budget_s is not None and time.perf_counter() - start > budget_s:
+                    break
+                for n in sizes:
+                    ids = torch.randint(0, decoder.vocab_size, (n,), generator=gen).tolist()
+                    sync()
+                    t0 = time.perf_counter()
+                    decoder._forward(ids, cache, pack_gqa=pack_gqa, fast_linears=fast_linears, exact=exact)
+                    sync()
+                    if r:
+                        samples[n].append(time.perf_counter() - t0)
+                    rollback_cache(cache, n)
+        finally:
+            release(cache)
     return {n: min(v) for n, v in samples.items()}
 
 
 def measure_cost_curve(
     decoder: ReferenceDecoder, max_draft: int, context_len: int = 256, repeats: int = 2, pack_gqa: bool = True,
-    fast_linears: bool = True, exact: bool = False,
+    fast_linears: bool = True, exact: bool = False, static: bool = False,
 ) -> tuple[float, ...]:
     """Time a forward over 1, 2, 4, ... tokens on a cached context, relative to 1 token.
 
     Returns ``curve[L]`` for ``L = 0..max_draft`` (linear interpolation between
-    measured sizes, made non-decreasing). A few seconds for small models on a quiet CPU, at most about
+    measured sizes, made non-decreasing; ``static``: the decoder's static steps, where ``L`` draft tokens cost the
+    step size that holds them). A few seconds for small models on a quiet CPU, at most about
     :data:`CALIBRATION_BUDGET_S` more than one round on a busy one; done once per machine
     (:mod:`rag_accel.hf.calibration` remembers it).
     """
     if decoder.context_window is not None:
         context_len = max(1, min(context_len, decoder.context_window - max_draft - 2))
-    sizes = sorted({1, *[s for s in (2, 4, 8, 16, 32, 64) if s <= max_draft], max_draft + 1})
+    steps = decoder._static.sizes if static and decoder._static is not None else (2, 4, 8, 16, 32, 64)
+    sizes = sorted({1, *[s for s in steps if s <= max_draft], max_draft + 1})
     times = forward_seconds(decoder, sizes, context_len, repeats, pack_gqa=pack_gqa, fast_linears=fast_linears,
-                            exact=exact, budget_s=CALIBRATION_BUDGET_S)
+                            exact=exact, budget_s=CALIBRATION_BUDGET_S, static=static)
     base = times[1]
     curve = []
     for L in range(max_draft + 1):
         s = L + 1
         lo = max(x for x in sizes if x <= s)
         hi = min(x for x in sizes if x >= s)
-        t = times[lo] if hi == lo else times[lo] + (times[hi] - times[lo]) * (s - lo) / (hi - lo)
+        if static or hi == lo:  # (a static step pads its tokens up to the next size)
+            t = times[hi]
+        else:
+            t = times[lo] + (times[hi] - times[lo]) * (s - lo) / (hi - lo)
         curve.append(max(1.0, t / base, curve[-1] if curve else 1.0))
     curve[0] = 1.0
     return tuple(curve)

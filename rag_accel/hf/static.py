@@ -1,0 +1,227 @@
+"""Steps on a static KV cache, in a few sizes, replayed as CUDA graphs on a GPU.
+
+On a GPU a small model's step is mostly the host launching kernels: SmolLM2's eager step costs about 24 ms where
+the same step captured in a CUDA graph costs 3. A graph replays fixed tensors, so here the decoder's steps run on
+one preallocated KV cache (transformers' ``StaticCache``, whose length lives on the device) and in a few sizes
+(:func:`step_sizes`: 1, 2, 4, 8, ... draft tokens + 1): a verify of ``n`` tokens runs in the smallest size that holds
+it, padded with copies of its last token. The padding rows come after the real ones, so causal attention keeps them
+out of every real row; what they write to the cache lies past the tokens kept and the next step overwrites it.
+
+Each size is captured once per process and model, at the first step that needs it (a one-line message), then
+checked: one replay against the same step run eagerly, argmax for argmax. A capture that fails, or a replay that
+differs, leaves the steps eager on the same static cache, with a warning. On a CPU the steps run eagerly (nothing
+to capture); ``ReferenceDecoder(static_steps=True)`` takes this path there, as the tests do.
+
+One static cache serves one request at a time (:meth:`StaticSteps.lease`); a request that finds it busy, or that
+could outgrow it (:data:`STATIC_CACHE_TOKENS`), runs on a dynamic cache as on a CPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+#: The static cache's length: a request whose prompt, answer and largest step could pass it runs on a dynamic cache.
+STATIC_CACHE_TOKENS = 4096
+
+
+def step_sizes(max_draft: int) -> tuple[int, ...]:
+    """The step sizes for drafts of up to ``max_draft`` tokens: powers of two below ``max_draft + 1``, and it."""
+    top = max_draft + 1
+    sizes = [1]
+    while sizes[-1] * 2 < top:
+        sizes.append(sizes[-1] * 2)
+    return (*sizes, top) if top > 1 else (1,)
+
+
+def size_for(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest size that holds ``n`` tokens (``None``: none does)."""
+    return next((s for s in sizes if s >= n), None)
+
+
+def unsupported(model: Any) -> str | None:
+    """Why ``model`` cannot take static steps (``None``: it can)."""
+    try:
+        from transformers import StaticCache
+    except ImportError:  # pragma: no cover - every transformers this project supports has it
+        return "this transformers has no StaticCache"
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(cfg, "layer_types", None) or ()
+    if getattr(cfg, "sliding_window", None) and (not layer_types or any("sliding" in t for t in layer_types)):
+        # (a static window is a ring: a rejected draft that pushed a token out of it could not be rolled back)
+        return "its sliding-window layers keep a ring of their window that a rejected draft cannot be rolled back in"
+    if any(t != "full_attention" for t in layer_types):
+        return f"its layers are not all full attention ({sorted(set(layer_types))})"
+    del StaticCache
+    return None
+
+
+class StaticSteps:
+    """One static KV cache of ``capacity`` tokens for ``model`` and its steps of ``sizes`` tokens (``capture``:
+    as CUDA graphs). ``cache_kwarg``: the name under which the model's forward takes its cache."""
+
+    def __init__(self, model: Any, cache_kwarg: str, sizes: tuple[int, ...], capacity: int, capture: bool) -> None:
+        self.model, self.cache_kwarg, self.sizes, self.capacity = model, cache_kwarg, sizes, capacity
+        self.capture = capture  # False once a capture failed: eager steps from then on
+        self.cache: Any = None  # made at the first lease
+        self.graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # size -> (graph, ids, logits)
+        self._busy = threading.Lock()
+
+    def lease(self, need: int) -> StaticLease | None:
+        """The static cache for one request of at most ``need`` positions (steps' padding included); ``None``
+        where another request holds it or ``need`` is more than it holds."""
+        if need > self.capacity or not self._busy.acquire(blocking=False):
+            return None
+        if self.cache is None:
+            from transformers import StaticCache
+
+            self.cache = StaticCache(config=self.model.config, max_cache_len=self.capacity)
+        return StaticLease(self)
+
+    def run(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """The model's forward over ``ids`` [1, S] on the static cache, eagerly: logits [1, S or 1, V]."""
+        kwargs: dict[str, Any] = {self.cache_kwarg: self.cache, "use_cache": True}
+        if last_only:
+            kwargs["logits_to_keep"] = 1
+        return self.model(input_ids=ids, **kwargs).logits
+
+    def step(self, ids: list[int], size: int, length: int) -> torch.Tensor:
+        """``ids`` padded to ``size`` at cache length ``length``: logits [size, V] (a graph's replay where one
+        is captured, else the eager forward)."""
+        padded = ids + [ids[-1]] * (size - len(ids))
+        if self.capture and size not in self.graphs:
+            self._capture(length)
+        if size in self.graphs:
+            _, buf, out = self.graphs[size]
+            buf.copy_(torch.tensor([padded], dtype=torch.long), non_blocking=True)
+            self.graphs[size][0].replay()
+            return out[0]
+        device = next(self.model.parameters()).device
+        return self.run(torch.tensor([padded], dtype=torch.long, device=device))[0]
+
+    def _capture(self, length: int) -> None:
+        """Capture a graph per size on the cache as it stands at ``length`` tokens (it is left as it was), check
+        each against its eager step; on any failure warn and stay eager."""
+        from ..models import announced
+
+        name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
+        try:
+            with announced(f"capturing {name}'s steps as CUDA graphs (sizes {', '.join(map(str, self.sizes))}) ..."):
+                self.graphs = _capture_graphs(self, length)
+        except Exception as e:  # noqa: BLE001 - any failure to capture leaves eager steps, said once
+            self.graphs, self.capture = {}, False
+            warnings.warn(f"could not capture the steps as CUDA graphs ({type(e).__name__}: {e}); they run eagerly "
+                          "on the static cache (the same outputs, slower)", stacklevel=4)
+
+
+def _capture_graphs(steps: StaticSteps, length: int) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
+    """Warm each size up on a side stream, capture it into one memory pool, then check one replay per size against
+    the eager step on the same cache (argmax for argmax; ``RuntimeError`` where one differs)."""
+    device = next(steps.model.parameters()).device
+    cache = steps.cache
+    graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+    bufs = {s: torch.zeros(1, s, dtype=torch.long, device=device) for s in steps.sizes}
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for s in steps.sizes:
+                steps.run(bufs[s])
+                cache.crop(-s)
+    torch.cuda.current_stream(device).wait_stream(side)
+    pool = torch.cuda.graph_pool_handle()
+    for s in steps.sizes:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = steps.run(bufs[s])
+        graphs[s] = (graph, bufs[s], out)
+    vocab = int(out.shape[-1])
+    for s, (graph, buf, out) in graphs.items():
+        buf.copy_(torch.randint(0, vocab, (1, s), device=device))
+        eager = steps.run(buf).argmax(-1)
+        cache.crop(-s)
+        graph.replay()
+        cache.crop(-s)
+        if not torch.equal(out.argmax(-1), eager):
+            raise RuntimeError(f"a replay of the {s}-token step differs from the eager step")
+    return graphs
+
+
+class StaticLease:
+    """A request's hold on the static cache: the KV cache the decoder's steps and
+    :func:`~rag_accel.hf.kv.rollback_cache` take. :meth:`release` hands it back (the next request starts from an empty cache)."""
+
+    def __init__(self, steps: StaticSteps) -> None:
+        self.steps = steps
+        self.length = 0  # tokens cached
+        self._released = False
+
+    def forward(self, ids: list[int], last_only: bool, device: torch.device) -> torch.Tensor:
+        """Logits over ``ids`` on top of the cache: ``[len(ids), V]`` (``last_only``: the last row's). A prompt
+        (``last_only``, or longer than the largest size) runs eagerly and unpadded; a step in its size."""
+        size = None if last_only else size_for(len(ids), self.steps.sizes)
+        if size is None:
+            logits = self.steps.run(torch.tensor([ids], dtype=torch.long, device=device), last_only)[0]
+            self.length += len(ids)
+            return logits
+        logits = self.steps.step(ids, size, self.length)
+        self.length += size
+        if size > len(ids):
+            self.crop(-(size - len(ids)))  # the padding's positions: the next step writes over them
+        return logits[:len(ids)]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (transformers' ``crop`` convention: a negative count)."""
+        n = -tokens_to_remove
+        if n < 0 or n > self.length:
+            raise ValueError(f"cannot remove {n} of {self.length} cached tokens")
+        if n:
+            self.steps.cache.crop(-n)
+            self.length -= n
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def release(self) -> None:
+        """Empty the cache and hand it back (once; later calls do nothing)."""
+        if self._released:
+            return
+        self._released = True
+        try:
+            if self.length:
+                with torch.inference_mode():  # (the cache's tensors are inference tensors)
+                    self.steps.cache.crop(-self.length)
+                self.length = 0
+        finally:
+            self.steps._busy.release()
+
+
+def release(cache: Any) -> None:
+    """Hand a request's cache back where it is a lease of the static cache (a dynamic cache is just dropped)."""
+    if isinstance(cache, StaticLease):
+        cache.release()
+
+
+def resolve(model: Any, static_steps: bool | None, exact: bool, cache_kwarg: str, max_draft: int,
+            context_window: int | None) -> StaticSteps | None:
+    """The decoder's static steps: ``None`` (the default) takes them on a GPU where the model can (``exact`` steps
+    keep the dynamic path, whose row attention needs a cache of exactly the tokens so far); ``True`` asks for them
+    anywhere (on a CPU, eagerly) and is refused where they cannot run; ``False``: never."""
+    if static_steps is not None and not isinstance(static_steps, bool):
+        raise TypeError(f"static_steps must be a bool or None, got {type(static_steps).__name__}")
+    device = next(model.parameters()).device
+    if static_steps is False or (static_steps is None and device.type != "cuda"):
+        return None
+    why = unsupported(model)
+    if why is None and exact:
+        why = "exact steps run their attention row by row over a cache of exactly the tokens so far"
+    if why is not None:
+        if static_steps:
+            raise ValueError(f"static_steps=True cannot run on this model: {why}; leave static_steps unset")
+        warnings.warn(f"the steps run eagerly on a dynamic cache, not as CUDA graphs: {why}", stacklevel=3)
+        return None
+    capacity = STATIC_CACHE_TOKENS if context_window is None else min(STATIC_CACHE_TOKENS, context_window)
+    return StaticSteps(model, cache_kwarg, step_sizes(max_draft), capacity, capture=device.type == "cuda")
