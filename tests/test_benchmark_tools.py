@@ -172,3 +172,14 @@ def test_a_run_page_names_the_cpu_and_its_bfloat16_units():
     assert cpu_description("model name\t: Xeon\nflags\t\t: avx2 avx512f\n") == "Xeon (AVX-512)"
     assert "AVX" not in cpu_description("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # aarch64: no x86 flags
     assert isinstance(cpu_description(), str) and cpu_description()  # this machine's, whatever it is
+
+
+def test_graph_steps_times_both_paths_and_counts_equal_rows():
+    """The GPU script's measurement, run on a CPU on the tiny shape (its static steps eager here): both paths timed
+    for every draft length, and every verify row of k = 1..32 at three cache lengths compared."""
+    pytest.importorskip("transformers")
+    graph_steps = load("graph_steps")
+    run = graph_steps.measure("tiny", "float32", context=24, reps=1, warmup=0, device="cpu")
+    assert set(run["ms"]) == {"eager", "static"}
+    assert all(set(ms) == {str(k) for k in graph_steps.KS} and min(ms.values()) > 0 for ms in run["ms"].values())
+    assert all(r["total"] == 3 * sum(range(1, 33)) and 0 <= r["equal"] <= r["total"] for r in run["rows"].values())
