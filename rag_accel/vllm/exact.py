@@ -9,8 +9,9 @@ result could depend on its neighbours computes a row as it would alone:
 - **Projections** (every linear layer and the output head, through vLLM's ``dispatch_cpu_unquantized_gemm``):
   the rows go to vLLM's own oneDNN kernel in chunks of at most ``c`` rows, ``c`` the largest count for which a
   probe on this layer's weight shape, on this machine, at the worker's thread count, finds every row of every
-  chunk of ``1..c`` rows bit-equal to the row alone (:func:`rag_accel.invariant.invariant_rows`). Where oneDNN
-  gives fewer rows than the torch plans of :mod:`rag_accel.invariant`, those are taken.
+  chunk of ``1..c`` rows bit-equal to the row alone (:func:`rag_accel.invariant.invariant_rows`). Where ``c`` is
+  under 16, oneDNN in calls of exactly :data:`PADDED_ROWS` rows if the probe finds those invariant, else the torch
+  plans of :mod:`rag_accel.invariant` where they give more rows.
 - **Attention** (``cpu_attn``): the kernel's scheduler may split one sequence's keys across threads
   (``VLLM_CPU_ATTN_SPLIT_KV``: off in this mode) and sizes its key tiles by how many query rows a work item
   holds. Each request's rows go to the kernel as pieces of at most as many rows as one of its query-head tiles
@@ -97,17 +98,25 @@ def _register(kernel: Callable[[torch.Tensor], torch.Tensor]) -> int:
     return key
 
 
-def _onednn_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor, int], torch.Tensor]:
-    """``rows(x, chunk)``: ``F.linear(x, weight, bias)`` through vLLM's oneDNN kernel, ``chunk`` rows a call."""
+def _onednn_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
+    """``rows(x, chunk, padded=False)``: ``F.linear(x, weight, bias)`` through vLLM's oneDNN kernel, ``chunk`` rows a
+    call (``padded``: every call exactly ``chunk`` rows, the last padded with zero rows)."""
     load_vllm_ops()
     n, k = weight.shape
     # (vLLM's create_onednn_mm keeps the handler's pointer in a tensor, so that a traced graph holds it as a constant)
     handle = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), MAX_CHUNK), dtype=torch.int64)
     mm = torch.ops._C.onednn_mm
 
-    def rows(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    def rows(x: torch.Tensor, chunk: int, padded: bool = False) -> torch.Tensor:
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
+        if padded:
+            full = -(-m // chunk) * chunk
+            x2 = torch.cat([x2, x2.new_zeros(full - m, k)]) if full > m else x2.contiguous()
+            out = torch.empty((full, n), dtype=x.dtype)
+            for i in range(0, full, chunk):
+                mm(out[i:i + chunk], x2[i:i + chunk], bias, handle)
+            return out[:m].reshape(*x.shape[:-1], n)
         out = torch.empty((m, n), dtype=x.dtype)
         if m <= chunk:  # (a plain step, a verify, a small batch: one call, as vLLM's own dispatch makes it)
             mm(out, x2, bias, handle)
@@ -139,13 +148,22 @@ def load_vllm_ops() -> None:
     import vllm.model_executor.layers.utils  # noqa: F401
 
 
+#: Rows every oneDNN call holds where its chunks are not invariant (the rest zeros): on a 2-core AMD EPYC (AVX-512
+#: BF16, no AMX), where oneDNN's product of a 1536-wide weight differs from the row alone from 2 rows on, calls of
+#: exactly 4 rows were invariant and a plain step of SmolLM2's down_proj took 47 us (vLLM's own 25, torch's
+#: invariant plan 116), an 11-row verify 126 us (torch's plan 115).
+PADDED_ROWS = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class LinearChoice:
-    """How exact mode computes one weight shape: vLLM's oneDNN kernel ``chunk`` rows a call, or (``plan`` set)
-    torch's kernels as :func:`rag_accel.invariant.exact_linear` computes that plan."""
+    """How exact mode computes one weight shape: vLLM's oneDNN kernel ``chunk`` rows a call (``padded``: every call
+    exactly ``chunk`` rows), or (``plan`` set) torch's kernels as :func:`rag_accel.invariant.exact_linear` computes
+    that plan."""
 
     chunk: int
     plan: ExactPlan | None = None
+    padded: bool = False
 
 
 _CHOICES: dict[tuple[Any, ...], LinearChoice] = {}
@@ -153,7 +171,8 @@ _CHOICES: dict[tuple[Any, ...], LinearChoice] = {}
 
 def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearChoice:
     """The cheapest invariant way to compute rows of ``weight`` here (probed once per shape, dtype, bias and
-    thread count in this process): oneDNN in the largest chunk that is invariant; the torch plans of
+    thread count in this process): oneDNN in the largest chunk that is invariant; where that is under 16 rows,
+    oneDNN in calls of exactly :data:`PADDED_ROWS` rows if those are invariant, else the torch plans of
     :data:`rag_accel.invariant.EXACT_CANDIDATES` where one gives larger chunks."""
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
     choice = _CHOICES.get(key)
@@ -165,7 +184,10 @@ def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearChoi
         except RuntimeError as e:  # oneDNN refuses this dtype on this CPU: the torch plans
             log.debug("rag_accel: oneDNN refused a %s weight (%s)", weight.dtype, e)
         choice = LinearChoice(chunk)
-        if chunk < 16:
+        if 0 < chunk < 16 and invariant_rows(lambda x: rows(x, PADDED_ROWS, padded=True), weight.shape[1],
+                                             weight.dtype, MAX_CHUNK + 1) == MAX_CHUNK + 1:
+            choice = LinearChoice(PADDED_ROWS, padded=True)
+        elif chunk < 16:
             plan = next(p for p in EXACT_CANDIDATES if p.pad == 1 or is_invariant(weight, bias, p))
             if plan.chunk > chunk:
                 choice = LinearChoice(plan.chunk, plan)
@@ -180,7 +202,7 @@ def exact_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Calla
     plan = choice.plan
     if plan is None:
         rows = _onednn_rows(weight, bias)
-        return (lambda x: rows(x, choice.chunk)), False
+        return (lambda x: rows(x, choice.chunk, choice.padded)), False
     return (lambda x: exact_linear(x, weight, bias, plan)), True
 
 
