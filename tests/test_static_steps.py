@@ -38,9 +38,9 @@ def steps_run(monkeypatch):
     sizes: list[int] = []
     original = static.StaticSteps.step
 
-    def counted(self, ids, size, length):
+    def counted(self, ids, size):
         sizes.append(size)
-        return original(self, ids, size, length)
+        return original(self, ids, size)
 
     monkeypatch.setattr(static.StaticSteps, "step", counted)
     return sizes
@@ -217,6 +217,33 @@ def test_a_dropped_or_failed_request_hands_the_static_cache_back(tokenizer):
     assert isinstance(lease, StaticLease) and lease.get_seq_length() == 0
     lease.release()
     assert not isinstance(dec._new_cache(10 ** 6), StaticLease)  # more than it holds: a dynamic cache
+
+
+def test_a_request_that_fails_mid_answer_hands_the_static_cache_back(tokenizer):
+    """A drafter that raises after a few steps: the error reaches the caller, the static cache is free and empty,
+    and the next request on it is greedy's."""
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    dec = ReferenceDecoder(model, tokenizer, DecoderConfig(adaptive=False, max_draft_tokens=8), static_steps=True)
+    prompt = _prompts(1, dec.vocab_size, 6)[0]
+    want = hf_greedy(model, prompt, MAX_NEW)
+
+    class FailsOnThird(OracleDrafter):
+        calls = 0
+
+        def propose(self, context, max_len):
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("drafter broke")
+            return super().propose(context, max_len)
+
+    with pytest.raises(RuntimeError, match="drafter broke"):
+        dec.generate(prompt, max_new_tokens=MAX_NEW,
+                     drafters=[FailsOnThird(want, len(prompt), "right", dec.vocab_size)])
+    assert not dec._static._busy.locked()
+    lease = dec._new_cache(100)
+    assert isinstance(lease, StaticLease) and lease.get_seq_length() == 0
+    lease.release()
+    assert dec.generate(prompt, max_new_tokens=MAX_NEW).token_ids == want
 
 
 def test_the_cost_curve_prices_the_step_sizes(tokenizer):

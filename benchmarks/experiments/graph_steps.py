@@ -16,7 +16,8 @@ rows back on the host (the sync acceptance needs), the host's work included:
 
 Times: the median of ``--reps`` steps after warm-ups, for ``1 + k`` tokens. ``rows``: for ``k`` = 1..32 at three cache
 lengths, how many of a verify's ``k`` rows are ``torch.equal`` to the one-token steps at the same positions, for each
-path: what exact steps on a GPU must bring to all of them (not built: on a CPU they are, ``ReferenceDecoder(exact=...)``).
+path: what exact steps on a GPU must bring to all of them (not built there; on a CPU they are:
+``ReferenceDecoder(exact=...)``).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def _sibling(name: str) -> Any:
 _costs = _sibling("gpu_step_costs")  # the public configs' shapes and their random-weight models
 SHAPES = {**_costs.SHAPES, "tiny": _costs.TINY}
 build_model = _costs.build_model
-KS = (0, 1, 3, 7, 15, 31, 32)
-EXTRA = (0, 64, 160)  # the verify rows' check: context on top of the prompt  # draft tokens: each 1 + k a static step's size (step_sizes(32))
+KS = (0, 1, 3, 7, 15, 31, 32)  # draft tokens: each 1 + k a static step's size (step_sizes(32))
+EXTRA = (0, 64, 160)  # the verify rows' check: context on top of the prompt
 
 
 def _sync(device: str) -> None:
@@ -208,7 +209,8 @@ def main() -> None:
     load_before = os.getloadavg()
     runs = [measure(s, d, a.context, a.reps, a.warmup, a.device) for s in a.shapes.split(",")
             for d in a.dtypes.split(",")]
-    device = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"CPU ({platform.processor() or 'x86_64'})"
+    cpu = f"CPU ({platform.processor() or 'x86_64'})"
+    device = torch.cuda.get_device_name() if a.device.startswith("cuda") else cpu
     data = {"device": device, "date": datetime.now(timezone.utc).isoformat(), "command": "python " + " ".join(sys.argv),
             "torch": torch.__version__, "transformers": transformers.__version__, "cpus": os.cpu_count(),
             "load_before": load_before, "load_after": os.getloadavg(), "seconds": round(time.perf_counter() - t0),

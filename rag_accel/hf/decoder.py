@@ -544,7 +544,7 @@ class ReferenceDecoder:
         and forward path (``pack_gqa``, ``fast_linears``, ``exact``: by default the decoder's)."""
         if self.config.cost_curve is not None:
             return self.config.cost_curve
-        if self._static is not None and pack_gqa is fast_linears is exact is None:
+        if self._static is not None and (pack_gqa, fast_linears, exact) == (None, None, None):  # the decoder's path
             if max_draft not in self._static_curves:  # (not remembered: a GPU times its steps in a moment)
                 self._static_curves[max_draft] = measure_cost_curve(self, max_draft, static=True)
             return self._static_curves[max_draft]

@@ -18,6 +18,7 @@ could outgrow it (:data:`STATIC_CACHE_TOKENS`), runs on a dynamic cache as on a 
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 from typing import Any
@@ -69,6 +70,7 @@ class StaticSteps:
         self.cache: Any = None  # made at the first lease
         self.graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # size -> (graph, ids, logits)
         self._busy = threading.Lock()
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def lease(self, need: int) -> StaticLease | None:
         """The static cache for one request of at most ``need`` positions (steps' padding included); ``None``
@@ -84,40 +86,40 @@ class StaticSteps:
     def run(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """The model's forward over ``ids`` [1, S] on the static cache, eagerly: logits [1, S or 1, V]."""
         kwargs: dict[str, Any] = {self.cache_kwarg: self.cache, "use_cache": True}
-        if last_only:
+        if last_only and self._logits_to_keep:
             kwargs["logits_to_keep"] = 1
         return self.model(input_ids=ids, **kwargs).logits
 
-    def step(self, ids: list[int], size: int, length: int) -> torch.Tensor:
-        """``ids`` padded to ``size`` at cache length ``length``: logits [size, V] (a graph's replay where one
-        is captured, else the eager forward)."""
+    def step(self, ids: list[int], size: int) -> torch.Tensor:
+        """``ids`` padded to ``size`` on top of the cache: logits [size, V] (a graph's replay where one is captured,
+        else the eager forward)."""
         padded = ids + [ids[-1]] * (size - len(ids))
         if self.capture and size not in self.graphs:
-            self._capture(length)
+            self._capture()
         if size in self.graphs:
-            _, buf, out = self.graphs[size]
+            graph, buf, out = self.graphs[size]
             buf.copy_(torch.tensor([padded], dtype=torch.long), non_blocking=True)
-            self.graphs[size][0].replay()
+            graph.replay()
             return out[0]
         device = next(self.model.parameters()).device
         return self.run(torch.tensor([padded], dtype=torch.long, device=device))[0]
 
-    def _capture(self, length: int) -> None:
-        """Capture a graph per size on the cache as it stands at ``length`` tokens (it is left as it was), check
-        each against its eager step; on any failure warn and stay eager."""
+    def _capture(self) -> None:
+        """Capture a graph per size on the cache as it stands (it is left as it was), check each against its eager
+        step; on any failure warn and stay eager."""
         from ..models import announced
 
         name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
         try:
             with announced(f"capturing {name}'s steps as CUDA graphs (sizes {', '.join(map(str, self.sizes))}) ..."):
-                self.graphs = _capture_graphs(self, length)
+                self.graphs = _capture_graphs(self)
         except Exception as e:  # noqa: BLE001 - any failure to capture leaves eager steps, said once
             self.graphs, self.capture = {}, False
             warnings.warn(f"could not capture the steps as CUDA graphs ({type(e).__name__}: {e}); they run eagerly "
                           "on the static cache (the same outputs, slower)", stacklevel=4)
 
 
-def _capture_graphs(steps: StaticSteps, length: int) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
+def _capture_graphs(steps: StaticSteps) -> dict[int, tuple[Any, torch.Tensor, torch.Tensor]]:
     """Warm each size up on a side stream, capture it into one memory pool, then check one replay per size against
     the eager step on the same cache (argmax for argmax; ``RuntimeError`` where one differs)."""
     device = next(steps.model.parameters()).device
@@ -152,7 +154,8 @@ def _capture_graphs(steps: StaticSteps, length: int) -> dict[int, tuple[Any, tor
 
 class StaticLease:
     """A request's hold on the static cache: the KV cache the decoder's steps and
-    :func:`~rag_accel.hf.kv.rollback_cache` take. :meth:`release` hands it back (the next request starts from an empty cache)."""
+    :func:`~rag_accel.hf.kv.rollback_cache` take. :meth:`release` hands it back (the next request starts from an
+    empty cache)."""
 
     def __init__(self, steps: StaticSteps) -> None:
         self.steps = steps
@@ -167,7 +170,7 @@ class StaticLease:
             logits = self.steps.run(torch.tensor([ids], dtype=torch.long, device=device), last_only)[0]
             self.length += len(ids)
             return logits
-        logits = self.steps.step(ids, size, self.length)
+        logits = self.steps.step(ids, size)
         self.length += size
         if size > len(ids):
             self.crop(-(size - len(ids)))  # the padding's positions: the next step writes over them
