@@ -262,8 +262,179 @@ def test_static_steps_are_refused_where_they_cannot_run(tokenizer):
     with pytest.raises(ValueError, match="sliding-window"):
         ReferenceDecoder(gemma, tokenizer, static_steps=True)
     llama = tiny_model("llama", vocab_size=len(tokenizer))
-    with pytest.raises(ValueError, match="exact steps"):
-        ReferenceDecoder(llama, tokenizer, exact=True, static_steps=True)
     with pytest.raises(TypeError, match="static_steps must be a bool"):
         ReferenceDecoder(llama, tokenizer, static_steps="yes")
     assert not ReferenceDecoder(llama, tokenizer).static_steps  # a CPU's default: the dynamic cache
+
+
+# ---------------------------------------------------------------- exact steps from fixed shapes (bfloat16)
+EXACT_CFG = DecoderConfig(adaptive=False, max_draft_tokens=8)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
+def exact_bf16(request, tokenizer):
+    model = tiny_model(request.param, vocab_size=len(tokenizer)).to(torch.bfloat16)
+    return ReferenceDecoder(model, tokenizer, EXACT_CFG, exact=True, static_steps=True)
+
+
+def _one_by_one_and_together(dec, context, seq):
+    """(each token's logits from a plain step, the logits of one step over ``seq[:k]`` for every k) on the
+    decoder's static cache."""
+    lease = dec._new_cache(len(context) + 2 * len(seq))
+    assert isinstance(lease, StaticLease)
+    try:
+        dec._forward(context, lease, last_only=True)
+        alone = [dec._forward([t], lease, exact=True)[-1] for t in seq]
+        lease.crop(-len(seq))
+        together = {}
+        for k in range(1, len(seq) + 1):
+            together[k] = dec._forward(seq[:k], lease, exact=True)
+            lease.crop(-k)
+    finally:
+        lease.release()
+    return alone, together
+
+
+@pytest.mark.parametrize("context_len", [7, 300, 700])
+def test_exact_static_steps_compute_every_verify_row_as_a_plain_step(exact_bf16, context_len):
+    """bfloat16: in the sizes the probe keeps, every row of a verify of 1..9 tokens is bit for bit the plain step's
+    at its position, at three cache lengths (none of them the probe's)."""
+    g = torch.Generator().manual_seed(context_len)
+    context = torch.randint(0, exact_bf16.vocab_size, (context_len,), generator=g).tolist()
+    seq = torch.randint(0, exact_bf16.vocab_size, (9,), generator=g).tolist()
+    static.release(exact_bf16._new_cache(len(context)))  # (the probe runs at the first lease)
+    if not exact_bf16.static_steps:  # (the decoder's exact steps then run on the dynamic path: tests/test_exact.py)
+        pytest.skip("on this CPU even the largest step size computes a row by its place among the rows")
+    assert exact_bf16._static.sizes[-1] == 9  # (the largest size is kept wherever any is)
+    with torch.inference_mode():
+        alone, together = _one_by_one_and_together(exact_bf16, context, seq)
+    for k, logits in together.items():
+        for i in range(k):
+            assert torch.equal(logits[i], alone[i]), (exact_bf16._static.sizes, k, i)
+
+
+@pytest.mark.parametrize("mode", ["right", "wrong", "mix"])
+def test_exact_static_steps_equal_drafting_off(exact_bf16, mode):
+    """bfloat16, drafts always right, always wrong and mixed: token for token what the same decoder writes with
+    drafting off (greedy in bfloat16 is not model.generate's: its one-token forwards are another shape)."""
+    for i, prompt in enumerate(_prompts(4, exact_bf16.vocab_size, 9)):
+        want = exact_bf16.generate(prompt, max_new_tokens=MAX_NEW, speculate=False).token_ids
+        out = exact_bf16.generate(prompt, max_new_tokens=MAX_NEW,
+                                  drafters=[OracleDrafter(want, len(prompt), mode, exact_bf16.vocab_size, seed=i)])
+        assert out.token_ids == want, (i, mode)
+        if mode == "right":
+            assert out.stats.accepted > 0
+
+
+def _perturbed_step(monkeypatch, where):
+    """Static steps whose ``where(size, row)`` rows come out a little off (a kernel that depends on the shape)."""
+    original = static.StaticSteps.step
+
+    def step(self, ids, size):
+        logits = original(self, ids, size).clone()
+        for row in range(size):
+            if where(size, row):
+                logits[row] += 0.5
+        return logits
+
+    monkeypatch.setattr(static.StaticSteps, "step", step)
+
+
+def _every_size_passes_the_op_probes(monkeypatch):
+    """(the model-level probe alone decides: on this CPU the projections' and attention's probes keep few sizes)"""
+    monkeypatch.setattr(static, "linear_sizes", lambda model, sizes: set(sizes))
+    monkeypatch.setattr(static, "attention_sizes", lambda steps, sizes: set(sizes))
+
+
+def test_the_probe_drops_a_size_whose_rows_differ(tokenizer, monkeypatch):
+    """A size whose rows differ from the largest's (here the 2-token step's second row) is not used: its verifies
+    run in the next size up, and outputs still equal drafting off."""
+    _every_size_passes_the_op_probes(monkeypatch)
+    _perturbed_step(monkeypatch, lambda size, row: size == 2 and row == 1)
+    dec = ReferenceDecoder(tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer, EXACT_CFG,
+                           exact=True, static_steps=True)
+    prompt = _prompts(1, dec.vocab_size, 4)[0]
+    want = dec.generate(prompt, max_new_tokens=MAX_NEW, speculate=False).token_ids
+    assert dec._static.sizes == (1, 4, 8, 9)
+    out = dec.generate(prompt, max_new_tokens=MAX_NEW, drafters=[OracleDrafter(want, len(prompt), "mix",
+                                                                                dec.vocab_size)])
+    assert out.token_ids == want
+
+
+def test_the_probe_drops_a_largest_size_whose_rows_depend_on_their_place(tokenizer, monkeypatch):
+    """Where the largest size computes a row by its place (here the 9-token step's fourth row), the next size down
+    becomes the largest: a step sends at most 7 draft tokens, and outputs still equal drafting off."""
+    _every_size_passes_the_op_probes(monkeypatch)
+    _perturbed_step(monkeypatch, lambda size, row: size == 9 and row == 3)
+    dec = ReferenceDecoder(tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer, EXACT_CFG,
+                           exact=True, static_steps=True)
+    prompt = _prompts(1, dec.vocab_size, 6)[0]
+    want = dec.generate(prompt, max_new_tokens=MAX_NEW, speculate=False).token_ids
+    assert dec._static.sizes == (1, 2, 4, 8)
+    out = dec.generate(prompt, max_new_tokens=MAX_NEW, drafters=[OracleDrafter(want, len(prompt), "right",
+                                                                                dec.vocab_size)])
+    assert out.token_ids == want
+    assert max(n for _, n in out.stats.trace) == 8  # (7 drafted and accepted, and the model's next token)
+
+
+def test_the_probe_finds_a_row_that_depends_on_its_place(tokenizer, monkeypatch):
+    """Where every size of two tokens or more computes a row by its place, no size is exact: the static cache closes
+    with a warning and the exact steps run on a dynamic cache (row by row), outputs equal to drafting off."""
+    _every_size_passes_the_op_probes(monkeypatch)
+    _perturbed_step(monkeypatch, lambda size, row: row >= 1)
+    dec = ReferenceDecoder(tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer, EXACT_CFG,
+                           exact=True, static_steps=True)
+    prompt = _prompts(1, dec.vocab_size, 5)[0]
+    with pytest.warns(UserWarning, match="no step size computes its rows"):
+        want = dec.generate(prompt, max_new_tokens=MAX_NEW, speculate=False).token_ids
+    assert not dec.static_steps and isinstance(dec._new_cache(10), type(dec._new_cache()))
+    out = dec.generate(prompt, max_new_tokens=MAX_NEW, drafters=[OracleDrafter(want, len(prompt), "mix",
+                                                                                dec.vocab_size)])
+    assert out.token_ids == want
+
+
+def test_exact_static_cost_curve_prices_only_the_kept_sizes(tokenizer, monkeypatch):
+    """The cost curve of exact static steps is timed after the probe, on the sizes it kept: with only the largest
+    kept, every draft length costs one price (a plain step runs in the largest size too)."""
+    _every_size_passes_the_op_probes(monkeypatch)
+    _perturbed_step(monkeypatch, lambda size, row: size < 9 and row == 0)
+    dec = ReferenceDecoder(tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer,
+                           DecoderConfig(max_draft_tokens=8), exact=True, static_steps=True)
+    curve = dec.cost_curve(8)
+    assert dec._static.sizes == (9,)
+    assert curve == (1.0,) * 9
+
+
+def _rows_of(fn, x, sizes, top):
+    """Which of ``sizes`` give ``fn`` (a function of [1, rows, in]) rows equal to the ``top``-row call's."""
+    ref = fn(x[:, :top])
+    return {s for s in sizes if torch.equal(fn(x[:, :s]), ref[:, :s])}
+
+
+def test_cancelling_rows_reveal_an_order_of_additions_random_rows_hide():
+    """A product that sums its input in another order for one row than for many (here: halves added apart when
+    alone) differs from itself on the probe's cancelling rows, where random rows mostly give the same bfloat16
+    bits; and a product that does not is kept at every size."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(16, 64, generator=g).to(torch.bfloat16)
+
+    def in_order(x, lo, hi):  # float32 sums over inputs lo..hi-1, added one after another: [1, rows, 16]
+        acc = torch.zeros(*x.shape[:-1], w.shape[0])
+        for j in range(lo, hi):
+            acc = acc + x[..., j:j + 1].float() * w[:, j].float()
+        return acc
+
+    def split_when_alone(x):  # [1, rows, 64]
+        if x.shape[1] > 1:
+            return in_order(x, 0, 64).to(torch.bfloat16)
+        return (in_order(x, 0, 32) + in_order(x, 32, 64)).to(torch.bfloat16)
+
+    cancel = static.cancelling_rows(4, w, g).to(torch.bfloat16)[None]
+    random_rows = torch.randn(1, 4, 64, generator=g).to(torch.bfloat16)
+    assert 1 not in _rows_of(split_when_alone, cancel, (1, 2, 4), 4)
+    assert _rows_of(split_when_alone, random_rows, (1, 2, 4), 4) == {1, 2, 4}  # (what a random probe would say)
+    # and the real probe, on a module that computes this way
+    module = torch.nn.Linear(64, 16, bias=False).to(torch.bfloat16)
+    module.weight.data.copy_(w)
+    module.forward = split_when_alone
+    assert static.linear_sizes(module, (1, 2, 4)) == {2, 4}

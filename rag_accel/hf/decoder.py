@@ -35,7 +35,7 @@ from ..outputs import GenerationOutput, GenerationStats, GenerationStream
 from ..policy import AcceptanceStats, leading_matches
 from ..protocol import CallOptions, Request, batch_arguments, call_config
 from .sampling import GumbelNoise, Sampling, gumbel_argmax, warp
-from .static import StaticLease, release
+from .static import StaticLease, release, size_for
 from .static import resolve as resolve_static_steps
 from ..speculation import RequestDrafting, StepCosts
 from ..stopping import OutputText
@@ -266,12 +266,13 @@ class ReferenceDecoder:
         of :mod:`rag_accel.hf.linears`). ``None`` (the default): on a CPU in bfloat16 and float16; off in float32
         (where invariant products cost a chunk of at most three rows on this CPU; float32's outputs equal
         ``model.generate``'s in every exactness test) and on a GPU (unmeasured there: ``True`` asks for it).
-        ``False`` opts out.
+        ``False`` opts out. On static steps exactness comes from their fixed shapes instead: the steps run in the
+        sizes found at the first request to compute every row as the largest size does (:mod:`rag_accel.hf.static`).
 
         ``static_steps``: steps on one preallocated KV cache in a few sizes, captured as CUDA graphs
         (:mod:`rag_accel.hf.static`; a step of a small model costs the GPU's time, not the host's). ``None`` (the
-        default): on a GPU, for models without sliding-window layers, where steps are not ``exact``; ``True`` asks for
-        them (on a CPU they run eagerly: the same outputs, for tests); ``False`` opts out."""
+        default): on a GPU, for models without sliding-window layers; ``True`` asks for them (on a CPU they run
+        eagerly: the same outputs, for tests); ``False`` opts out."""
         if "backend" in model_kwargs:
             raise ValueError(f"ReferenceDecoder is the transformers decoder and takes no backend= (got "
                              f"{model_kwargs['backend']!r}): for vLLM use rag_accel.vllm.VllmDecoder.from_pretrained"
@@ -529,14 +530,27 @@ class ReferenceDecoder:
         positions, else a dynamic one."""
         if self._static is not None and need is not None:
             lease = self._static.lease(need)
+            if lease is not None and self._static.unprobed:  # exact steps: the first lease finds their sizes
+                try:
+                    if self._linear_plans is None:
+                        self.plan_linears()
+                    with planned_linears(self.fast_linears):  # (the products the steps will run)
+                        found = self._static.probe()
+                except BaseException:
+                    lease.release()
+                    raise
+                if not found:
+                    lease.release()
+                    lease = None
             if lease is not None:
                 return lease
         return new_cache(self.model)
 
     @property
     def static_steps(self) -> bool:
-        """Whether requests' steps run on the static cache in fixed sizes (captured as CUDA graphs on a GPU)."""
-        return self._static is not None
+        """Whether requests' steps run on the static cache in fixed sizes (captured as CUDA graphs on a GPU; exact
+        steps: unless no size computed its rows alike, found at the first request)."""
+        return self._static is not None and self._static.capacity > 0
 
     def cost_curve(self, max_draft: int, pack_gqa: bool | None = None,
                    fast_linears: bool | None = None, exact: bool | None = None) -> tuple[float, ...]:
@@ -544,7 +558,9 @@ class ReferenceDecoder:
         and forward path (``pack_gqa``, ``fast_linears``, ``exact``: by default the decoder's)."""
         if self.config.cost_curve is not None:
             return self.config.cost_curve
-        if self._static is not None and (pack_gqa, fast_linears, exact) == (None, None, None):  # the decoder's path
+        if self._static is not None and self._static.unprobed:
+            release(self._new_cache(1))  # (exact steps: the first lease finds their sizes, or closes the cache)
+        if self.static_steps and (pack_gqa, fast_linears, exact) == (None, None, None):  # the decoder's path
             if max_draft not in self._static_curves:  # (not remembered: a GPU times its steps in a moment)
                 self._static_curves[max_draft] = measure_cost_curve(self, max_draft, static=True)
             return self._static_curves[max_draft]
@@ -725,6 +741,8 @@ class ReferenceDecoder:
         """1. The draft to verify and the tokens of it worth sending (none: a plain step)."""
         n_generated = len(req.out.token_ids)
         draft, n_send = req.drafting.choose(req.context, n_generated, req.out.max_new_tokens - n_generated)
+        if isinstance(req.cache, StaticLease):  # (no more than the largest step holds: exact steps may drop sizes)
+            n_send = min(n_send, req.cache.steps.sizes[-1] - 1)
         return draft, draft.tokens[:n_send]
 
     def _verify(self, req: _Request, sent: list[int]) -> list[int]:
@@ -876,22 +894,32 @@ def measure_cost_curve(
     """
     if decoder.context_window is not None:
         context_len = max(1, min(context_len, decoder.context_window - max_draft - 2))
-    steps = decoder._static.sizes if static and decoder._static is not None else (2, 4, 8, 16, 32, 64)
-    sizes = sorted({1, *[s for s in steps if s <= max_draft], max_draft + 1})
+    if static and decoder._static is not None and decoder._static.unprobed:
+        release(decoder._new_cache(1))  # (exact steps: the first lease finds their sizes)
+    if static and decoder.static_steps:  # the sizes the steps run in, each timed once (a step pads up to its size)
+        top = decoder._static.sizes[-1]  # (a step sends no more than it holds)
+        run = [size_for(min(n, top), decoder._static.sizes) or top for n in range(1, max_draft + 2)]  # run[L]: L drafted
+        times = forward_seconds(decoder, sorted(set(run)), context_len, repeats, fast_linears=fast_linears,
+                                budget_s=CALIBRATION_BUDGET_S, static=True)
+        return _non_decreasing([times[s] / times[run[0]] for s in run])
+    sizes = sorted({1, *[s for s in (2, 4, 8, 16, 32, 64) if s <= max_draft], max_draft + 1})
     times = forward_seconds(decoder, sizes, context_len, repeats, pack_gqa=pack_gqa, fast_linears=fast_linears,
-                            exact=exact, budget_s=CALIBRATION_BUDGET_S, static=static)
-    base = times[1]
-    curve = []
+                            exact=exact, budget_s=CALIBRATION_BUDGET_S)
+    ratios = []
     for L in range(max_draft + 1):
         s = L + 1
         lo = max(x for x in sizes if x <= s)
         hi = min(x for x in sizes if x >= s)
-        if static or hi == lo:  # (a static step pads its tokens up to the next size)
-            t = times[hi]
-        else:
-            t = times[lo] + (times[hi] - times[lo]) * (s - lo) / (hi - lo)
-        curve.append(max(1.0, t / base, curve[-1] if curve else 1.0))
-    curve[0] = 1.0
+        t = times[hi] if hi == lo else times[lo] + (times[hi] - times[lo]) * (s - lo) / (hi - lo)
+        ratios.append(t / times[1])
+    return _non_decreasing(ratios)
+
+
+def _non_decreasing(ratios: Sequence[float]) -> tuple[float, ...]:
+    """A cost curve from step times relative to a plain step's: 1.0 for no draft, then never below 1 nor falling."""
+    curve = [1.0]
+    for r in ratios[1:]:
+        curve.append(max(1.0, r, curve[-1]))
     return tuple(curve)
 
 

@@ -14,19 +14,32 @@ to capture); ``ReferenceDecoder(static_steps=True)`` takes this path there, as t
 
 One static cache serves one request at a time (:meth:`StaticSteps.lease`); a request that finds it busy, or that
 could outgrow it (:data:`STATIC_CACHE_TOKENS`), runs on a dynamic cache as on a CPU.
+
+Exact steps (``ReferenceDecoder(exact=True)``) come from the fixed shapes: a library's kernels pick their blocking,
+split and order of additions by the shapes of a call, and here every step of a size has the same shapes (the cache's
+length included), so a row's bits can depend only on its size, its place among the rows and the rows beside it. At
+the first request :func:`exact_sizes` finds, on the machine's own kernels (the graphs' replays on a GPU), the sizes
+whose rows are bit for bit the largest size's, at every place and beside any rows; the steps then run in those
+sizes only (the largest at worst: every step, a plain one too, computes as many rows), so drafting on computes
+what drafting off computes. A largest size whose rows depend on their place is dropped (:meth:`StaticSteps.probe`).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 import warnings
 from typing import Any
 
 import torch
 
+from ..invariant import PROBE_TRIALS
+
 #: The static cache's length: a request whose prompt, answer and largest step could pass it runs on a dynamic cache.
 STATIC_CACHE_TOKENS = 4096
+#: Cache lengths (random tokens) on top of which :func:`exact_sizes` compares the sizes' rows.
+PROBE_CONTEXTS = (5, 130, 600)
 
 
 def step_sizes(max_draft: int) -> tuple[int, ...]:
@@ -64,9 +77,11 @@ class StaticSteps:
     """One static KV cache of ``capacity`` tokens for ``model`` and its steps of ``sizes`` tokens (``capture``:
     as CUDA graphs). ``cache_kwarg``: the name under which the model's forward takes its cache."""
 
-    def __init__(self, model: Any, cache_kwarg: str, sizes: tuple[int, ...], capacity: int, capture: bool) -> None:
+    def __init__(self, model: Any, cache_kwarg: str, sizes: tuple[int, ...], capacity: int, capture: bool,
+                 exact: bool = False) -> None:
         self.model, self.cache_kwarg, self.sizes, self.capacity = model, cache_kwarg, sizes, capacity
         self.capture = capture  # False once a capture failed: eager steps from then on
+        self.unprobed = exact  # exact steps: the sizes are the ones exact_sizes keeps, found at the first lease
         self.cache: Any = None  # made at the first lease
         self.graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # size -> (graph, ids, logits)
         self._busy = threading.Lock()
@@ -82,6 +97,31 @@ class StaticSteps:
 
             self.cache = StaticCache(config=self.model.config, max_cache_len=self.capacity)
         return StaticLease(self)
+
+    def probe(self) -> bool:
+        """Exact steps: keep the sizes that compute every row as the largest does (:func:`exact_sizes`, on the cache
+        as it stands, which it leaves as it was; the caller holds a lease). Where the largest size's rows depend on
+        their place (as where a kernel splits the rows into blocks of fewer), it is dropped and the next one down
+        tried: a step then verifies at most that size less one draft tokens. ``False``: no size of two tokens or
+        more is exact: the static cache is closed, and every request runs on a dynamic cache, with a warning."""
+        from ..models import announced
+
+        name = getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__
+        kept: tuple[int, ...] = ()
+        with announced(f"finding which of {name}'s step sizes ({', '.join(map(str, self.sizes))}) compute rows bit "
+                       "for bit alike ..."):
+            while not kept and self.sizes[-1] >= 2:
+                kept = exact_sizes(self)
+                if not kept:
+                    self.sizes = self.sizes[:-1]
+        self.unprobed = False
+        if not kept:
+            self.capacity = 0  # (no lease from now on)
+            warnings.warn("no step size computes its rows bit for bit as the largest does on this machine: exact "
+                          "steps run on a dynamic cache, row by row (the same outputs, slower)", stacklevel=4)
+            return False
+        self.sizes = kept
+        return True
 
     def run(self, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """The model's forward over ``ids`` [1, S] on the static cache, eagerly: logits [1, S or 1, V]."""
@@ -152,6 +192,181 @@ def _capture_graphs(steps: StaticSteps) -> dict[int, tuple[Any, torch.Tensor, to
     return graphs
 
 
+def exact_sizes(steps: StaticSteps, contexts: tuple[int, ...] = PROBE_CONTEXTS) -> tuple[int, ...]:
+    """The sizes of ``steps`` whose rows are bit for bit the largest size's, in two probes:
+
+    1. every projection of the model (one per weight shape, as its forward runs now): :func:`linear_sizes`;
+    2. the whole model, attention included, on the sizes the first kept: on top of random contexts of each of
+       ``contexts`` tokens, the largest size's step over random tokens gives each token's reference logits; a size
+       ``s`` is kept where the same tokens give the same logits run one per step (each at the first row of an
+       ``s``-token step, the rest padding: a plain step) and ``s`` per step (at every row, beside other tokens).
+       The largest size run one token per step tests that its rows do not depend on their place.
+
+    (A product whose order of additions changes with the rows changes a bfloat16 result only where its rounding
+    flips: a few logits of a small vocabulary can all come out equal, so the projections are probed alone first, on
+    every output of :data:`~rag_accel.invariant.PROBE_TRIALS` random inputs.) The cache is left as it was found;
+    an empty answer: no size is exact."""
+    top, device = steps.sizes[-1], next(steps.model.parameters()).device
+    vocab = int(steps.model.get_input_embeddings().weight.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    kept = [s for s in steps.sizes if s in linear_sizes(steps.model, steps.sizes)]
+    if kept and kept[-1] == top:
+        kept = [s for s in kept if s in attention_sizes(steps, tuple(kept))]
+    if not kept or kept[-1] != top:
+        return ()
+
+    def chain(tokens: list[int], group: int, size: int) -> torch.Tensor:  # logits [len(tokens), V]
+        rows = []
+        for i in range(0, len(tokens), group):
+            part = tokens[i:i + group]
+            rows.append(steps.step(part, size)[:len(part)].clone())  # (a replay's output is overwritten next)
+            if size > len(part):
+                steps.cache.crop(-(size - len(part)))  # the padding's positions, as a lease's step drops them
+        steps.cache.crop(-len(tokens))
+        return torch.cat(rows)
+
+    with torch.inference_mode():
+        for n in contexts:
+            n = max(1, min(n, steps.capacity - 2 * top))
+            context = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+            tokens = torch.randint(0, vocab, (top,), generator=gen).tolist()
+            steps.run(context, last_only=True)
+            try:
+                reference = chain(tokens, top, top)
+                for s in list(kept):
+                    if any(not torch.equal(chain(tokens, group, s), reference) for group in {1, s} - {top}):
+                        kept.remove(s)
+            finally:
+                steps.cache.crop(-n)
+    return tuple(kept)
+
+
+#: How far above a sum's size a probe's cancelling terms go, by the dtype the kernel writes: a small term added to a
+#: partial sum that large loses low bits down to about the output's last bit (float32 sums, 24 bits), so an
+#: order of additions that puts the big terms apart shows in the result. (float16 stops lower: its largest value.)
+CANCEL_GAIN = {torch.bfloat16: 2.0 ** 17, torch.float16: 2.0 ** 11, torch.float32: 2.0 ** 6}
+
+
+def big_power_of_two(dtype: torch.dtype, typical: float) -> float:
+    """A power of two about :data:`CANCEL_GAIN` times ``typical`` (what a sum of the small terms comes to)."""
+    return float(2.0 ** math.ceil(math.log2(CANCEL_GAIN.get(dtype, 2.0 ** 6) * max(typical, 1e-30))))
+
+
+def cancelling_rows(n: int, weight_rows: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``n`` random rows ``x`` (float32) that each make one output row of ``x @ weight_rows.T`` (``weight_rows``:
+    [out, in], in the kernel's dtype) a cancellation: small random terms plus two big ones that cancel exactly,
+    ``w[i, a] * x[a] = - w[i, b] * x[b]`` (``x[a]``, ``x[b]``: the other's weight times a power of two, exact in
+    the weight's dtype). Summed in another order, the small terms lose other low bits to the big partial sums, so a
+    product whose order of additions changes with the number of rows almost surely gives that output other bits;
+    random rows alone differ only where a rounding flips (for a bfloat16 output about one in ten thousand)."""
+    out_f, in_f = weight_rows.shape
+    x = torch.randn(n, in_f, generator=gen)
+    w = weight_rows.float().cpu()
+    rms = float(w.pow(2).mean().sqrt())
+    limit = torch.finfo(weight_rows.dtype).max / (4 * in_f)
+    for r in range(n):
+        for _ in range(16):  # (weights below the row's typical size would need too big a partner: pick again)
+            i = int(torch.randint(out_f, (1,), generator=gen))
+            a, b = torch.randperm(in_f, generator=gen)[:2].tolist()
+            wa, wb = float(w[i, a]), float(w[i, b])
+            if abs(wa) < rms or abs(wb) < rms:
+                continue
+            c = big_power_of_two(weight_rows.dtype, rms * math.sqrt(in_f)) / abs(wa * wb)
+            c = 2.0 ** math.floor(math.log2(c))
+            if max(abs(wa), abs(wb)) * c <= limit:
+                x[r, a], x[r, b] = wb * c, -wa * c
+                break
+    return x
+
+
+def linear_sizes(model: Any, sizes: tuple[int, ...], trials: int = PROBE_TRIALS) -> set[int]:
+    """The ``sizes`` at which every projection of ``model`` (``nn.Linear`` and transformers' ``Conv1D``, one module
+    per weight shape, called as the model calls it: ``[1, rows, in]``) computes each row bit for bit as it does
+    among the largest size's rows, at the start and at the end of them, on ``trials`` inputs of
+    :func:`cancelling_rows`; none where the largest size's rows change with their place."""
+    top = sizes[-1]
+    kept, seen = set(sizes), set()
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for module in model.modules():
+            conv1d = type(module).__name__ == "Conv1D"  # (GPT-2's: its weight is [in, out])
+            if not (isinstance(module, torch.nn.Linear) or conv1d):
+                continue
+            weight = module.weight
+            key = (tuple(weight.shape), weight.dtype, conv1d, getattr(module, "bias", None) is not None)
+            if key in seen:
+                continue
+            seen.add(key)
+            for _ in range(trials):
+                x = cancelling_rows(top, weight.t() if conv1d else weight, gen)
+                x = x.to(device=weight.device, dtype=weight.dtype)[None]  # [1, top, in]
+                ref = module(x)[0]  # [top, out]
+                if not torch.equal(module(x.roll(1, 1))[0], ref.roll(1, 0)):
+                    return set()
+                for s in sorted(kept - {top}):
+                    if any(not torch.equal(module(x[:, o:o + s])[0], ref[o:o + s]) for o in {0, top - s}):
+                        kept.discard(s)
+    return kept
+
+
+def attention_sizes(steps: StaticSteps, sizes: tuple[int, ...], trials: int = PROBE_TRIALS) -> set[int]:
+    """The ``sizes`` at which the model's attention computes each query row bit for bit as among the largest size's
+    rows. The call is the model's own: one largest-size step runs with ``scaled_dot_product_attention`` recorded
+    on top of a cached context (its first layer's arguments: the whole static cache's keys, the step's mask), then
+    the same call runs on
+    probe values in every size: random queries and keys, two keys alike whose values are big and opposite
+    (they cancel exactly, so the order in which the values are summed shows), small random values
+    elsewhere; the largest size with its rows rolled by one tests that a row's place changes nothing (none kept
+    where it does). All sizes where the call takes no mask (nothing recorded to replay)."""
+    import torch.nn.functional as F
+
+    top = sizes[-1]
+    calls: list[tuple[tuple, dict]] = []
+    original = F.scaled_dot_product_attention
+
+    def record(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    device = next(steps.model.parameters()).device
+    n = max(2, min(PROBE_CONTEXTS[1], steps.capacity - 2 * top))  # (cached keys every query row sees)
+    with torch.inference_mode():
+        steps.run(torch.zeros(1, n, dtype=torch.long, device=device), last_only=True)
+        F.scaled_dot_product_attention = record
+        try:
+            steps.run(torch.zeros(1, top, dtype=torch.long, device=device))
+        finally:
+            F.scaled_dot_product_attention = original
+            steps.cache.crop(-(n + top))
+    if not calls:
+        return set(sizes)
+    (q, k, v, *rest), kwargs = calls[0]
+    mask = kwargs.pop("attn_mask", rest[0] if rest else None)
+    if mask is None or q.shape[-2] != top:
+        return set(sizes)
+    allowed = mask[0, 0, 0] if mask.dtype == torch.bool else mask[0, 0, 0] == 0  # keys the first row sees
+    seen = torch.nonzero(allowed.cpu()).flatten()
+    kept = set(sizes)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for _ in range(trials if len(seen) >= 2 else 0):
+            qp, kp, vp = (torch.randn(t.shape, generator=gen) for t in (q, k, v))
+            a, b = seen[torch.randperm(len(seen), generator=gen)[:2]].tolist()
+            kp[:, :, b] = kp[:, :, a]
+            big = big_power_of_two(q.dtype, 1.0) * math.sqrt(len(seen))  # (weights ~1/len(seen), values ~1)
+            vp[:, :, a], vp[:, :, b] = big, -big
+            qp, kp, vp = (t.to(device=q.device, dtype=q.dtype) for t in (qp, kp, vp))
+            ref = original(qp, kp, vp, attn_mask=mask, **kwargs)  # [1, H, top, D]
+            rolled = original(qp.roll(1, 2), kp, vp, attn_mask=mask.roll(1, 2), **kwargs)
+            if not torch.equal(rolled, ref.roll(1, 2)):  # a row's bits depend on its place among the rows
+                return set()
+            for s in sorted(kept - {top}):
+                if any(not torch.equal(original(qp[:, :, o:o + s], kp, vp, attn_mask=mask[:, :, o:o + s], **kwargs),
+                                       ref[:, :, o:o + s]) for o in {0, top - s}):
+                    kept.discard(s)
+    return kept
+
+
 class StaticLease:
     """A request's hold on the static cache: the KV cache the decoder's steps and
     :func:`~rag_accel.hf.kv.rollback_cache` take. :meth:`release` hands it back (the next request starts from an
@@ -210,21 +425,20 @@ def release(cache: Any) -> None:
 
 def resolve(model: Any, static_steps: bool | None, exact: bool, cache_kwarg: str, max_draft: int,
             context_window: int | None) -> StaticSteps | None:
-    """The decoder's static steps: ``None`` (the default) takes them on a GPU where the model can (``exact`` steps
-    keep the dynamic path, whose row attention needs a cache of exactly the tokens so far); ``True`` asks for them
-    anywhere (on a CPU, eagerly) and is refused where they cannot run; ``False``: never."""
+    """The decoder's static steps: ``None`` (the default) takes them on a GPU where the model can; ``True`` asks for
+    them anywhere (on a CPU, eagerly) and is refused where they cannot run; ``False``: never. ``exact``: steps in
+    the sizes :func:`exact_sizes` keeps (found at the first request)."""
     if static_steps is not None and not isinstance(static_steps, bool):
         raise TypeError(f"static_steps must be a bool or None, got {type(static_steps).__name__}")
     device = next(model.parameters()).device
     if static_steps is False or (static_steps is None and device.type != "cuda"):
         return None
     why = unsupported(model)
-    if why is None and exact:
-        why = "exact steps run their attention row by row over a cache of exactly the tokens so far"
     if why is not None:
         if static_steps:
             raise ValueError(f"static_steps=True cannot run on this model: {why}; leave static_steps unset")
         warnings.warn(f"the steps run eagerly on a dynamic cache, not as CUDA graphs: {why}", stacklevel=3)
         return None
     capacity = STATIC_CACHE_TOKENS if context_window is None else min(STATIC_CACHE_TOKENS, context_window)
-    return StaticSteps(model, cache_kwarg, step_sizes(max_draft), capacity, capture=device.type == "cuda")
+    return StaticSteps(model, cache_kwarg, step_sizes(max_draft), capacity, capture=device.type == "cuda",
+                       exact=exact)
