@@ -12,12 +12,14 @@ rows back on the host (the sync acceptance needs), the host's work included:
 - ``eager``: transformers' forward on a ``DynamicCache``, cropped back after each step (``static_steps=False``: what
   the engine ran on a GPU before);
 - ``static``: the engine's static steps (:mod:`rag_accel.hf.static`, its default on a GPU): one preallocated cache,
-  sizes 1, 2, 4, ..., 32, 33 tokens, replayed as CUDA graphs (run eagerly on a CPU).
+  sizes 1, 2, 4, ..., 32, 33 tokens, replayed as CUDA graphs (run eagerly on a CPU);
+- ``exact``: the same with ``exact=True``: only the sizes whose rows the probe (``exact_sizes``) finds bit for bit
+  the largest size's (listed, with the probe's time; no such path where it keeps none). Its steps, timed and
+  compared, hold at most its largest kept size (``-`` in the table above it), as the decoder's drafts on it do.
 
 Times: the median of ``--reps`` steps after warm-ups, for ``1 + k`` tokens. ``rows``: for ``k`` = 1..32 at three cache
 lengths, how many of a verify's ``k`` rows are ``torch.equal`` to the one-token steps at the same positions, for each
-path: what exact steps on a GPU must bring to all of them (not built there; on a CPU they are:
-``ReferenceDecoder(exact=...)``).
+path: what exact steps must bring to all of them (the ``exact`` path must).
 """
 
 from __future__ import annotations
@@ -88,25 +90,36 @@ def measure(name: str, dtype_name: str, context: int, reps: int, warmup: int, de
     sizes = step_sizes(max(KS))
     capacity = context + EXTRA[-1] + 2 * max(sizes) + 8
     steps = StaticSteps(model, kw, sizes, capacity, capture=device.startswith("cuda"))
+    exact = StaticSteps(model, kw, sizes, capacity, capture=device.startswith("cuda"), exact=True)
     result: dict[str, Any] = {"model": name, "dtype": dtype_name, "context": context,
                               "params": sum(p.numel() for p in model.parameters()), "ms": {}, "rows": {}}
     with torch.inference_mode():
-        lease = steps.lease(capacity)
-        assert lease is not None
+        lease, exact_lease = steps.lease(capacity), exact.lease(capacity)
+        assert lease is not None and exact_lease is not None
+        t0 = time.perf_counter()
+        found = exact.probe()  # (its sizes: the ones that compute every row as the largest does; none: no path)
+        result["exact_sizes"] = list(exact.sizes) if found else []
+        result["probe_s"] = round(time.perf_counter() - t0, 2)
+        print(name, dtype_name, "exact sizes", exact.sizes, f"(probe {result['probe_s']} s)", flush=True)
         dynamic = DynamicCache(config=model.config)
         lease.forward(prompt, True, dev)
+        exact_lease.forward(prompt, True, dev)
         model(input_ids=torch.tensor([prompt], device=dev), **{kw: dynamic}, use_cache=True, logits_to_keep=1)
 
-        def static_step(ids: list[int]) -> Any:
+        def static_step(ids: list[int], lease: Any = lease) -> Any:
             return lease.forward(ids, False, dev)
 
         def eager_step(ids: list[int]) -> Any:
             return model(input_ids=torch.tensor([ids], device=dev), **{kw: dynamic}, use_cache=True).logits[0]
 
         paths = {"eager": (eager_step, dynamic), "static": (static_step, lease)}
+        if found:
+            paths["exact"] = (lambda ids: static_step(ids, exact_lease), exact_lease)
+        # (the exact path's steps hold at most its largest kept size: the decoder drafts no more on it)
+        most = {"exact": exact.sizes[-1]} if found else {}
         for path, (step, cache) in paths.items():
             result["ms"][path] = {}
-            for k in KS:
+            for k in (k for k in KS if k + 1 <= most.get(path, k + 1)):
                 ids = torch.randint(0, vocab, (k + 1,), generator=gen).tolist()
 
                 def one(ids: list[int] = ids, step: Any = step, cache: Any = cache) -> None:
@@ -121,7 +134,7 @@ def measure(name: str, dtype_name: str, context: int, reps: int, warmup: int, de
                 ctx = torch.randint(0, vocab, (extra,), generator=gen).tolist()
                 if ctx:
                     step(ctx)
-                for k in range(1, 33):
+                for k in range(1, min(32, most.get(path, 32)) + 1):
                     ids = torch.randint(0, vocab, (k,), generator=gen).tolist()
                     alone = []
                     for t in ids:
@@ -136,7 +149,8 @@ def measure(name: str, dtype_name: str, context: int, reps: int, warmup: int, de
             result["rows"][path] = {"equal": equal, "total": total}
             print(name, dtype_name, path, f"verify rows equal to one-token steps: {equal} of {total}", flush=True)
         lease.release()
-    del model, steps, lease, dynamic
+        exact_lease.release()
+    del model, steps, lease, exact, exact_lease, dynamic
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return result
@@ -154,15 +168,21 @@ def report(path: Path) -> None:
              f"{data['reps']} steps", "",
              "| model | path | plain step | " + " | ".join(f"k = {k}" for k in KS[1:]) + " | verify rows equal |",
              "|---|---|---|" + "---|" * len(KS)]
+    lines_exact: list[str] = []
     for run in data["runs"]:
+        kept = ", ".join(map(str, run["exact_sizes"])) or "none (no exact path: the steps run on a dynamic cache)"
+        lines_exact.append(f"- {run['model']} {run['dtype']}: exact sizes {kept} (probe {run['probe_s']} s)")
         for p, ms in run["ms"].items():
             rows = run["rows"][p]
             lines.append(f"| {run['model']} {run['dtype']} | {p} | {ms['0']:.2f} ms | "
-                         + " | ".join(f"{ms[str(k)] / ms['0']:.2f}x" for k in KS[1:])
+                         + " | ".join(f"{ms[str(k)] / ms['0']:.2f}x" if str(k) in ms else "-" for k in KS[1:])
                          + f" | {rows['equal']} of {rows['total']} |")
     lines += ["", "- k: draft tokens verified in one step (`1 + k` tokens), over the same path's plain step.",
               "- verify rows equal: rows of verifies of k = 1..32 at three cache lengths that are bit for bit the "
-              "one-token steps' at their positions (exact steps need every one)."]
+              "one-token steps' at their positions (exact steps need every one; the exact path's up to its largest "
+              "size).",
+              "- exact: static steps in the sizes the probe keeps (a step runs in the smallest kept size that holds "
+              "it):", *lines_exact]
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         plot(data, path.with_suffix(".png"))
@@ -179,8 +199,11 @@ def plot(data: dict[str, Any], out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for run in data["runs"]:
-        for p, style in (("eager", "--"), ("static", "-")):
-            ax.plot(KS, [run["ms"][p][str(k)] for k in KS], style, marker="o", ms=3,
+        for p, style in (("eager", "--"), ("static", "-"), ("exact", ":")):
+            if p not in run["ms"]:
+                continue
+            ks = [k for k in KS if str(k) in run["ms"][p]]
+            ax.plot(ks, [run["ms"][p][str(k)] for k in ks], style, marker="o", ms=3,
                     label=f"{run['model']} {run['dtype']} {p}")
     ax.set_xlabel("draft tokens verified (k)")
     ax.set_ylabel("ms per step (host work included)")
