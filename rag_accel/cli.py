@@ -58,14 +58,15 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def _load_decoder(model: str, device: Optional[str], dtype: Optional[str], draft_model: Optional[str] = None):
+def _load_decoder(model: str, device: Optional[str], dtype: Optional[str], draft_model: Optional[str] = None,
+                  exact: Optional[bool] = None):
     from .hf.decoder import ReferenceDecoder
     from .hf.threads import use_free_cores
 
     if device in (None, "cpu"):
         use_free_cores()  # (a program of ours: where another job holds cores, fewer threads are faster)
 
-    return ReferenceDecoder.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model)
+    return ReferenceDecoder.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, exact=exact)
 
 
 # The demo's answers: short, and ended at a blank line (SmolLM2-135M otherwise tends to go on with
@@ -281,6 +282,10 @@ def bench(
                                          help="vLLM methods: most draft tokens per step (vllm-ngram, vllm-suffix and "
                                               "vllm-ours; vLLM's num_speculative_tokens)."),
     max_model_len: int = typer.Option(4096, min=64, help="vLLM methods: the engines' context length."),
+    exact: Optional[bool] = typer.Option(
+        None, "--exact/--no-exact", help="Transformers methods of ours: exact steps, every verify row bit for bit a "
+                                         "one-token step (default: on a CPU in bfloat16 and float16; --exact asks "
+                                         "for them on a GPU, --no-exact: the library's kernels)."),
     out: Path = typer.Option(Path("benchmarks/results/bench"), help="Output prefix: .json, .md, .png"),
 ) -> None:
     """Run greedy, Hugging Face prompt lookup and our configurations side by side on the same items
@@ -336,7 +341,7 @@ def bench(
         # the timed items, and the candidates for the untimed warm-up (vllm-suffix would otherwise copy its own
         # answer to a timed one): the item after them, or with --last the ones before them, nearest first
         timed, spare = (sample[-items:], sample[-items - 1::-1]) if last else (sample[:items], sample[items:])
-        dec = _load_decoder(model, device, dtype, draft_model)
+        dec = _load_decoder(model, device, dtype, draft_model, exact=exact)
         if uses_vllm:
             engines = vllm_engines(method_list, model, dtype or "float32", max_draft_tokens=max_draft_tokens,
                                    max_model_len=max_model_len, spare_first=True)
@@ -369,6 +374,7 @@ def bench(
     finally:
         for e in engines.values():
             e.close()
+    env["static_steps"] = dec.static_steps  # (exact static steps may close at the first request: as they ran)
     tables, plot_skipped = report.finish(runs, batch_runs, dec.cost_curves)
     typer.echo(tables)
     if save_outputs is not None:

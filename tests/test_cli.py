@@ -143,6 +143,20 @@ def test_bench_cold_on_the_last_items(tmp_path, monkeypatch, tiny_model_dir):
     assert "2 last MS-MARCO items (cold" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.parametrize("flag, dtype, exact", [("--exact", "float32", True), ("--no-exact", "bfloat16", False)])
+def test_bench_exact_asks_for_exact_steps_or_turns_them_off(tmp_path, tiny_model_dir, flag, dtype, exact):
+    """--exact asks for exact steps where the default has none (float32 here, a GPU for users), --no-exact turns
+    off the CPU's bfloat16 default; the run's page names which steps ran."""
+    out = tmp_path / "b"
+    code, text = run("bench", "--model", tiny_model_dir, "--dtype", dtype, flag, "--items", "1", "--max-new-tokens",
+                     "6", "--methods", "greedy,ours,ours-plain", "--out", str(out))
+    assert code == 0, text
+    env = json.loads(out.with_suffix(".json").read_text())["environment"]
+    assert env["exact_steps"] is exact and env["static_steps"] is False  # (a CPU: dynamic unless asked for)
+    assert f"- our transformers steps: {'exact' if exact else 'the library kernels'}, a dynamic cache" in (
+        out.with_suffix(".md").read_text())
+
+
 @pytest.mark.parametrize("args, msg", [
     (["bench", "--model", "/no/such/model", "--items", "1"], "'/no/such/model' is not a local folder"),
     (["bench", "--methods", "greedy,warp-drive", "--items", "1"], "unknown method"),

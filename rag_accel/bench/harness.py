@@ -406,6 +406,8 @@ def environment(dec: ReferenceDecoder, model_name: str | None = None, *,
         "cpu_threads": torch.get_num_threads(),
         "model": model_name or getattr(dec.model.config, "_name_or_path", "") or type(dec.model).__name__,
         "dtype": str(dec.model.dtype).replace("torch.", ""),
+        "exact_steps": dec.exact,  # (the transformers methods of ours; vLLM's are in vllm_env)
+        "static_steps": dec.static_steps,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

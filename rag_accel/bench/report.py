@@ -166,6 +166,9 @@ class BenchReport:
                                    "stopped, or is still going); the tables cover those", ""]),
             f"- command: `{self.command}`", f"- torch {env['torch']}, transformers {env['transformers']}",
             *([f"- draft model: {env['draft_model']}"] if env.get("draft_model") else []),
+            *([f"- our transformers steps: {'exact' if env['exact_steps'] else 'the library kernels'}, "
+               + ("static (one preallocated cache in fixed sizes)" if env.get("static_steps") else "a dynamic cache")]
+              if "exact_steps" in env else []),  # (runs before these were recorded name neither)
             *([f"- per-item latency: median of {self.repeats} interleaved runs"] if self.repeats > 1 else []),
             *([f"- vLLM {env['vllm']}, {k} draft tokens per step, env {env['vllm_env']}; "
                "vLLM methods' identical = equal to vllm-greedy (the same engine, speculation off)"
