@@ -190,3 +190,27 @@ def test_graph_steps_times_every_path_and_counts_equal_rows():
         top = run["exact_sizes"][-1]
         assert set(run["ms"]["exact"]) == {str(k) for k in graph_steps.KS if k + 1 <= top}
         assert run["rows"]["exact"]["equal"] == run["rows"]["exact"]["total"] == 3 * sum(range(1, min(32, top) + 1))
+
+
+def test_the_gpu_engine_script_runs_its_steps_stage_and_packs_it(tmp_path):
+    """The prepared GPU run's first stage, on a CPU on the tiny shape: graph_steps' three files packed into one
+    archive (the device tool brings back few files); an unknown stage is refused."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+
+    pytest.importorskip("transformers")
+    script = EXPERIMENTS / "gpu_engine.sh"
+    env = {**os.environ, "DEVICE": "cpu", "SHAPES": "tiny", "REPS": "1", "PYTHON": sys.executable}
+    root = EXPERIMENTS.parents[1]
+    done = subprocess.run(["bash", str(script), "steps", str(tmp_path / "gpu")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with tarfile.open(tmp_path / "gpu.tgz") as tgz:
+        assert {"gpu/graph_steps.json", "gpu/graph_steps.md"} <= set(tgz.getnames())
+    md = (tmp_path / "gpu" / "graph_steps.md").read_text()
+    assert "| tiny bfloat16 | eager |" in md and "| tiny bfloat16 | static |" in md and "- tiny bfloat16: exact" in md
+    wrong = subprocess.run(["bash", str(script), "stepz", str(tmp_path / "x")], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "unknown stage stepz" in wrong.stderr
