@@ -214,3 +214,18 @@ def test_the_gpu_engine_script_runs_its_steps_stage_and_packs_it(tmp_path):
     wrong = subprocess.run(["bash", str(script), "stepz", str(tmp_path / "x")], cwd=root, env=env,
                            capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "unknown stage stepz" in wrong.stderr
+
+
+def test_gpu_ceiling_prices_padded_steps_and_bounds_our_drafting_by_the_oracle():
+    """The GPU ceiling's replay on an answer copied whole from its reference, at flat step costs: the oracle
+    decodes it in one step after the first token (5 plain steps' time in 1), our drafting takes no fewer steps;
+    a step is priced at the static size that holds it."""
+    ceiling = load("gpu_ceiling")
+    assert ceiling.step_ms({1: 2.0, 3: 3.0, 5: 3.5}, 3, (1, 2, 4, 5)) == 3.25  # (3 tokens run as 4)
+    answer = [50, 51, 52, 53, 54, 55]
+    prepared = [("item", [1, 2, 3], [[40, 41, *answer, 42]], answer)]
+    row = ceiling.ceilings(prepared, {1: 1.0, 17: 1.0}, k=8, host_ms=0.0, prefill_ms=0.0)
+    assert row["oracle"] == 5.0 and row["oracle_tokens_per_step"] == 3.0  # (the prefill's step and one more)
+    assert 1.0 <= row["ours"] <= row["oracle"] and row["ours_oracle_lengths"] <= row["oracle"]
+    slow = ceiling.ceilings(prepared, {1: 1.0, 17: 1.0}, k=8, host_ms=0.0, prefill_ms=10.0)
+    assert slow["oracle"] == round((10 + 5) / (10 + 1), 3)  # (a prefill shared by both dilutes the ratio)

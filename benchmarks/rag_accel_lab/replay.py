@@ -160,7 +160,7 @@ def replay_request(drafting: Any, context: list[int], prompt_len: int, target: S
 def replay(prepared: Sequence[tuple], k: int, curve: Sequence[float] | None = None, *,
            memory: Any = None, make_chain: Any = None,
            drafters: Sequence[str] = ("reference", "prompt_lookup", "ngram"),
-           exact_lengths: bool = False) -> dict[str, float]:
+           exact_lengths: bool = False, prefill_per_token: float = 0.03) -> dict[str, Any]:
     """The real drafting over :func:`prepare`'s items, one engine learning across them, a verify of ``L`` draft
     tokens costing ``curve[L]`` plain steps (default ``1 + SLOPE L``).
 
@@ -174,10 +174,12 @@ def replay(prepared: Sequence[tuple], k: int, curve: Sequence[float] | None = No
             replays ran).
         exact_lengths: every draft sent at just its accepted length (an oracle: what the policy's choice of
             lengths leaves).
+        prefill_per_token: a prompt token's share of the prefill, in plain steps (what the loss budget counts;
+            the default: this CPU's).
 
     Returns:
         tokens per step, draft tokens sent per step, the modelled speed-up of the decoding steps (geo-mean over the
-        items) and the worst item's.
+        items) and the worst item's, and per item (``costs``) its decoding steps' cost in plain steps.
     """
     from rag_accel.drafters import build_drafters
     from rag_accel.speculation import RequestDrafting, StepCosts
@@ -186,7 +188,7 @@ def replay(prepared: Sequence[tuple], k: int, curve: Sequence[float] | None = No
     curve = [1.0 + SLOPE * n for n in range(k + 1)] if curve is None else list(curve[:k + 1])
     acceptance, costs = AcceptanceStats(), StepCosts()
     tokens = steps = sent_tokens = 0
-    speedups = []
+    speedups, item_costs = [], []
     for item_id, prompt, refs, target in prepared:
         context = list(prompt)
         chain = build_drafters(cfg, context, refs).drafters
@@ -197,7 +199,7 @@ def replay(prepared: Sequence[tuple], k: int, curve: Sequence[float] | None = No
             at = names.index("reference") + 1 if "reference" in names else 1
             chain = chain[:at] + [remembered] + chain[at:]
         drafting = RequestDrafting.from_config(cfg, context, refs, curve, acceptance, costs, drafters=chain)
-        drafting.prefill_steps = 0.03 * len(prompt)
+        drafting.prefill_steps = prefill_per_token * len(prompt)
         cost, n_steps, n_sent = replay_request(drafting, context, len(prompt), target, curve, exact_lengths)
         sent_tokens += n_sent
         if memory is not None:
@@ -205,9 +207,10 @@ def replay(prepared: Sequence[tuple], k: int, curve: Sequence[float] | None = No
         tokens += len(target)
         steps += n_steps
         speedups.append((len(target) - 1) / cost if cost else 1.0)
+        item_costs.append(cost)
     return {"tokens_per_step": tokens / steps, "sent_per_step": sent_tokens / steps,
             "modelled_speedup_decoding": math.exp(statistics.fmean(math.log(s) for s in speedups)),
-            "worst_item": min(speedups)}
+            "worst_item": min(speedups), "costs": item_costs}
 
 
 def prepare(path: Path, dec: Any, items: dict) -> list[tuple]:
