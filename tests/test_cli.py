@@ -69,7 +69,11 @@ def shared_decoders():
 
     loaded, load = {}, cli._load_decoder
     mp = pytest.MonkeyPatch()
-    mp.setattr(cli, "_load_decoder", lambda *key: loaded[key] if key in loaded else loaded.setdefault(key, load(*key)))
+    def shared(*args, **kwargs):
+        key = (*args, *sorted(kwargs.items()))
+        return loaded[key] if key in loaded else loaded.setdefault(key, load(*args, **kwargs))
+
+    mp.setattr(cli, "_load_decoder", shared)
     yield loaded
     mp.undo()
 
