@@ -340,19 +340,21 @@ def _perturbed_step(monkeypatch, where):
     monkeypatch.setattr(static.StaticSteps, "step", step)
 
 
-def _every_size_passes_the_op_probes(monkeypatch):
-    """(the model-level probe alone decides: on this CPU the projections' and attention's probes keep few sizes)"""
+def _perturbed_decoder(tokenizer, monkeypatch, where, cfg=EXACT_CFG):
+    """A tiny bfloat16 Llama's decoder on exact static steps whose ``where(size, row)`` rows come out off, every size
+    passing the projections' and attention's probes (the model-level probe alone decides: on this CPU the op
+    probes keep few sizes)."""
     monkeypatch.setattr(static, "linear_sizes", lambda model, sizes: set(sizes))
     monkeypatch.setattr(static, "attention_sizes", lambda steps, sizes: set(sizes))
+    _perturbed_step(monkeypatch, where)
+    return ReferenceDecoder(tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer, cfg,
+                            exact=True, static_steps=True)
 
 
 def test_the_probe_drops_a_size_whose_rows_differ(tokenizer, monkeypatch):
     """A size whose rows differ from the largest's (here the 2-token step's second row) is not used: its verifies
     run in the next size up, and outputs still equal drafting off."""
-    _every_size_passes_the_op_probes(monkeypatch)
-    _perturbed_step(monkeypatch, lambda size, row: size == 2 and row == 1)
-    dec = ReferenceDecoder(tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer, EXACT_CFG,
-                           exact=True, static_steps=True)
+    dec = _perturbed_decoder(tokenizer, monkeypatch, lambda size, row: size == 2 and row == 1)
     prompt = _prompts(1, dec.vocab_size, 4)[0]
     want = dec.generate(prompt, max_new_tokens=MAX_NEW, speculate=False).token_ids
     assert dec._static.sizes == (1, 4, 8, 9)
@@ -364,10 +366,7 @@ def test_the_probe_drops_a_size_whose_rows_differ(tokenizer, monkeypatch):
 def test_the_probe_drops_a_largest_size_whose_rows_depend_on_their_place(tokenizer, monkeypatch):
     """Where the largest size computes a row by its place (here the 9-token step's fourth row), the next size down
     becomes the largest: a step sends at most 7 draft tokens, and outputs still equal drafting off."""
-    _every_size_passes_the_op_probes(monkeypatch)
-    _perturbed_step(monkeypatch, lambda size, row: size == 9 and row == 3)
-    dec = ReferenceDecoder(tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer, EXACT_CFG,
-                           exact=True, static_steps=True)
+    dec = _perturbed_decoder(tokenizer, monkeypatch, lambda size, row: size == 9 and row == 3)
     prompt = _prompts(1, dec.vocab_size, 6)[0]
     want = dec.generate(prompt, max_new_tokens=MAX_NEW, speculate=False).token_ids
     assert dec._static.sizes == (1, 2, 4, 8)
@@ -380,10 +379,7 @@ def test_the_probe_drops_a_largest_size_whose_rows_depend_on_their_place(tokeniz
 def test_the_probe_finds_a_row_that_depends_on_its_place(tokenizer, monkeypatch):
     """Where every size of two tokens or more computes a row by its place, no size is exact: the static cache closes
     with a warning and the exact steps run on a dynamic cache (row by row), outputs equal to drafting off."""
-    _every_size_passes_the_op_probes(monkeypatch)
-    _perturbed_step(monkeypatch, lambda size, row: row >= 1)
-    dec = ReferenceDecoder(tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer, EXACT_CFG,
-                           exact=True, static_steps=True)
+    dec = _perturbed_decoder(tokenizer, monkeypatch, lambda size, row: row >= 1)
     prompt = _prompts(1, dec.vocab_size, 5)[0]
     with pytest.warns(UserWarning, match="no step size computes its rows"):
         want = dec.generate(prompt, max_new_tokens=MAX_NEW, speculate=False).token_ids
@@ -396,10 +392,8 @@ def test_the_probe_finds_a_row_that_depends_on_its_place(tokenizer, monkeypatch)
 def test_exact_static_cost_curve_prices_only_the_kept_sizes(tokenizer, monkeypatch):
     """The cost curve of exact static steps is timed after the probe, on the sizes it kept: with only the largest
     kept, every draft length costs one price (a plain step runs in the largest size too)."""
-    _every_size_passes_the_op_probes(monkeypatch)
-    _perturbed_step(monkeypatch, lambda size, row: size < 9 and row == 0)
-    dec = ReferenceDecoder(tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer,
-                           DecoderConfig(max_draft_tokens=8), exact=True, static_steps=True)
+    dec = _perturbed_decoder(tokenizer, monkeypatch, lambda size, row: size < 9 and row == 0,
+                             DecoderConfig(max_draft_tokens=8))
     curve = dec.cost_curve(8)
     assert dec._static.sizes == (9,)
     assert curve == (1.0,) * 9

@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
+from rag_accel.config import DecoderConfig
 from rag_accel_lab.replay import copy_ceiling, replay
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -86,17 +87,12 @@ def ceilings(prepared: Sequence[tuple], ms: dict[int, float], k: int, host_ms: f
     curve = [c / cost[0] for c in cost]
     per_token = prefill_ms / cost[0] / statistics.fmean(len(p) for _, p, _, _ in prepared)  # (the loss budget's)
     for name, exact in (("ours_oracle_lengths", True), ("ours", False)):
-        r = replay(prepared, k, curve, drafters=_default_drafters(), exact_lengths=exact, prefill_per_token=per_token)
+        r = replay(prepared, k, curve, drafters=DecoderConfig().drafters, exact_lengths=exact,
+                   prefill_per_token=per_token)
         ratios = [p / (prefill_ms + c * cost[0]) for p, c in zip(plain, r["costs"])]
         row |= {name: round(geo(ratios), 3), f"{name}_worst": round(min(ratios), 3),
                 f"{name}_tokens_per_step": round(r["tokens_per_step"], 2)}
     return row
-
-
-def _default_drafters() -> tuple[str, ...]:
-    from rag_accel.config import DecoderConfig
-
-    return DecoderConfig().drafters
 
 
 def plot(data: dict[str, Any], out: Path) -> None:
