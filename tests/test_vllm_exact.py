@@ -75,7 +75,7 @@ def test_exact_products_give_every_row_its_bits_alone(dtype):
             alone = torch.cat([kernel(x[i:i + 1]) for i in range(len(x))])
             assert torch.allclose(alone.float(), torch.nn.functional.linear(x, weight, bias).float(),
                                   rtol=2e-2, atol=2e-2)
-            for m in (*range(2, MAX_CHUNK + 3), 47, 300):
+            for m in (*range(2, MAX_CHUNK + 3), 47, 128, 129, 300):
                 assert torch.equal(kernel(x[:m]), alone[:m]), (n, k, m, bias is not None)
 
 

@@ -10,8 +10,9 @@ result could depend on its neighbours computes a row as it would alone:
   the rows go to vLLM's own oneDNN kernel in chunks of at most ``c`` rows, ``c`` the largest count for which a
   probe on this layer's weight shape, on this machine, at the worker's thread count, finds every row of every
   chunk of ``1..c`` rows bit-equal to the row alone (:func:`rag_accel.invariant.invariant_rows`). Where ``c`` is
-  under 16, oneDNN in calls of exactly :data:`PADDED_ROWS` rows if the probe finds those invariant, else the torch
-  plans of :mod:`rag_accel.invariant` where they give more rows.
+  under 16, oneDNN in calls of at least :data:`PADDED_ROWS` rows if the probe finds those invariant, else the torch
+  plans of :mod:`rag_accel.invariant` where they give more rows. Where calls of up to :data:`LARGE_CHUNK` rows
+  give every row those bits too, a prefill goes in calls that large (:func:`choose_linear`).
 - **Attention** (``cpu_attn``): the kernel's scheduler may split one sequence's keys across threads
   (``VLLM_CPU_ATTN_SPLIT_KV``: off in this mode) and sizes its key tiles by how many query rows a work item
   holds. Each request's rows go to the kernel as pieces of at most as many rows as one of its query-head tiles
@@ -98,33 +99,28 @@ def _register(kernel: Callable[[torch.Tensor], torch.Tensor]) -> int:
     return key
 
 
-def _onednn_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[..., torch.Tensor]:
-    """``rows(x, chunk, padded=False)``: ``F.linear(x, weight, bias)`` through vLLM's oneDNN kernel, ``chunk`` rows a
-    call (``padded``: every call exactly ``chunk`` rows, the last padded with zero rows)."""
+def _onednn_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> RowKernel:
+    """``rows(x, chunk, floor=1)``: ``F.linear(x, weight, bias)`` through vLLM's oneDNN kernel in calls of at most
+    ``chunk`` rows, each at least ``floor`` rows (zero rows pad a shorter one)."""
     load_vllm_ops()
     n, k = weight.shape
     # (vLLM's create_onednn_mm keeps the handler's pointer in a tensor, so that a traced graph holds it as a constant)
     handle = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), MAX_CHUNK), dtype=torch.int64)
     mm = torch.ops._C.onednn_mm
 
-    def rows(x: torch.Tensor, chunk: int, padded: bool = False) -> torch.Tensor:
+    def rows(x: torch.Tensor, chunk: int, floor: int = 1) -> torch.Tensor:
         x2 = x.reshape(-1, k)
         m = x2.shape[0]
-        if padded:
-            full = -(-m // chunk) * chunk
-            x2 = torch.cat([x2, x2.new_zeros(full - m, k)]) if full > m else x2.contiguous()
-            out = torch.empty((full, n), dtype=x.dtype)
-            for i in range(0, full, chunk):
-                mm(out[i:i + chunk], x2[i:i + chunk], bias, handle)
-            return out[:m].reshape(*x.shape[:-1], n)
-        out = torch.empty((m, n), dtype=x.dtype)
-        if m <= chunk:  # (a plain step, a verify, a small batch: one call, as vLLM's own dispatch makes it)
+        if m <= chunk and m >= floor:  # (a plain step, a verify, a small batch: one call, as vLLM's own dispatch)
+            out = torch.empty((m, n), dtype=x.dtype)
             mm(out, x2, bias, handle)
-        else:
-            x2 = x2.contiguous()
-            for i in range(0, m, chunk):
-                mm(out[i:i + chunk], x2[i:i + chunk], bias, handle)
-        return out.reshape(*x.shape[:-1], n)
+            return out.reshape(*x.shape[:-1], n)
+        short = floor - (m - (m - 1) // chunk * chunk)  # rows the last call lacks
+        x2 = torch.cat([x2, x2.new_zeros(short, k)]) if short > 0 else x2.contiguous()
+        out = torch.empty((x2.shape[0], n), dtype=x.dtype)
+        for i in range(0, x2.shape[0], chunk):
+            mm(out[i:i + chunk], x2[i:i + chunk], bias, handle)
+        return out[:m].reshape(*x.shape[:-1], n)
 
     return rows
 
@@ -148,51 +144,83 @@ def load_vllm_ops() -> None:
     import vllm.model_executor.layers.utils  # noqa: F401
 
 
-#: Rows every oneDNN call holds where its chunks are not invariant (the rest zeros): on a 2-core AMD EPYC (AVX-512
-#: BF16, no AMX), where oneDNN's product of a 1536-wide weight differs from the row alone from 2 rows on, calls of
-#: exactly 4 rows were invariant and a plain step of SmolLM2's down_proj took 47 us (vLLM's own 25, torch's
-#: invariant plan 116), an 11-row verify 126 us (torch's plan 115).
+#: Rows every oneDNN call holds at least where calls of fewer rows are not invariant (zero rows pad the rest): a
+#: 1536-wide weight on an AMD EPYC with AVX-512 BF16 (results page: exact_costs_vllm_cpu_smollm2_bf16_epyc).
 PADDED_ROWS = 4
+#: Rows one call holds at most where calls of any count up to it are invariant: a prefill's rows go in a few calls
+#: at the kernel's own speed rather than in :data:`MAX_CHUNK`-row ones.
+LARGE_CHUNK = 128
+#: Row counts past :data:`MAX_CHUNK` the probe for :data:`LARGE_CHUNK`-row calls tries.
+LARGE_PROBES = (33, 47, 64, 100, LARGE_CHUNK)
+#: Random inputs that probe tries: where a large call's blocking differs, most rows differ (an output head's probe
+#: costs a 1.5B model about 2 s a trial).
+LARGE_TRIALS = 3
+
+#: ``rows(x, chunk, floor=1)``: a projection of ``x``'s rows in calls of at most ``chunk``, at least ``floor`` rows.
+RowKernel = Callable[..., torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
 class LinearChoice:
-    """How exact mode computes one weight shape: vLLM's oneDNN kernel ``chunk`` rows a call (``padded``: every call
-    exactly ``chunk`` rows), or (``plan`` set) torch's kernels as :func:`rag_accel.invariant.exact_linear` computes
-    that plan."""
+    """How exact mode computes one weight shape: vLLM's oneDNN kernel in calls of at most ``chunk`` and at least
+    ``floor`` rows, or (``plan`` set) torch's kernels as :func:`rag_accel.invariant.exact_linear` computes that
+    plan."""
 
     chunk: int
     plan: ExactPlan | None = None
-    padded: bool = False
+    floor: int = 1
 
 
 _CHOICES: dict[tuple[Any, ...], LinearChoice] = {}
 
 
-def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearChoice:
+def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKernel | None = None) -> LinearChoice:
     """The cheapest invariant way to compute rows of ``weight`` here (probed once per shape, dtype, bias and
-    thread count in this process): oneDNN in the largest chunk that is invariant; where that is under 16 rows,
-    oneDNN in calls of exactly :data:`PADDED_ROWS` rows if those are invariant, else the torch plans of
-    :data:`rag_accel.invariant.EXACT_CANDIDATES` where one gives larger chunks."""
+    thread count in this process; ``rows``: the row kernel, vLLM's oneDNN product by default):
+
+    1. oneDNN in the largest chunk of at most :data:`MAX_CHUNK` rows that is invariant;
+    2. where that is under 16 rows, oneDNN in calls of at least :data:`PADDED_ROWS` rows if those are invariant, else
+       the torch plans of :data:`rag_accel.invariant.EXACT_CANDIDATES` where one gives larger chunks;
+    3. oneDNN's calls of up to :data:`LARGE_CHUNK` rows, with the same floor, where every row of every count up to
+       it equals the rows of step 1 or 2 (a prefill then runs in a few calls)."""
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
     choice = _CHOICES.get(key)
     if choice is None:
+        k, dtype = weight.shape[1], weight.dtype
         chunk = 0
         try:
-            rows = _onednn_rows(weight, bias)
-            chunk = invariant_rows(lambda x, c=MAX_CHUNK: rows(x, c), weight.shape[1], weight.dtype, MAX_CHUNK)
+            rows = rows or _onednn_rows(weight, bias)
+            chunk = invariant_rows(lambda x: rows(x, MAX_CHUNK), k, dtype, MAX_CHUNK)
         except RuntimeError as e:  # oneDNN refuses this dtype on this CPU: the torch plans
             log.debug("rag_accel: oneDNN refused a %s weight (%s)", weight.dtype, e)
         choice = LinearChoice(chunk)
-        if 0 < chunk < 16 and invariant_rows(lambda x: rows(x, PADDED_ROWS, padded=True), weight.shape[1],
-                                             weight.dtype, MAX_CHUNK + 1) == MAX_CHUNK + 1:
-            choice = LinearChoice(PADDED_ROWS, padded=True)
+        if 0 < chunk < 16 and invariant_rows(lambda x: rows(x, PADDED_ROWS, PADDED_ROWS), k, dtype,
+                                             MAX_CHUNK + 1) == MAX_CHUNK + 1:
+            choice = LinearChoice(PADDED_ROWS, floor=PADDED_ROWS)
         elif chunk < 16:
             plan = next(p for p in EXACT_CANDIDATES if p.pad == 1 or is_invariant(weight, bias, p))
             if plan.chunk > chunk:
                 choice = LinearChoice(plan.chunk, plan)
+        if choice.plan is None and choice.chunk and large_calls_agree(rows, choice, k, dtype):
+            choice = LinearChoice(LARGE_CHUNK, floor=choice.floor)
         _CHOICES[key] = choice
     return choice
+
+
+def large_calls_agree(rows: RowKernel, choice: LinearChoice, in_features: int, dtype: torch.dtype,
+                      trials: int = LARGE_TRIALS) -> bool:
+    """Whether calls of up to :data:`LARGE_CHUNK` rows (at least ``choice.floor``) give every row of every count
+    from 2 to :data:`MAX_CHUNK` + 1 and of :data:`LARGE_PROBES` the bits ``choice``'s calls give it (``trials`` sets
+    of random rows in ``dtype``)."""
+    counts = [*range(2, MAX_CHUNK + 2), *LARGE_PROBES]
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for _ in range(trials):
+            x = torch.randn(LARGE_CHUNK, in_features, generator=gen).to(dtype)
+            want = rows(x, choice.chunk, choice.floor)
+            if not all(torch.equal(rows(x[:n], LARGE_CHUNK, choice.floor), want[:n]) for n in counts):
+                return False
+    return True
 
 
 def exact_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Callable[[torch.Tensor], torch.Tensor],
@@ -202,7 +230,7 @@ def exact_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Calla
     plan = choice.plan
     if plan is None:
         rows = _onednn_rows(weight, bias)
-        return (lambda x: rows(x, choice.chunk, choice.padded)), False
+        return (lambda x: rows(x, choice.chunk, choice.floor)), False
     return (lambda x: exact_linear(x, weight, bias, plan)), True
 
 

@@ -1,0 +1,86 @@
+"""How vLLM's exact mode picks a projection's calls (rag_accel.vllm.exact.choose_linear), on fake row kernels whose
+result depends on the rows a call holds exactly as told: the branches other CPUs take run here too (no vLLM needed).
+
+A fake call of ``s`` rows computes ``x @ w.T`` plus an offset named by ``s``'s class: two calls of one class give a
+row the same bits, calls of two classes other bits, as a library's kernels do when they pick another blocking.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rag_accel.vllm import exact
+from rag_accel.vllm.exact import LARGE_CHUNK, MAX_CHUNK, PADDED_ROWS, LinearChoice, choose_linear
+
+
+def fake_rows(weight: torch.Tensor, kind):
+    """``rows(x, chunk, floor=1)`` as the oneDNN kernel's wrapper splits and pads, each call's rows offset by
+    ``kind(rows in that call)`` (a number, or a column: one per place in the call)."""
+    calls = []
+
+    def rows(x: torch.Tensor, chunk: int, floor: int = 1) -> torch.Tensor:
+        m = x.shape[0]
+        short = floor - (m - (m - 1) // chunk * chunk)
+        x2 = torch.cat([x, x.new_zeros(short, x.shape[1])]) if short > 0 else x
+        parts = []
+        for i in range(0, x2.shape[0], chunk):
+            part = x2[i:i + chunk]
+            calls.append(len(part))
+            parts.append(torch.stack([weight @ r for r in part]) + kind(len(part)))  # (each row alone)
+        return torch.cat(parts)[:m]
+
+    rows.calls = calls
+    return rows
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choices(monkeypatch):
+    monkeypatch.setattr(exact, "_CHOICES", {})
+
+
+WEIGHT = torch.randn(24, 16, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("kind, want", [
+    (lambda s: 0.0, LinearChoice(LARGE_CHUNK)),  # one blocking for every count: a prefill in large calls
+    (lambda s: float(s > MAX_CHUNK), LinearChoice(MAX_CHUNK)),  # another past 32 rows (as on an AMX Xeon)
+    (lambda s: float(s > 64), LinearChoice(MAX_CHUNK)),  # past 64: the probe's large counts find it
+    (lambda s: float(s > 1), LinearChoice(LARGE_CHUNK, floor=PADDED_ROWS)),  # a row alone apart, all else one
+    (lambda s: {1: 0.0, 2: 1.0, 3: 2.0}.get(s, 3.0), LinearChoice(LARGE_CHUNK, floor=PADDED_ROWS)),  # (the EPYC)
+    (lambda s: 0.0 if s == 1 else 1.0 if s <= 50 else 2.0, LinearChoice(PADDED_ROWS, floor=PADDED_ROWS)),
+], ids=["invariant", "apart-past-32", "apart-past-64", "alone-apart", "small-counts-apart", "apart-past-50"])
+def test_the_choice_follows_where_the_kernel_changes_its_blocking(kind, want):
+    rows = fake_rows(WEIGHT, kind)
+    assert choose_linear(WEIGHT, None, rows) == want
+
+
+def test_the_chosen_calls_give_every_row_its_bits_in_any_batch():
+    """Under the choice for the EPYC-like kernel every row of any count (a step, a verify, a prefill past the large
+    chunk) equals the row alone, and a prefill of 300 rows goes in three calls, not 75."""
+    kind = {1: 0.0, 2: 1.0, 3: 2.0}.get
+    rows = fake_rows(WEIGHT, lambda s: kind(s, 3.0))
+    choice = choose_linear(WEIGHT, None, rows)
+    x = torch.randn(300, 16, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([rows(x[i:i + 1], choice.chunk, choice.floor) for i in range(300)])
+    for m in (1, 2, 5, 33, 129, 300):
+        assert torch.equal(rows(x[:m], choice.chunk, choice.floor), alone[:m]), m
+    rows.calls.clear()
+    rows(x, choice.chunk, choice.floor)
+    assert rows.calls == [128, 128, 44]
+
+
+def test_a_kernel_apart_at_every_count_never_takes_larger_calls():
+    """A row's bits depend on its place in the call, so no oneDNN call of several rows is invariant, padded or
+    not: one row a call, or torch's plan where this machine finds one invariant."""
+    rows = fake_rows(WEIGHT, lambda s: torch.arange(s, dtype=torch.float32)[:, None])
+    choice = choose_linear(WEIGHT, None, rows)
+    assert choice.floor == 1 and (choice.chunk == 1 or choice.plan is not None)
+
+
+def test_a_choice_is_probed_once_per_shape_and_thread_count():
+    rows = fake_rows(WEIGHT, lambda s: 0.0)
+    choose_linear(WEIGHT, None, rows)
+    probed = len(rows.calls)
+    assert probed and choose_linear(WEIGHT, None, rows) == LinearChoice(LARGE_CHUNK)
+    assert len(rows.calls) == probed
