@@ -25,10 +25,16 @@ Methods, every output compared token for token with its engine's greedy:
 * vLLM, one engine after another (a 1.5B model's engines do not fit this machine's memory side by side), each
   warmed up on a request of its own: ``vllm-greedy``, ``vllm-ngram``, ``vllm-suffix``, ``vllm-draft`` (vLLM's own
   ``draft_model`` method with the draft model), ``vllm-ours`` (no prediction) and ``vllm-ours+prediction`` (the same
-  engine); one request at a time, then ``--in-flight`` at once (groups of that many, one ``generate_batch`` each).
+  engine), all as rag_accel runs them (exact steps where ``--exact`` and the dtype say so); ``plain-vllm-greedy``,
+  ``plain-vllm-ngram`` and ``plain-vllm-suffix``: vLLM as its users run it, its own kernels (no exact steps), with
+  or without its own speculation. One request at a time, then each of ``--in-flight`` at once (groups of that
+  many, one ``generate_batch`` each). A suffix engine starts afresh for each level: its tree keeps the answers it
+  gave, and the items of one level must not be primed by the same items of another.
 
-Reported: per request the speed-up over the engine's greedy (geo-mean, worst item), tokens per step, the identical
-rate; in flight, throughput against greedy's; machine load before and after.
+Reported: per request the speed-up over the engine's greedy (geo-mean, worst item), against ``--versus`` (the peer
+users would run instead), tokens per step, tokens/s end to end (prefill included), the median time to first token,
+the identical rate (plain vLLM's methods against ``plain-vllm-greedy``, the others against rag_accel's greedy); in
+flight, throughput against greedy's and ``--versus``'s; machine load before and after.
 """
 
 from __future__ import annotations
@@ -57,7 +63,9 @@ SYSTEM = ("You are a careful coding assistant. Apply the requested change to the
           "updated file in one fenced code block, nothing else.")
 K = 10  # draft tokens a vLLM step verifies at most, by default (rag_accel.config.VLLM_DRAFT_TOKENS)
 HF_METHODS = ("greedy", "hf-pld", "hf-assisted", "ours", "ours-plain", "ours-noref", "ours-hybrid")
-VLLM_METHODS = ("vllm-greedy", "vllm-ngram", "vllm-suffix", "vllm-draft", "vllm-ours")
+VLLM_METHODS = ("vllm-greedy", "vllm-ngram", "vllm-suffix", "vllm-draft", "vllm-ours", "plain-vllm-greedy",
+                "plain-vllm-ngram", "plain-vllm-suffix")
+PLAIN = "plain-vllm-"  # vLLM as its users run it: its own kernels, never exact steps
 
 
 def loadavg() -> str:
@@ -147,7 +155,6 @@ def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[d
     from transformers import AutoTokenizer
 
     from rag_accel.models import local_model
-    from rag_accel.vllm import VllmDecoder
 
     tokenizer = AutoTokenizer.from_pretrained(local_model(args.model))
     items = (edit_items(args.data, args.items, args.max_chars, tokenizer) if args.task == "edit"
@@ -155,73 +162,109 @@ def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[d
     warm, timed = items[-1], items[:-1] if len(items) > 1 else items
     k = args.max_draft_tokens
     common = dict(max_draft_tokens=k, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
-                  enable_prefix_caching=False, exact=None if args.exact else False)
+                  enable_prefix_caching=False)
     engines = {"vllm-greedy": {"speculation": "off"}, "vllm-ngram": {"speculation": "ngram"},
                "vllm-suffix": {"speculation": "suffix"}, "vllm-ours": {"speculation": "ours"},
                "vllm-draft": {"speculation": "off", "speculative_config": {
                    "method": "draft_model", "model": local_model(args.draft_model), "num_speculative_tokens": k}}}
+    engines.update({PLAIN + m: {**engines["vllm-" + m], "exact": False} for m in ("greedy", "ngram", "suffix")})
     rows, loads, exact = [], {}, {}
     os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")  # (rag_accel.methods.PEER_ENVIRONMENT)
+    levels = [1, *args.in_flight]
     for name in ["vllm-greedy", *[m for m in methods if m != "vllm-greedy"]]:
-        loads[name] = [loadavg()]
-        try:
-            dec = VllmDecoder.from_pretrained(args.model, **common, **engines[name])
-        except Exception as e:  # (arctic-inference missing, or an engine this vLLM build cannot start): recorded
-            print(f"{name}: skipped ({type(e).__name__}: {e})", flush=True)
-            loads[name].append(f"skipped: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        try:
-            exact[name] = dec.exact
-            arms = [(name, False), (name + "+prediction", True)] if name == "vllm-ours" else [(name, False)]
-            dec.generate(warm["messages"], max_new_tokens=8)
-            for method, with_pred in arms:
-                for level in (1, args.in_flight):
-                    for start in range(0, len(timed), level):
-                        group = timed[start:start + level]
-                        preds = [{"type": "content", "content": it["prediction"]} if with_pred and it["prediction"]
-                                 else None for it in group]
-                        refs = [it["references"] if with_pred and not it["prediction"] else None for it in group]
-                        t0 = time.perf_counter()
-                        outs = dec.generate_batch([it["messages"] for it in group], refs, prediction=preds,
-                                                  max_new_tokens=max(it["max_new_tokens"] for it in group))
-                        dt = time.perf_counter() - t0
-                        for it, o in zip(group, outs):
-                            rows.append({"method": method, "level": level, "group": start // level,
-                                         "item": it["id"], "seconds": dt, "token_ids": o.token_ids,
-                                         "new_tokens": len(o.token_ids), "steps": o.stats.steps,
-                                         "accepted_prediction_tokens": o.stats.accepted_prediction_tokens})
-                    done = [r for r in rows if r["method"] == method and r["level"] == level]
-                    print(f"{method}, {level} in flight: {sum({r['group']: r['seconds'] for r in done}.values()):.0f} s",
-                          flush=True)
-        finally:
-            dec.close()
-            del dec
-            gc.collect()
-        loads[name].append(loadavg())
+        # a suffix engine's tree keeps every answer it gave: a fresh engine for each level
+        for run_levels in ([[lv] for lv in levels] if name.endswith("suffix") else [levels]):
+            if not run_vllm_engine(args, name, {**common, "exact": None if args.exact else False, **engines[name]},
+                                   run_levels, warm, timed, rows, loads, exact):
+                break
     return {"dtype": args.dtype, "load": loads, "in_flight": args.in_flight, "exact": exact}, rows
 
 
+def run_vllm_engine(args: argparse.Namespace, name: str, kwargs: dict, levels: list[int], warm: dict,
+                    timed: list[dict], rows: list[dict], loads: dict, exact: dict) -> bool:
+    """One engine of ``name`` through ``levels``; rows appended. False where it could not start (recorded)."""
+    from rag_accel.vllm import VllmDecoder
+
+    loads.setdefault(name, []).append(loadavg())
+    try:
+        dec = VllmDecoder.from_pretrained(args.model, **kwargs)
+    except Exception as e:  # (arctic-inference missing, or an engine this vLLM build cannot start): recorded
+        print(f"{name}: skipped ({type(e).__name__}: {e})", flush=True)
+        loads[name].append(f"skipped: {type(e).__name__}: {str(e)[:300]}")
+        return False
+    try:
+        exact[name] = dec.exact
+        arms = [(name, False), (name + "+prediction", True)] if name == "vllm-ours" else [(name, False)]
+        dec.generate(warm["messages"], max_new_tokens=8)
+        for method, with_pred in arms:
+            for level in levels:
+                for start in range(0, len(timed), level):
+                    group = timed[start:start + level]
+                    preds = [{"type": "content", "content": it["prediction"]} if with_pred and it["prediction"]
+                             else None for it in group]
+                    refs = [it["references"] if with_pred and not it["prediction"] else None for it in group]
+                    t0 = time.perf_counter()
+                    outs = dec.generate_batch([it["messages"] for it in group], refs, prediction=preds,
+                                              max_new_tokens=max(it["max_new_tokens"] for it in group))
+                    dt = time.perf_counter() - t0
+                    for it, o in zip(group, outs):
+                        rows.append({"method": method, "level": level, "group": start // level,
+                                     "item": it["id"], "seconds": dt, "token_ids": o.token_ids,
+                                     "new_tokens": len(o.token_ids), "steps": o.stats.steps,
+                                     "first_token_s": o.stats.prefill_s,
+                                     "accepted_prediction_tokens": o.stats.accepted_prediction_tokens})
+                done = [r for r in rows if r["method"] == method and r["level"] == level]
+                print(f"{method}, {level} in flight: {sum({r['group']: r['seconds'] for r in done}.values()):.0f} s",
+                      flush=True)
+    finally:
+        dec.close()
+        del dec
+        gc.collect()
+    loads[name].append(loadavg())
+    return True
+
+
 # --------------------------------------------------------------------------- report
-def summarise(rows: list[dict], baseline: str, level: int | None = None) -> dict[str, dict]:
+def geomean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(map(math.log, xs)))
+
+
+def summarise(rows: list[dict], baseline: str, level: int | None = None, versus: str | None = None
+              ) -> dict[str, dict]:
+    """Per method: identical rate (plain vLLM's methods against ``plain-vllm-greedy``, the rest against
+    ``baseline``), tokens per step; one at a time the per-item speed-up over ``baseline`` and ``versus`` (geo-mean,
+    worst item), the median time to first token; in flight, throughput against theirs; tokens/s end to end."""
     rows = [r for r in rows if level is None or r.get("level", 1) == level]
-    base = {r["item"]: r for r in rows if r["method"] == baseline}
+    by_method = {m: {r["item"]: r for r in rows if r["method"] == m} for m in dict.fromkeys(r["method"] for r in rows)}
+    base = by_method[baseline]
+
+    def wall(mine: list[dict]) -> float:
+        return sum({r["group"]: r["seconds"] for r in mine}.values())
+
     out = {}
-    for m in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == m and r["item"] in base]
+    for m in by_method:
+        mine = [r for r in by_method[m].values() if r["item"] in base]
+        same = by_method.get(PLAIN + "greedy", base) if m.startswith(PLAIN) else base
         steps = [r["steps"] for r in mine if r["steps"]]
-        s = {"identical": sum(r["token_ids"] == base[r["item"]]["token_ids"] for r in mine) / len(mine),
+        s = {"identical": statistics.fmean(r["token_ids"] == same[r["item"]]["token_ids"] for r in mine
+                                           if r["item"] in same),
              "tokens_per_step": sum(r["new_tokens"] for r in mine) / sum(steps) if len(steps) == len(mine) else None,
              "new_tokens": sum(r["new_tokens"] for r in mine)}
+        peers = {"": base, "_vs": by_method.get(versus)} if versus in by_method else {"": base}
         if level in (None, 1):
-            ratios = [base[r["item"]]["seconds"] / r["seconds"] for r in mine]
-            worst = min(range(len(mine)), key=lambda i: ratios[i])
-            s.update(speedup=math.exp(statistics.fmean(map(math.log, ratios))), worst=ratios[worst],
-                     worst_item=mine[worst]["item"], tokens_per_s=s["new_tokens"] / sum(r["seconds"] for r in mine))
+            for suffix, peer in peers.items():
+                ratios = [peer[r["item"]]["seconds"] / r["seconds"] for r in mine]
+                worst = min(range(len(mine)), key=lambda i: ratios[i])
+                s.update({"speedup" + suffix: geomean(ratios), "worst" + suffix: ratios[worst],
+                          "worst_item" + suffix: mine[worst]["item"]})
+            s["tokens_per_s"] = s["new_tokens"] / sum(r["seconds"] for r in mine)
+            first = [r["first_token_s"] for r in mine if r.get("first_token_s") is not None]
+            s["first_token_s"] = statistics.median(first) if first else None
         else:
-            wall = sum({r["group"]: r["seconds"] for r in mine}.values())
-            bwall = sum({r["group"]: r["seconds"] for r in base.values()}.values())
-            s.update(throughput=(s["new_tokens"] / wall) / (sum(r["new_tokens"] for r in base.values()) / bwall),
-                     tokens_per_s=s["new_tokens"] / wall)
+            s["tokens_per_s"] = s["new_tokens"] / wall(mine)
+            for suffix, peer in peers.items():
+                s["throughput" + suffix] = s["tokens_per_s"] / (sum(r["new_tokens"] for r in peer.values())
+                                                                / wall(list(peer.values())))
         if "ours-plain" in {r["method"] for r in rows}:
             plain = {r["item"]: r["token_ids"] for r in rows if r["method"] == "ours-plain"}
             s["identical_to_ours_plain"] = sum(r["token_ids"] == plain.get(r["item"]) for r in mine) / len(mine)
@@ -244,26 +287,39 @@ def markdown(result: dict) -> str:
               f"request's references")]
     if result.get("note"):
         lines.append(f"- {result['note']}")
-    if "vllm-suffix" in {m for summary in result["summary"].values() for m in summary} and len(result["summary"]) > 1:
-        lines.append("- vllm-suffix in flight: its tree holds the answers it gave to the same items one at a time "
-                     "just before, so it copies them whole there (other methods remember nothing): not comparable")
+    if any(m.endswith("suffix") for summary in result["summary"].values() for m in summary):
+        lines.append("- suffix decoding: a fresh engine for each level (its tree keeps the answers it gave, across "
+                     "requests, as in a server; never those of the same items at another level)")
     if result["info"].get("exact"):
         on = [m for m, v in result["info"]["exact"].items() if v]
         lines.append(f"- exact steps in vLLM's CPU worker: {'on for ' + ', '.join(on) if on else 'off'}"
                      + ("" if len(on) in (0, len(result["info"]["exact"])) else " (off for the others)"))
+    if any(m.startswith(PLAIN) for summary in result["summary"].values() for m in summary):
+        lines.append(f"- {PLAIN}*: vLLM as its users run it (its own kernels); identical: against "
+                     f"{PLAIN}greedy's outputs; the other methods' against {result['baseline']}'s")
+    versus = result.get("versus")
     lines.append("")
     for level, summary in result["summary"].items():
         per_request = level == "1"
+        has_vs = any("speedup_vs" in s or "throughput_vs" in s for s in summary.values())
+        vs_head = f" | vs {versus}" + (" (worst)" if per_request else "") if has_vs else ""
         lines += [f"{'One request at a time' if per_request else level + ' requests in flight'}:", "",
                   "| method | " + ("speed-up (geo-mean) | worst item" if per_request else "throughput vs greedy")
-                  + " | tokens/step | tokens/s | identical | identical to ours-plain | accepted prediction tokens |",
-                  "|---|---|" + ("---|" if per_request else "") + "---|---|---|---|---|"]
+                  + vs_head + " | tokens/step | tokens/s | " + ("first token (median) | " if per_request else "")
+                  + "identical | identical to ours-plain | accepted prediction tokens |",
+                  "|---|---|" + ("---|---|" if per_request else "") + ("---|" if has_vs else "") + "---|---|---|---|---|"]
         for m, s in summary.items():
             tps = f"{s['tokens_per_step']:.2f}" if s["tokens_per_step"] else "-"
             head = (f"{s['speedup']:.2f}x | {s['worst']:.2f}x ({s['worst_item']})" if per_request
                     else f"{s['throughput']:.2f}x")
+            if has_vs:
+                head += (f" | {s['speedup_vs']:.2f}x ({s['worst_vs']:.2f}x)" if per_request
+                         else f" | {s['throughput_vs']:.2f}x")
+            first = ""
+            if per_request:
+                first = f" {s['first_token_s'] * 1e3:.0f} ms |" if s.get("first_token_s") is not None else " - |"
             plain = f"{s['identical_to_ours_plain']:.0%}" if "identical_to_ours_plain" in s else "-"
-            lines.append(f"| {m} | {head} | {tps} | {s['tokens_per_s']:.1f} | {s['identical']:.0%} | {plain} | "
+            lines.append(f"| {m} | {head} | {tps} | {s['tokens_per_s']:.1f} |{first} {s['identical']:.0%} | {plain} | "
                          f"{s.get('accepted_prediction_tokens', '-')} |")
         lines.append("")
     if result.get("compared_to"):
@@ -304,7 +360,10 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=12, help="items timed (one more, the warm-up, is not)")
     ap.add_argument("--max-chars", type=int, default=1500, help="edit items: the longest file before")
     ap.add_argument("--methods", default="", help="a subset (default: all of the engine's)")
-    ap.add_argument("--in-flight", type=int, default=4, help="vLLM: requests in flight after one at a time")
+    ap.add_argument("--in-flight", type=lambda v: [int(x) for x in v.split(",") if x], default=[4],
+                    help="vLLM: requests in flight after one at a time, comma-separated levels (4,16)")
+    ap.add_argument("--versus", default=PLAIN + "suffix", help="vLLM: the peer every method is also set against "
+                    "(what its users would run instead), where it ran")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-draft-tokens", type=int, default=K, help="vLLM: every drafting method's most draft "
                     "tokens a step (num_speculative_tokens)")
@@ -332,7 +391,7 @@ def main() -> None:
         baseline, levels = "greedy", [1]
     else:
         info, rows = run_vllm(args, methods)
-        baseline, levels = "vllm-greedy", [1, args.in_flight]
+        baseline, levels = "vllm-greedy", [1, *args.in_flight]
     import torch
     import transformers
 
@@ -348,7 +407,9 @@ def main() -> None:
               "wall_s": round(time.perf_counter() - t0), "data": str(args.data.relative_to(ROOT.parent))
               if args.data.is_relative_to(ROOT.parent) else str(args.data),
               "items": args.items - 1, "baseline": baseline, "info": info,
-              "summary": {str(lv): summarise(rows, baseline, lv if args.engine == "vllm" else None) for lv in levels},
+              "versus": args.versus if args.engine == "vllm" else None,
+              "summary": {str(lv): summarise(rows, baseline, lv if args.engine == "vllm" else None,
+                                             args.versus if args.engine == "vllm" else None) for lv in levels},
               "rows": rows}
     if args.compare_to is not None:
         other = json.loads(args.compare_to.read_text())

@@ -31,7 +31,7 @@ class GenerationStats:
     by_drafter: dict[str, dict[str, int]] = field(default_factory=dict)
     finish_reason: str = ""  # "eos" | "stop" | "length"
     time_s: float = 0.0
-    prefill_s: float | None = 0.0
+    prefill_s: float | None = 0.0  # to the first token: the prefill, and in a shared engine any wait for it
     draft_s: float | None = 0.0  # drafting + choosing the length (host side)
     calibration_s: float = 0.0  # one-off measurement of the cost curve, if this call did it
     setup_s: float | None = 0.0  # per-request set-up: tokenising the references, building the drafters

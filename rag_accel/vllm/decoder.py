@@ -248,7 +248,8 @@ class VllmDecoder:
                     rid = params.extra_args["rag_accel_id"]
                     eos = set(self.eos_token_ids)  # grows if vLLM stops on a token we did not know
                     out = OutputText(self.tokenizer, stops, eos, params.max_tokens)  # type: ignore[arg-type]
-                    mine[rid] = dict(i=i, prompt=len(ids), out=out, eos=eos, inbox=queue.SimpleQueue(), steps=0)
+                    mine[rid] = dict(i=i, prompt=len(ids), out=out, eos=eos, inbox=queue.SimpleQueue(), steps=0,
+                                     t0=t0, first=None)
                     self._inboxes[rid] = mine[rid]["inbox"]
                     self.llm.llm_engine.add_request(rid, {"prompt_token_ids": ids}, params)
             live = set(mine)
@@ -284,6 +285,8 @@ class VllmDecoder:
         out, comp = s["out"], res.outputs[0]
         new = list(comp.token_ids)
         s["steps"] += bool(new)  # one output with tokens per engine step that verified this request
+        if new and s["first"] is None:
+            s["first"] = time.perf_counter()  # its time to first token: the prefill and any wait for it
         if res.finished and comp.finish_reason == "stop" and new and new[-1] not in s["eos"]:
             s["eos"].add(new[-1])  # a stop token of vLLM's (generation config) we did not know
         _, piece = out.push(new)
@@ -315,8 +318,10 @@ class VllmDecoder:
 
     def _output(self, s: dict[str, Any], st: dict[str, Any] | None, elapsed: float) -> GenerationOutput:
         out = s["out"]
+        first = None if s["first"] is None else s["first"] - s["t0"]
         stats = GenerationStats(prompt_tokens=s["prompt"], new_tokens=len(out.token_ids),
-                                finish_reason=out.finish, time_s=elapsed, setup_s=None, setup_wait_s=None)
+                                finish_reason=out.finish, time_s=elapsed, prefill_s=first, setup_s=None,
+                                setup_wait_s=None)
         if st is not None:
             stats.steps = st["steps"]
             stats.drafted, stats.accepted = st["drafted"], st["accepted"]
