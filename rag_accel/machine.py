@@ -8,12 +8,38 @@ serve``) alike.
 from __future__ import annotations
 
 import os
+import platform
 import time
+from pathlib import Path
 
-__all__ = ["BUSY", "busy_by_core", "busy_cores", "cores", "cpu_list", "free_threads"]
+__all__ = ["BUSY", "busy_by_core", "busy_cores", "cores", "cpu_identity", "cpu_list", "free_threads"]
 
 #: A core counts as held by another job from this much of its time on.
 BUSY = 0.6
+#: The vector and matrix units a CPU's kernels (and so what is measured on it) depend on.
+_UNITS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_identity() -> str:
+    """The CPU as what is measured on it depends on it (a calibration, an invariance verdict): its model name and
+    the vector and matrix units it has.
+
+    Example:
+        >>> isinstance(cpu_identity(), str) and len(cpu_identity()) > 0
+        True
+    """
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model", "CPU part") and value.strip():
+            name = value.strip()
+        elif key.strip() in ("flags", "Features"):
+            flags |= set(value.split())
+    return f"{name} [{' '.join(u for u in _UNITS if u in flags)}]"
 
 
 def cores() -> int:
@@ -53,8 +79,14 @@ def busy_by_core(window_s: float = 0.25) -> dict[int, float]:
 
 
 def busy_cores(window_s: float = 0.25) -> float:
-    """How many of the machine's cores other processes keep busy, over ``window_s`` (0.0 where unknown)."""
-    return sum(busy_by_core(window_s).values())
+    """How many of the machine's cores other processes keep busy, over ``window_s`` (0.0 where unknown); what this
+    process's own threads did meanwhile (a thread of the program still at work, a spinning OpenMP thread) is
+    taken out."""
+    own = time.process_time()
+    t0 = time.monotonic()
+    busy = sum(busy_by_core(window_s).values())
+    own = (time.process_time() - own) / max(time.monotonic() - t0, 1e-9)
+    return max(0.0, busy - own)
 
 
 def free_threads(busy: float, total: int | None = None) -> int:

@@ -224,3 +224,32 @@ def test_offline_models_are_exact_in_bfloat16(model, compiled):
 def test_exact_can_be_turned_off_and_is_checked():
     with pytest.raises(TypeError, match="exact must be a bool"):
         VllmDecoder.from_pretrained("smollm2-135m-instruct", exact="yes", **ENGINE)
+
+
+def test_a_choice_is_remembered_for_the_next_process_and_a_damaged_file_measured_again(tmp_path, monkeypatch, caplog):
+    """What the probes found on this machine is read back by the next process (no probe runs: a kernel that would
+    fail is never called); a damaged file is set aside with a warning and the choice measured again."""
+    from rag_accel.vllm import exact
+
+    monkeypatch.setenv("RAG_ACCEL_HOME", str(tmp_path))
+    monkeypatch.setattr(exact, "_CHOICES", {})
+    monkeypatch.setattr(exact, "_REMEMBERED", None)
+    weight = (torch.randn(96, 64, generator=torch.Generator().manual_seed(3)) * 0.05).to(torch.bfloat16)
+    measured = exact.choose_linear(weight, None)
+    path, _ = exact.choices_path()
+    assert path.parent == tmp_path / "calibration" and path.is_file()
+    monkeypatch.setattr(exact, "_CHOICES", {})  # (a new process)
+    monkeypatch.setattr(exact, "_REMEMBERED", None)
+    real = exact._onednn_rows
+    monkeypatch.setattr(exact, "_onednn_rows", lambda *a: pytest.fail("probed again"))
+    assert exact.choose_linear(weight, None) == measured
+    path.write_text(path.read_text().replace('"floor"', '"flour"'))
+    monkeypatch.setattr(exact, "_CHOICES", {})
+    monkeypatch.setattr(exact, "_REMEMBERED", None)
+    monkeypatch.setattr(exact, "_onednn_rows", real)
+    exact.log.addHandler(caplog.handler)  # (vLLM's logger may not propagate to the root)
+    try:
+        assert exact.choose_linear(weight, None) == measured
+    finally:
+        exact.log.removeHandler(caplog.handler)
+    assert "damaged" in caplog.text and '"floor"' in path.read_text()  # measured again, written whole

@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,34 +26,13 @@ from typing import Any
 import torch
 
 from ..invariant import ExactPlan
+from ..machine import cpu_identity  # (re-exported: a calibration's key names the CPU)
 from .linears import LinearPlan
 
 __all__ = ["Calibration", "cpu_identity", "model_identity"]
 
 #: The format (and the measurements' method): a change makes every stored calibration another key's.
 VERSION = 1
-_UNITS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
-
-
-def cpu_identity() -> str:
-    """The CPU as its calibration depends on it: its model name and the vector and matrix units it has.
-
-    Example:
-        >>> isinstance(cpu_identity(), str) and len(cpu_identity()) > 0
-        True
-    """
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("model name", "Model", "CPU part") and value.strip():
-            name = value.strip()
-        elif key.strip() in ("flags", "Features"):
-            flags |= set(value.split())
-    return f"{name} [{' '.join(u for u in _UNITS if u in flags)}]"
 
 
 def model_identity(path: str | os.PathLike[str]) -> dict[str, Any] | None:

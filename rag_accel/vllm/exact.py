@@ -28,11 +28,14 @@ proposer: ours, vLLM's n-gram and suffix decoding alike.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import logging
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -172,11 +175,76 @@ class LinearChoice:
 
 
 _CHOICES: dict[tuple[Any, ...], LinearChoice] = {}
+#: The format of the choices remembered on disk: a change makes every file another key's.
+CHOICES_VERSION = 1
+_REMEMBERED: dict[str, LinearChoice] | None = None  # read from disk at the first choice of this process
+
+
+def choices_path() -> tuple[Path, dict[str, Any]]:
+    """Where this machine's choices are remembered (a file under ``$RAG_ACCEL_HOME/calibration``, as the
+    transformers engine's calibration), and the key it holds: the CPU (its model and units), torch's and vLLM's
+    versions. A choice's own key adds its weight's shape and dtype, the bias and the thread count."""
+    import vllm
+
+    from ..machine import cpu_identity
+    from ..models import cache_home
+
+    key = {"version": CHOICES_VERSION, "cpu": cpu_identity(), "torch": torch.__version__,
+           "vllm": str(vllm.__version__)}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_home() / "calibration" / f"vllm-exact-{digest}.json", key
+
+
+def _read_choice(value: Any) -> LinearChoice:
+    """A remembered choice, checked to be one :func:`choose_linear` can make (else ``ValueError``)."""
+    chunk, floor, plan = value["chunk"], value["floor"], value["plan"]
+    if plan is not None:
+        plan = ExactPlan(plan["chunk"], plan["transposed"], plan["pad"])
+        if plan not in EXACT_CANDIDATES:
+            raise ValueError(f"no such plan {plan}")
+    if type(chunk) is not int or not 0 <= chunk <= LARGE_CHUNK or floor not in (1, PADDED_ROWS) or floor > max(
+            chunk, 1):
+        raise ValueError(f"no such choice {value}")
+    return LinearChoice(chunk, plan, floor)
+
+
+def _remembered() -> dict[str, LinearChoice]:
+    global _REMEMBERED
+    if _REMEMBERED is None:
+        _REMEMBERED = {}
+        try:
+            path, key = choices_path()
+            if path.is_file():
+                data = json.loads(path.read_text())
+                if data.get("key") != key:
+                    raise ValueError("it holds another key")
+                _REMEMBERED = {k: _read_choice(v) for k, v in data["choices"].items()}
+        except Exception as e:  # noqa: BLE001 - damaged or foreign: measured again, then overwritten
+            log.warning("rag_accel: the remembered exact-mode choices are damaged (%s); measuring again", e)
+            _REMEMBERED = {}
+    return _REMEMBERED
+
+
+def _remember(key: str, choice: LinearChoice) -> None:
+    """Add a measured choice to the file (written whole: a temporary file renamed; a read-only home keeps none)."""
+    remembered = _remembered()
+    remembered[key] = choice
+    try:
+        path, file_key = choices_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": file_key, "choices": {
+            k: {**dataclasses.asdict(c), "plan": None if c.plan is None else dataclasses.asdict(c.plan)}
+            for k, c in remembered.items()}}))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.debug("rag_accel: exact-mode choices not remembered (%s)", e)
 
 
 def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKernel | None = None) -> LinearChoice:
     """The cheapest invariant way to compute rows of ``weight`` here (probed once per shape, dtype, bias and
-    thread count in this process; ``rows``: the row kernel, vLLM's oneDNN product by default):
+    thread count on this machine, and remembered on disk: :func:`choices_path`; ``rows``: the row kernel, vLLM's
+    oneDNN product by default, a test's fake one never remembered):
 
     1. oneDNN in the largest chunk of at most :data:`MAX_CHUNK` rows that is invariant;
     2. where that is under 16 rows, oneDNN in calls of at least :data:`PADDED_ROWS` rows if those are invariant, else
@@ -185,6 +253,11 @@ def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKern
        it equals the rows of step 1 or 2 (a prefill then runs in a few calls)."""
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
     choice = _CHOICES.get(key)
+    disk_key = "{}x{}:{}:{}:{}".format(*key) if rows is None else None  # (a test's fake kernel: never remembered)
+    if choice is None and disk_key is not None:
+        choice = _remembered().get(disk_key)  # (measured by an earlier process on this machine)
+        if choice is not None:
+            _CHOICES[key] = choice
     if choice is None:
         k, dtype = weight.shape[1], weight.dtype
         chunk = 0
@@ -204,6 +277,8 @@ def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKern
         if choice.plan is None and choice.chunk and large_calls_agree(rows, choice, k, dtype):
             choice = LinearChoice(LARGE_CHUNK, floor=choice.floor)
         _CHOICES[key] = choice
+        if disk_key is not None:
+            _remember(disk_key, choice)
     return choice
 
 

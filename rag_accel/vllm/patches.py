@@ -116,7 +116,7 @@ INTERNALS = (
              "with data parallelism, every engine's answer (AsyncLLM.collective_rpc returns the first engine's)"),
     Internal("vllm.entrypoints.launchers.api_server.app_state:init_app_state", None,
              "sets app.state.engine_client and app.state.vllm_config, which the prediction middleware reads"),
-    # exact steps (rag_accel.vllm.exact), in engines started with RAG_ACCEL_EXACT=1 only
+    # exact steps (rag_accel.vllm.exact), in engines whose mode is on (RAG_ACCEL_EXACT=on, or auto in bfloat16/float16)
     Internal("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", ("layer", "remove_weight"),
              "wrapped (patch 4): each linear layer's and the output head's cpu_linear becomes an invariant product",
              patched=True),
