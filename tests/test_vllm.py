@@ -915,3 +915,31 @@ def test_bench_engines_are_built_after_a_spare_that_is_closed(monkeypatch, items
     # close returns once the engine process has exited (vLLM's shutdown SIGKILLs it after 5 s and
     # returns without waiting: under CI's load it was once still listed here)
     assert not procs[0].is_alive() and len(multiprocessing.active_children()) == before
+
+
+class _Started(Exception):
+    """Raised by a fake ``vllm.LLM``: the engine's arguments were what the test needed."""
+
+
+def test_an_engine_on_a_cpu_gets_a_kv_cache_sized_to_its_model_unless_told(monkeypatch):
+    """vLLM's own CPU default reserves most of the machine's memory for the KV cache: VllmDecoder asks for 32,768
+    tokens' worth of the model's keys and values (SmolLM2 in bfloat16: 720 MiB), a caller's size or
+    VLLM_CPU_KVCACHE_SPACE standing."""
+    import vllm
+
+    seen = []
+
+    def fake_llm(**kwargs):
+        seen.append(kwargs)
+        raise _Started
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    for kwargs in ({}, {"kv_cache_memory_bytes": 1 << 30}):
+        with pytest.raises(_Started):
+            VllmDecoder.from_pretrained("smollm2-135m-instruct", dtype="bfloat16", **kwargs)
+    assert [s["kv_cache_memory_bytes"] >> 20 for s in seen] == [720, 1024]
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    with pytest.raises(_Started):
+        VllmDecoder.from_pretrained("smollm2-135m-instruct", dtype="bfloat16")
+    assert "kv_cache_memory_bytes" not in seen[-1]  # (vLLM reads VLLM_CPU_KVCACHE_SPACE itself)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -20,7 +21,8 @@ from ..protocol import CallOptions, Request, batch_arguments, call_config
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
 from ..wire import RequestArgs
-from .requests import PROPOSER_PATH, TRACKER_PATH, check_layout, exact_environment, exact_mode, speculative_config
+from .requests import (PROPOSER_PATH, TRACKER_PATH, check_layout, exact_environment, exact_mode, kv_cache_bytes,
+                       model_kv_shape, speculative_config)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -123,6 +125,15 @@ class VllmDecoder:
             check_layout(kwargs.get("pipeline_parallel_size"), vllm_version())
         if memory_scope is not None:  # (refused before an engine starts)
             check_scope(memory_scope, "memory_scope")
+        if "kv_cache_memory_bytes" not in kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():  # (vLLM's own default takes most of the machine's memory)
+                import psutil
+
+                kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(*model_kv_shape(path), dtype,
+                                                                 int(kwargs["max_model_len"]),
+                                                                 psutil.virtual_memory().available)
         with exact_environment(exact_mode(exact)):  # (the engine's processes inherit it as they start)
             llm = LLM(**kwargs)
         dec = cls(llm, cfg.replace(max_draft_tokens=max(cfg.max_draft_tokens, int(k))), memory_scope=memory_scope)

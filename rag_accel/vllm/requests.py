@@ -25,7 +25,8 @@ from ..wire import RequestArgs  # (re-exported: rag_accel.vllm names it)
 
 __all__ = ["EXACT_ENV", "MIDDLEWARE_PATH", "PROPOSER_PATH", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV", "SPECULATION",
            "TRACKER_PATH", "PIPELINE_REFUSED", "RequestArgs", "ServerSettings", "check_extra_args", "check_layout",
-           "encode_text_bound", "exact_environment", "exact_mode", "speculative_config"]
+           "encode_text_bound", "exact_environment", "exact_mode", "kv_cache_bytes", "model_kv_shape",
+           "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
@@ -67,6 +68,41 @@ def exact_environment(mode: str) -> Iterator[None]:
             os.environ.pop(EXACT_ENV, None)
         else:
             os.environ[EXACT_ENV] = before
+
+
+#: A vLLM engine's KV cache on a CPU where neither the caller (``kv_cache_memory_bytes``) nor
+#: ``VLLM_CPU_KVCACHE_SPACE`` sizes it: room for this many tokens (at least two sequences of ``max_model_len``),
+#: never more than :data:`KV_CACHE_SHARE` of the memory available at start (vLLM's own default takes most of it).
+KV_CACHE_TOKENS = 32_768
+KV_CACHE_SHARE = 0.25
+
+
+def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype: str, max_model_len: int,
+                   available: int) -> int:
+    """The KV cache :class:`~rag_accel.vllm.VllmDecoder` gives an engine on a CPU (see :data:`KV_CACHE_TOKENS`):
+    keys and values of every layer, in ``dtype`` (``"auto"`` counts as float32), at least one whole sequence.
+
+    Example:
+        >>> mib = kv_cache_bytes(30, 3, 64, "bfloat16", 4096, available=64 << 30) >> 20  # SmolLM2
+        >>> mib, kv_cache_bytes(30, 3, 64, "float32", 4096, available=1 << 30) >> 20     # (a quarter of 1 GiB)
+        (720, 256)
+    """
+    width = 2 if str(dtype).replace("torch.", "") in ("bfloat16", "float16", "half") else 4
+    per_token = 2 * layers * kv_heads * head_dim * width
+    tokens = max(KV_CACHE_TOKENS, 2 * max_model_len)
+    return max(per_token * max_model_len, min(per_token * tokens, int(available * KV_CACHE_SHARE)))
+
+
+def model_kv_shape(path: str) -> tuple[int, int, int]:
+    """(layers, key/value heads, head size) of the model at ``path`` (its config; a multimodal model's text part)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return int(text.num_hidden_layers), int(kv_heads), int(head_dim)
 
 
 def speculative_config(speculation: str, max_draft_tokens: int) -> dict[str, Any] | None:
