@@ -20,7 +20,7 @@ import torch
 from .attention import exact_attention, packed_gqa, remember_verdicts, verdicts
 from .attention import install as install_packed_gqa
 from .calibration import Calibration
-from .threads import warn_if_oversubscribed
+from .threads import free_cores
 from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
 from ..drafters import Draft, Drafter, chain_order
 from ..inputs import check_lengths, check_stops, encode_prompt
@@ -282,7 +282,7 @@ class ReferenceDecoder:
         dev = resolve_device(device)
         torch_dtype = _resolve_dtype(dtype, dev)
         if dev.type == "cpu":
-            warn_if_oversubscribed()
+            free_cores().at_load()  # (the free cores, where the program left torch's threads as torch set them)
         model, tokenizer = load_model_and_tokenizer(name_or_path, dev, torch_dtype, **model_kwargs)
         draft = draft_tokenizer = None
         if draft_model == "int8":
@@ -623,6 +623,8 @@ class ReferenceDecoder:
         half-read holds nothing. Calls on one decoder take turns step by step.
         """
         t_start = self.clock()
+        if self.device.type == "cpu":
+            free_cores().before_call()  # (where the library owns torch's threads and the load may have changed)
         with self._lock, torch.inference_mode():
             req = self._start(prompt_ids, max_new_tokens, stops, cfg, sampling)
             try:  # (a request that fails before its loop hands the static cache back)
