@@ -224,6 +224,10 @@ def adapter_base() -> type:
         @model_validator(mode="after")
         def _valid_engine(self) -> Any:
             check_engine_options(self.backend, self.base_url, self.device, self.dtype, self.decoder)
+            if self.decoder is None and self.base_url is None:  # (a server's model is the server's to name)
+                from .models import check_model_name
+
+                check_model_name(self.model_name)  # a misspelt name at construction, not at the first call
             return self
 
         @property

@@ -61,12 +61,11 @@ def _fail(msg: str) -> None:
 def _load_decoder(model: str, device: Optional[str], dtype: Optional[str], draft_model: Optional[str] = None,
                   exact: Optional[bool] = None):
     from .hf.decoder import ReferenceDecoder
-    from .hf.threads import use_free_cores
+    from .hf.threads import free_cores
 
-    if device in (None, "cpu"):
-        use_free_cores()  # (a program of ours: where another job holds cores, fewer threads are faster)
-
-    return ReferenceDecoder.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, exact=exact)
+    dec = ReferenceDecoder.from_pretrained(model, device=device, dtype=dtype, draft_model=draft_model, exact=exact)
+    free_cores().hold()  # (the free cores at load, then one count: the demo and the bench time on one)
+    return dec
 
 
 # The demo's answers: short, and ended at a blank line (SmolLM2-135M otherwise tends to go on with
@@ -76,7 +75,7 @@ DEMO_STOPS = ["\n\n"]
 DEMO_CORPUS_ITEMS = 100  # 833 passages: about 2 min to embed on a 2-core CPU (all 300: 2,626, 6+ min)
 
 
-@app.command(short_help="Answer sample questions over the bundled MS-MARCO sample, accelerated and not.")
+@app.command(short_help="Answer questions over the bundled MS-MARCO sample or your documents, accelerated and not.")
 def demo(
     model: str = typer.Option("smollm2-135m-instruct", help="HF name, local folder, or the offline default "
                               "(SmolLM2-135M-Instruct de-quantised from a Q4_1 GGUF: tiny, runs anywhere offline)."),
@@ -86,25 +85,39 @@ def demo(
     corpus: Optional[Path] = typer.Option(None, help="MS-MARCO RAG jsonl (default: the bundled 300-item sample)."),
     corpus_items: int = typer.Option(DEMO_CORPUS_ITEMS, min=1, help="Index the passages of the first N corpus "
                                      "items; the questions come from these items (the bundled sample has 300)."),
+    docs: Optional[Path] = typer.Option(None, help="Your own documents instead of the sample: a folder of .txt and "
+                                        ".md files (subfolders too), indexed once and cached; ask with --question."),
+    question: list[str] = typer.Option([], "--question", "-q", help="A question to answer (repeatable); with "
+                                       "--docs at least one, else instead of the sample's."),
     embedder: str = typer.Option("multilingual-e5-small", help="sentence-transformers model for retrieval."),
     k: int = typer.Option(3, min=1, help="Passages retrieved per question."),
     max_new_tokens: int = typer.Option(128, min=1, help="Most new tokens per answer (it also ends at a blank line)."),
     repeats: int = typer.Option(3, min=1, help="Timed runs of each decoder per question, interleaved; the median "
                                 "counts."),
 ) -> None:
-    """Answer sample questions over the MS-MARCO sample (FAISS + E5) and compare with plain greedy.
+    """Answer questions over the MS-MARCO sample or your own documents (FAISS + E5), and compare with plain greedy.
 
     Each answer is streamed, then timed against the model's own greedy decoding of the same prompt
     (median of --repeats interleaved runs each); the two outputs are compared token for token."""
     from .bench.timing import ForwardTimes, where_the_time_went
-    from .rag.msmarco import load_msmarco_sample, rag_input, sample_path
     from .models import DEFAULT_MODEL, OFFLINE_MODELS, cache_home, check_model_name, offline_model_cached
+    from .rag.documents import load_folder
+    from .rag.msmarco import RagItem, load_msmarco_sample, rag_input, sample_path
     from .rag.retrieval import cached_index, embedder_cached, index_cache_path
 
     try:
         check_model_name(model)  # (before the index is built: minutes on a first run)
-        corpus_path = Path(corpus) if corpus else sample_path()
-        items = load_msmarco_sample(corpus_path, limit=corpus_items)
+        if docs is not None:
+            if corpus is not None:
+                raise CliError("give --docs (a folder of your files) or --corpus (a JSONL file), not both")
+            if not question:
+                raise CliError("--docs needs the questions to ask: --question 'What does ...?' (repeatable)")
+            corpus_path, items = Path(docs).expanduser(), load_folder(docs)
+            what = f"{len(items)} files in {corpus_path}"
+        else:
+            corpus_path = Path(corpus) if corpus else sample_path()
+            items = load_msmarco_sample(corpus_path, limit=corpus_items)
+            what = f"the first {len(items)} items of {corpus_path.name}"
         if not items:
             raise CliError(f"corpus {corpus_path} has no items")
         index_path = index_cache_path(items, embedder, corpus_path)
@@ -120,11 +133,9 @@ def demo(
                        "runs start in seconds.")
         if index_path.is_file():
             index, _ = cached_index(items, embedder, corpus_path, show_progress=True)  # (rebuilt if damaged)
-            typer.echo(f"Index: {len(index)} passages of the first {len(items)} items of {corpus_path.name} "
-                       f"({embedder}, from the cache)")
+            typer.echo(f"Index: {len(index)} passages of {what} ({embedder}, from the cache)")
         else:
-            typer.echo(f"Index: embedding {n_passages} passages of the first {len(items)} items of "
-                       f"{corpus_path.name} with {embedder} ...")
+            typer.echo(f"Index: embedding {n_passages} passages of {what} with {embedder} ...")
             index, _ = cached_index(items, embedder, corpus_path, show_progress=True)
         dec = _load_decoder(model, device, dtype)
     except (FileNotFoundError, ValueError, TypeError, CliError) as e:
@@ -132,7 +143,8 @@ def demo(
     what = (" (SmolLM2-135M-Instruct de-quantised from a Q4_1 GGUF: a tiny model that runs anywhere offline; "
             "--model NAME_OR_PATH for a real one)" if model == DEFAULT_MODEL else "")
     typer.echo(f"Model: {model}{what} on {dec.device}, {str(dec.model.dtype).replace('torch.', '')}")
-    answered = [it for it in items if it.answers][:queries] or items[:queries]
+    answered = ([RagItem(f"question-{i}", q, [], []) for i, q in enumerate(question, 1)] if question
+                else [it for it in items if it.answers][:queries] or items[:queries])
     timer = ForwardTimes(dec.model)
     gen = dict(max_new_tokens=max_new_tokens, stop=DEMO_STOPS)
     totals = {"ours": [0.0, 0, 0], "greedy": [0.0, 0, 0]}  # seconds, tokens, forward passes
@@ -286,7 +298,8 @@ def bench(
         None, "--exact/--no-exact", help="Transformers methods of ours: exact steps, every verify row bit for bit a "
                                          "one-token step (default: on a CPU in bfloat16 and float16; --exact asks "
                                          "for them on a GPU, --no-exact: the library's kernels)."),
-    out: Path = typer.Option(Path("benchmarks/results/bench"), help="Output prefix: .json, .md, .png"),
+    out: Optional[Path] = typer.Option(None, help="Output prefix: .json, .md, .png (default: bench-<time> in "
+                                       "RAG_ACCEL_HOME's bench folder, never your working tree)"),
 ) -> None:
     """Run greedy, Hugging Face prompt lookup and our configurations side by side on the same items
     (and vLLM: vllm-greedy, vllm-ngram, vllm-suffix, vllm-suffix-f3, vllm-suffix-elsewhere, vllm-ours,
@@ -295,6 +308,8 @@ def bench(
     from .bench.harness import VLLM_HINT, environment, run_benchmark, run_concurrency, too_long, vllm_engines
     from .bench.report import BenchReport, loadavg
     from .rag.msmarco import load_msmarco_sample
+
+    out = out or default_out("bench")
 
     load_before = loadavg()
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
@@ -377,6 +392,8 @@ def bench(
     env["static_steps"] = dec.static_steps  # (exact static steps may close at the first request: as they ran)
     tables, plot_skipped = report.finish(runs, batch_runs, dec.cost_curves)
     typer.echo(tables)
+    for line in bench_verdicts(runs):
+        typer.secho(line, bold=True)
     if save_outputs is not None:
         report.save_outputs(save_outputs, runs)
     if plot_skipped:
@@ -384,13 +401,52 @@ def bench(
     typer.echo(f"wrote {out.with_suffix('.json')}, .md{'' if plot_skipped else ', .png'}")
 
 
+def bench_verdicts(runs: list) -> list[str]:
+    """The bench's summary lines, one per method, with the demo's word on the timing (:func:`_timing_verdict`): a
+    speed claim only where the forward passes saved allow it and it stands clear of the runs' spread (the median
+    over items of each side's spread between its repeats; 0 with one run an item)."""
+    import statistics
+
+    from .bench.results import summarize
+
+    def spread(method: str, item: str) -> float:
+        seconds = [r.seconds for r in runs if r.method == method and r.item == item and r.case == "rag"]
+        return (max(seconds) - min(seconds)) / statistics.median(seconds) if len(seconds) > 1 else 0.0
+
+    summary = summarize(runs)
+    steps = {m: sum(r.steps for r in runs if r.method == m and r.case == "rag") for m in summary}
+    lines = []
+    for m, s in summary.items():
+        if m == "greedy":
+            continue
+        items = list(dict.fromkeys(r.item for r in runs if r.method == m and r.case == "rag"))
+        noise = statistics.median(max(spread(m, it), spread("greedy", it)) for it in items)
+        verdict = _timing_verdict(s["speedup_total_time"], steps["greedy"], max(1, steps[m]), noise)
+        lines.append(f"{m}: {verdict} against greedy over {s['items']} items (per item {s['speedup_geomean']:.2f}x, "
+                     f"worst {s['speedup_worst']:.2f}x), {s['tokens_per_step']:.2f} tokens a step, identical "
+                     f"{s['identical_rate']:.0%}")
+    return lines
+
+
+def default_out(kind: str) -> Path:
+    """Where a benchmark writes when not told: ``<RAG_ACCEL_HOME>/bench/<kind>-<UTC time>`` (a run in a checkout
+    adds nothing to it; results meant for the repository are written there with ``--out``)."""
+    import time
+
+    from .models import cache_home
+
+    return cache_home() / "bench" / f"{kind}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+
+
 @app.command("bench-drafting", short_help="Time one draft proposal against the references' size.")
 def bench_drafting(
     sizes: str = typer.Option("1000,100000,1000000", help="Reference sizes in tokens, comma-separated."),
     queries: int = typer.Option(300, min=1, help="Proposals timed per size."),
-    out: Path = typer.Option(Path("benchmarks/results/propose_cpu"), help="Output prefix: .json, .md"),
+    out: Optional[Path] = typer.Option(None, help="Output prefix: .json, .md (default: propose-<time> in "
+                                       "RAG_ACCEL_HOME's bench folder)"),
 ) -> None:
     """Cost of one draft proposal against reference size: ours vs Hugging Face's prompt lookup."""
+    out = out or default_out("propose")
     try:
         size_list = [int(x) for x in sizes.split(",") if x.strip()]
         if not size_list or min(size_list) < 1:

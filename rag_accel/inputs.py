@@ -106,6 +106,13 @@ def is_chat(prompt: Any) -> bool:
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def check_role(i: int, role: Any) -> None:
+    """Refuse chat message ``i``'s role unless it is one of :data:`CHAT_ROLES` (a server's requests too)."""
+    if role not in CHAT_ROLES:
+        raise ValueError(f"chat message {i} has the role {role!r}; a role is one of "
+                         + ", ".join(map(repr, CHAT_ROLES)))
+
+
 def check_chat(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Chat messages checked (each has ``role``, one of :data:`CHAT_ROLES`, and ``content``; text encodable), as
     plain dicts.
@@ -115,18 +122,22 @@ def check_chat(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         Traceback (most recent call last):
         ...
         ValueError: chat message 0 has the role 'wizard'; a role is one of 'system', 'developer', 'user', 'assistant', 'tool'
+        >>> check_chat([{"role": "user", "content": " "}])
+        Traceback (most recent call last):
+        ...
+        ValueError: empty chat: no message has any content, nothing to condition on (as an empty prompt)
     """
     out = []
     for i, m in enumerate(messages):
         if "role" not in m or "content" not in m:
             raise ValueError(f"chat message {i} needs 'role' and 'content' keys, got {sorted(m)}")
-        if m["role"] not in CHAT_ROLES:
-            raise ValueError(f"chat message {i} has the role {m['role']!r}; a role is one of "
-                             + ", ".join(map(repr, CHAT_ROLES)))
+        check_role(i, m["role"])
         for key, value in m.items():
             if isinstance(value, str):
                 check_text(value, f"chat message {i} {key!r}")
         out.append(dict(m))
+    if not any(m["content"].strip() if isinstance(m["content"], str) else m["content"] for m in out):
+        raise ValueError("empty chat: no message has any content, nothing to condition on (as an empty prompt)")
     return out
 
 

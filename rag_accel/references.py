@@ -22,6 +22,7 @@ import math
 import re
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -97,6 +98,11 @@ def may_exceed(refs: Sequence[str | list[int]], max_tokens: int) -> bool:
     return sum(len(r) for r in refs) > max_tokens
 
 
+#: References past this many tokens in one request get a warning: they are accepted (up to
+#: ``max_reference_tokens``), but tokenising and indexing them costs each request seconds.
+LARGE_REFERENCE_TOKENS = 250_000
+
+
 class TokenCache:
     """The token ids of reference texts tokenised lately, by text: the last ``max_tokens`` tokens'
     worth, least recently used first out (int32, ~4 bytes a token). A passage that comes back (the
@@ -170,6 +176,10 @@ def tokenize_references(tokenizer: Any, refs: Sequence[str | list[int]], max_tok
             more = "at least " if i < len(refs) - 1 else ""
             raise ValueError(f"references hold {more}{total} tokens, more than max_reference_tokens={max_tokens}; "
                              "pass fewer or raise the limit in DecoderConfig")
+    if total > LARGE_REFERENCE_TOKENS:
+        warnings.warn(f"references hold {total} tokens: tokenising and indexing them costs each request seconds "
+                      "before drafting helps (retrieve fewer, shorter passages; a document the answer copies "
+                      "from is usually a few thousand tokens)", stacklevel=3)
     return out
 
 

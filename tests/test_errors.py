@@ -75,6 +75,17 @@ def test_huge_references_are_refused_past_the_limit(dec):
     still_works(dec)
 
 
+def test_large_references_under_the_limit_are_served_with_a_warning(dec, monkeypatch):
+    """References far past what a RAG answer copies from cost each request seconds to set up: served, said once."""
+    import rag_accel.references as references
+
+    monkeypatch.setattr(references, "LARGE_REFERENCE_TOKENS", 100)
+    prompt = [9, 8, 7, 9, 8]
+    with pytest.warns(UserWarning, match=r"references hold 300 tokens: tokenising and indexing them costs"):
+        out = dec.generate(prompt, references=[[5, 6, 7] * 100], max_new_tokens=8)
+    assert out.token_ids == hf_greedy(dec.model, prompt, 8)
+
+
 def test_text_references_that_may_pass_the_limit_are_refused_at_the_call(dec):
     """Text whose token count only tokenising tells (more characters than the limit, too few to
     prove it) is tokenised when the call is made, so its refusal comes before any iteration; the

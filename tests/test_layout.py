@@ -223,7 +223,7 @@ ROOMS = {
     "vllm": "the vLLM engine",
     "bench": "what rag-accel bench and demo time",
     "rag": "where references come from: retrieval, the embedder's conversion, the response cache, conversations, "
-           "the bundled sample, the files they are stored in",
+           "the bundled sample, a folder of the user's own documents, the files they are stored in",
     "serving": "rag-accel serve, a server process, the HTTP client",
 }
 TOP = {  # the decoding core, the command line and the adapters' factory

@@ -370,6 +370,9 @@ def test_bad_references_get_400_and_the_server_serves_on(server, client, baselin
         RemoteDecoder(server.base_url).generate(baseline.msgs[0], ["word " * (20 * MAX_REF)])
     with pytest.raises(RemoteError, match="hold over"):  # streamed: HTTP 200, then an error event (code 400)
         list(RemoteDecoder(server.base_url).stream(baseline.msgs[0], ["word " * (20 * MAX_REF)]))
+    with pytest.raises(openai.BadRequestError, match="role 'assistent'") as e:  # a role the library refuses too
+        client.chat.completions.create(model=MODEL, messages=[{"role": "assistent", "content": "hi"}], max_tokens=4)
+    assert e.value.status_code == 400
     assert _chat(client, baseline.msgs[0], {"references": baseline.msgs[0][-1]["content"]}).token_ids == baseline.ids[0]
     assert RemoteDecoder(server.base_url).generate(baseline.msgs[0], answers=[baseline.msgs[0][-1]["content"]],
                                                    max_new_tokens=MAX_NEW).token_ids == baseline.ids[0]

@@ -299,8 +299,11 @@ def run_benchmark(
         first = warmup or items[0]
         ids0 = dec.encode_prompt(rag_input(dec.tokenizer, first.query, first.passages))
         for m in methods:
+            if progress:
+                progress(f"warm-up (untimed): {m} on {first.id}")
             runners[m](ids0, list(first.passages), None)
         i = 0
+        t_items = time.perf_counter()
         while i < len(cases):
             item, refs, case = cases[i]
             ids = dec.encode_prompt(rag_input(dec.tokenizer, item.query, item.passages))
@@ -339,9 +342,12 @@ def run_benchmark(
             answers[item.id] = first["greedy"]
             runs.extend(sorted(item_runs, key=lambda r: (r.repeat, list(methods).index(r.method))))
             if progress:
+                elapsed = time.perf_counter() - t_items
+                left = elapsed / (i + 1) * (len(items) + reworded - i - 1)
                 progress(f"{case} item {i + 1 - (len(items) if case == 'reworded' else 0)}/"
                          f"{len(items) if case == 'rag' else reworded} " + " ".join(
-                             f"{m}={s:.2f}s" for (m, _), s in item_seconds(item_runs).items()))
+                             f"{m}={s:.2f}s" for (m, _), s in item_seconds(item_runs).items())
+                         + f" ({elapsed:.0f} s so far, about {left:.0f} s left)")
             if on_item:
                 on_item(runs)
             i += 1

@@ -286,13 +286,15 @@ def _read_docs(path: str | Path, blob: bytes, count: int) -> tuple[list[str], li
 def index_cache_path(items: Iterable[Any], embedder_name: str, corpus_path: str | Path,
                      cache_dir: str | Path | None = None) -> Path:
     """Where :func:`cached_index` keeps the index over ``items``' passages: a file in ``cache_dir``
-    (default ``$RAG_ACCEL_HOME/indexes``) named by a hash of the corpus file (resolved path, size,
-    modification time), the passage count and the embedder. An edited corpus, other items or
-    another embedder get another file; nothing is ever read back for the wrong inputs."""
+    (default ``$RAG_ACCEL_HOME/indexes``) named by a hash of the corpus (a file's resolved path, size and
+    modification time; a folder's, those of every file in it), the passage count and the embedder. An
+    edited corpus, other items or another embedder get another file; nothing is ever read back for the
+    wrong inputs."""
     corpus_path = Path(corpus_path)
     count = len(_passages_by_id(items))
-    st = corpus_path.stat()
-    key = hashlib.sha256(f"{corpus_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{count}|{embedder_name}".encode())
+    files = sorted(p for p in corpus_path.rglob("*") if p.is_file()) if corpus_path.is_dir() else [corpus_path]
+    stamp = "|".join(f"{p.resolve()}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in files)
+    key = hashlib.sha256(f"{stamp}|{count}|{embedder_name}".encode())
     folder = Path(cache_dir) if cache_dir is not None else cache_home() / "indexes"
     return folder / f"{key.hexdigest()[:16]}.idx"
 

@@ -17,6 +17,9 @@ middleware (vLLM's public ``--middleware`` option; ``rag-accel serve`` adds it) 
    non-streamed response, and in the final usage chunk of a stream with
    ``stream_options: {"include_usage": true}``. What they count: :mod:`rag_accel.prediction`.
 
+A chat request with a role the library refuses (:func:`rag_accel.inputs.check_role`: ``"assistent"``, say) gets
+HTTP 400 too, where vLLM's server would hand any role to the chat template.
+
 On a server whose engine does not draft with :class:`~rag_accel.vllm.RagProposer` (``rag-accel serve
 --speculation off|ngram|suffix``) nothing would draft from a prediction: such a request is refused with
 HTTP 400 rather than served as if the prediction had been used.
@@ -30,10 +33,11 @@ import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from ..inputs import check_role
 from ..prediction import prediction_parts
 from .requests import MIDDLEWARE_PATH, PROPOSER_PATH
 
-__all__ = ["MIDDLEWARE_PATH", "PredictedOutputs", "prediction_xargs", "usage_with_counts"]
+__all__ = ["MIDDLEWARE_PATH", "PredictedOutputs", "chat_error", "prediction_xargs", "usage_with_counts"]
 
 log = logging.getLogger("rag_accel.vllm")
 
@@ -90,9 +94,29 @@ def usage_with_counts(usage: dict[str, Any], stats: dict[str, Any] | None) -> di
     return {**usage, "completion_tokens_details": details}
 
 
-def _refusal(message: str) -> bytes:
+def chat_error(body: dict[str, Any]) -> str | None:
+    """Why a chat request's messages are refused (a role the library refuses: :func:`rag_accel.inputs.check_role`),
+    or ``None``; what vLLM checks itself is left to it.
+
+    Example:
+        >>> chat_error({"messages": [{"role": "assistent", "content": "hi"}]})
+        "chat message 0 has the role 'assistent'; a role is one of 'system', 'developer', 'user', 'assistant', 'tool'"
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    try:
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and "role" in m:
+                check_role(i, m["role"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _refusal(message: str, param: str = "prediction") -> bytes:
     """vLLM's own error body (``ErrorResponse``) for an HTTP 400."""
-    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": "prediction",
+    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": param,
                                  "code": 400}}).encode()
 
 
@@ -107,8 +131,12 @@ class PredictedOutputs:
         if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in _PATHS:
             return await self.app(scope, receive, send)
         raw, more = await _read_body(receive)
-        # (vLLM parses the body itself: parse it here only where a prediction may be in it)
-        body = _json_object(raw) if not more and b'"prediction"' in raw else None
+        chat = scope.get("path") == _PATHS[0]
+        # (vLLM parses the body itself: parse it here only where a prediction or chat roles may be in it)
+        body = _json_object(raw) if not more and (chat or b'"prediction"' in raw) else None
+        wrong = chat_error(body) if chat and body is not None else None
+        if wrong is not None:  # (vLLM's chat server renders any role its template takes; the library refuses it)
+            return await _send_400(send, wrong, "messages")
         key = prediction_xargs(body) if body is not None else None
         if key is None:  # no prediction: the request as it came
             return await self.app(scope, _replay(raw, more, receive), send)
@@ -172,8 +200,8 @@ def _replay(raw: bytes, more: bool, receive: Receive) -> Receive:
     return replay
 
 
-async def _send_400(send: Send, message: str) -> None:
-    body = _refusal(message)
+async def _send_400(send: Send, message: str, param: str = "prediction") -> None:
+    body = _refusal(message, param)
     await send({"type": "http.response.start", "status": 400,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -245,6 +245,8 @@ def test_bad_input_is_a_clear_error(real_decoder, llm):
         RagAccelLLM(decoder=real_decoder, decoder_config={"no_such_knob": 1})
     with pytest.raises(TypeError, match=r"generate\(\) and stream\(\)"):
         RagAccelLLM(decoder=object())
+    with pytest.raises(ValueError, match="did you mean 'smollm2-135m-instruct'"):
+        RagAccelLLM(model_name="smollm2")  # at construction, not at the first call
     assert llm.complete("Hi", max_new_tokens=4).text  # still usable
 
 

@@ -185,6 +185,8 @@ def test_bad_construction_and_unsupported_messages(real_decoder):
         ChatRagAccel(unknown_field=1)
     with pytest.raises(TypeError, match="generate\\(\\) and stream\\(\\)"):
         ChatRagAccel(decoder="not a decoder")
+    with pytest.raises(ValueError, match="did you mean 'smollm2-135m-instruct'"):
+        ChatRagAccel(model="smollm2-135m-instructt")  # at construction, not at the first call
     llm = ChatRagAccel(decoder=real_decoder)
     with pytest.raises(NotImplementedError, match="tool"):
         llm.invoke([HumanMessage("hi"), ToolMessage("42", tool_call_id="1")])
