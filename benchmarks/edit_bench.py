@@ -307,7 +307,8 @@ def markdown(result: dict) -> str:
                   "| method | " + ("speed-up (geo-mean) | worst item" if per_request else "throughput vs greedy")
                   + vs_head + " | tokens/step | tokens/s | " + ("first token (median) | " if per_request else "")
                   + "identical | identical to ours-plain | accepted prediction tokens |",
-                  "|---|---|" + ("---|---|" if per_request else "") + ("---|" if has_vs else "") + "---|---|---|---|---|"]
+                  "|---|---|" + ("---|---|" if per_request else "") + ("---|" if has_vs else "")
+                  + "---|---|---|---|---|"]
         for m, s in summary.items():
             tps = f"{s['tokens_per_step']:.2f}" if s["tokens_per_step"] else "-"
             head = (f"{s['speedup']:.2f}x | {s['worst']:.2f}x ({s['worst_item']})" if per_request
