@@ -402,29 +402,34 @@ def bench(
 
 
 def bench_verdicts(runs: list) -> list[str]:
-    """The bench's summary lines, one per method, with the demo's word on the timing (:func:`_timing_verdict`): a
-    speed claim only where the forward passes saved allow it and it stands clear of the runs' spread (the median
-    over items of each side's spread between its repeats; 0 with one run an item)."""
+    """The bench's summary lines, one per method, with the demo's word on the timing (:func:`_timing_verdict`)
+    against its engine's greedy (:func:`~rag_accel.bench.harness.baseline_of`): a speed claim only where the forward
+    passes saved allow it and it stands clear of the runs' spread (the median over items of each side's spread
+    between its repeats; 0 with one run an item)."""
     import statistics
 
-    from .bench.results import summarize
+    from .bench.harness import baseline_of
+    from .bench.results import item_seconds, summarize
+
+    rag = [r for r in runs if r.case == "rag"]
+    seconds = item_seconds(rag)
+    steps = {m: sum(r.steps for r in rag if r.method == m) for m in {r.method for r in rag}}
 
     def spread(method: str, item: str) -> float:
-        seconds = [r.seconds for r in runs if r.method == method and r.item == item and r.case == "rag"]
-        return (max(seconds) - min(seconds)) / statistics.median(seconds) if len(seconds) > 1 else 0.0
+        times = [r.seconds for r in rag if r.method == method and r.item == item]
+        return (max(times) - min(times)) / statistics.median(times) if len(times) > 1 else 0.0
 
-    summary = summarize(runs)
-    steps = {m: sum(r.steps for r in runs if r.method == m and r.case == "rag") for m in summary}
     lines = []
-    for m, s in summary.items():
-        if m == "greedy":
+    for m, s in summarize(runs).items():
+        base = baseline_of(m)
+        if m == base or base not in steps:
             continue
-        items = list(dict.fromkeys(r.item for r in runs if r.method == m and r.case == "rag"))
-        noise = statistics.median(max(spread(m, it), spread("greedy", it)) for it in items)
-        verdict = _timing_verdict(s["speedup_total_time"], steps["greedy"], max(1, steps[m]), noise)
-        lines.append(f"{m}: {verdict} against greedy over {s['items']} items (per item {s['speedup_geomean']:.2f}x, "
-                     f"worst {s['speedup_worst']:.2f}x), {s['tokens_per_step']:.2f} tokens a step, identical "
-                     f"{s['identical_rate']:.0%}")
+        items = list(dict.fromkeys(r.item for r in rag if r.method == m))
+        speedup = sum(seconds[base, it] for it in items) / sum(seconds[m, it] for it in items)
+        noise = statistics.median(max(spread(m, it), spread(base, it)) for it in items)
+        verdict = _timing_verdict(speedup, steps[base], max(1, steps[m]), noise)
+        lines.append(f"{m}: {verdict} against {base} over {s['items']} items, {s['tokens_per_step']:.2f} tokens a "
+                     f"step, identical {s['identical_rate']:.0%}")
     return lines
 
 

@@ -125,7 +125,7 @@ def test_bench_all_methods_writes_json_md_png(tmp_path, shared_decoders):
     assert len(saved) == 1
     # never silent: the warm-up says what it runs, an item how long the rest will take; the summary has a verdict
     assert all(f"warm-up (untimed): {m} on " in out for m in methods) and re.search(r"item 1/1 .* s left\)", out)
-    verdicts = re.findall(r"^(\S+): (.*) against greedy over 1 items .* identical 100%$", out, re.M)
+    verdicts = re.findall(r"^(\S+): (.*) against greedy over 1 items, .* identical 100%$", out, re.M)
     assert {m for m, _ in verdicts} == set(methods) - {"greedy"}, out
     assert all(re.fullmatch(r"[\d.]+x (faster|\(slower\))|timing noise: .*", v) for _, v in verdicts), verdicts
 
@@ -285,6 +285,20 @@ def test_a_benchmark_without_out_writes_under_rag_accel_home_not_the_working_tre
     assert code == 0, out
     assert [p.suffix for p in sorted((home / "bench").glob("propose-*"))] == [".json", ".md"]
     assert not any(work.iterdir())
+
+
+def test_bench_verdicts_judge_each_method_against_its_own_engines_greedy():
+    """A vLLM method's timing is set against vllm-greedy's steps and time, not transformers' greedy (whose steps cost
+    another engine's time): halving vLLM's steps in half the time is a speed-up, not noise."""
+    from rag_accel.bench.results import Run
+    from rag_accel.cli import bench_verdicts
+
+    runs = [Run("greedy", "a", 1.0, 10, 10, True), Run("vllm-greedy", "a", 0.5, 10, 10, True),
+            Run("vllm-ours", "a", 0.25, 10, 5, True), Run("ours", "a", 0.2, 10, 8, True)]
+    lines = bench_verdicts(runs)
+    assert lines[0].startswith("vllm-ours: 2.00x faster against vllm-greedy over 1 items, 2.00 tokens a step")
+    assert lines[1].startswith("ours: timing noise: 5.00x, where the forward passes went from 10 to 8")
+    assert len(lines) == 2  # (each engine's greedy is the baseline, not a line of its own)
 
 
 def test_summarize_takes_the_median_of_each_items_repeats():

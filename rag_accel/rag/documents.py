@@ -31,23 +31,23 @@ def split_passages(text: str, max_chars: int = PASSAGE_CHARS) -> list[str]:
     Example:
         >>> split_passages("One. Two.\\n\\nThree.\\n\\n\\nFour is longer than that.", max_chars=12)
         ['One. Two.', 'Three.', 'Four is', 'longer than', 'that.']
+        >>> split_passages("A b. C d. E f g h i j k.\\n\\nZ.", max_chars=12)  # (a paragraph's parts rejoin by a space)
+        ['A b. C d.', 'E f g h i j', 'k.\\n\\nZ.']
     """
     if max_chars < 1:
         raise ValueError(f"max_chars must be >= 1, got {max_chars}")
-    pieces: list[str] = []
+    pieces: list[tuple[str, str]] = []  # (what joins it to the piece before: a paragraph's break or a space, text)
     for para in re.split(r"\n\s*\n", text):
         para = " ".join(para.split())
         if not para:
             continue
-        if len(para) <= max_chars:
-            pieces.append(para)
-            continue
-        for sentence in _SENTENCE_END.split(para):
-            pieces.extend(_cut(sentence, max_chars))
+        cut = [para] if len(para) <= max_chars else [
+            line for sentence in _SENTENCE_END.split(para) for line in _cut(sentence, max_chars)]
+        pieces += [("\n\n" if j == 0 else " ", line) for j, line in enumerate(cut)]
     passages: list[str] = []
-    for piece in pieces:  # (short neighbours share a passage)
-        if passages and len(passages[-1]) + 2 + len(piece) <= max_chars:
-            passages[-1] = f"{passages[-1]}\n\n{piece}"
+    for sep, piece in pieces:  # (short neighbours share a passage, joined as the text joined them)
+        if passages and len(passages[-1]) + len(sep) + len(piece) <= max_chars:
+            passages[-1] = f"{passages[-1]}{sep}{piece}"
         else:
             passages.append(piece)
     return passages

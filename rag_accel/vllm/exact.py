@@ -285,9 +285,9 @@ def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKern
 def large_calls_agree(rows: RowKernel, choice: LinearChoice, in_features: int, dtype: torch.dtype,
                       trials: int = LARGE_TRIALS) -> bool:
     """Whether calls of up to :data:`LARGE_CHUNK` rows (at least ``choice.floor``) give every row of every count
-    from 2 to :data:`MAX_CHUNK` + 1 and of :data:`LARGE_PROBES` the bits ``choice``'s calls give it (``trials`` sets
-    of random rows in ``dtype``)."""
-    counts = [*range(2, MAX_CHUNK + 2), *LARGE_PROBES]
+    from ``choice.chunk`` + 1 to :data:`MAX_CHUNK` + 1 and of :data:`LARGE_PROBES` the bits ``choice``'s calls give
+    it (``trials`` sets of random rows in ``dtype``; up to ``choice.chunk`` rows both make the same one call)."""
+    counts = [*range(choice.chunk + 1, MAX_CHUNK + 2), *LARGE_PROBES]
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for _ in range(trials):

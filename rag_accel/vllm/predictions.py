@@ -27,6 +27,7 @@ HTTP 400 rather than served as if the prediction had been used.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -133,7 +134,8 @@ class PredictedOutputs:
         raw, more = await _read_body(receive)
         chat = scope.get("path") == _PATHS[0]
         # (vLLM parses the body itself: parse it here only where a prediction or chat roles may be in it)
-        body = _json_object(raw) if not more and (chat or b'"prediction"' in raw) else None
+        # (off the event loop: a request with megabytes of references must not stall the server's other requests)
+        body = await asyncio.to_thread(_json_object, raw) if not more and (chat or b'"prediction"' in raw) else None
         wrong = chat_error(body) if chat and body is not None else None
         if wrong is not None:  # (vLLM's chat server renders any role its template takes; the library refuses it)
             return await _send_400(send, wrong, "messages")
