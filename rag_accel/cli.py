@@ -506,6 +506,7 @@ def serve(
     from .serving.serve import (cpu_backend, cpu_environment, cpu_hints, default_dtype, exec_server,
                                 home_environment, model_text_bound, model_vocab_size, vllm_bind_hint,
                         resolve_model, serve_command, shell_line)
+    from .vllm.requests import exact_mode
 
     if model.startswith("-"):
         _fail(f"{model!r} is not a model: give MODEL before `--` (rag-accel serve MODEL -- --vllm-option ...)")
@@ -527,7 +528,7 @@ def serve(
         path, name = resolve_model(model)
         cmd = serve_command(path, host=host, port=port, dtype=dtype or default_dtype(), max_model_len=max_model_len,
                             speculation=speculation, max_draft_tokens=max_draft_tokens,
-                            served_model_name=name, extra=ctx.args)
+                            served_model_name=name, exact=exact_mode(None if exact else False), extra=ctx.args)
     except (FileNotFoundError, ValueError, ImportError, TypeError) as e:
         _fail(str(e))
     from .memory import check_scope
@@ -546,10 +547,7 @@ def serve(
             text_bound=model_text_bound(path))  # admission counts text references by it (HTTP 400 when over)
     except ValueError as e:
         _fail(str(e))
-    from .vllm.requests import EXACT_ENV, exact_mode
-
     env = settings.environment()
-    env[EXACT_ENV] = exact_mode(None if exact else False)  # (the workers read it: rag_accel.vllm.exact)
     on_cpu = cpu_backend() or dtype == "float32"  # the CPU backend's settings
     env.update(home_environment(os.environ))  # (what the server writes goes under RAG_ACCEL_HOME)
     if on_cpu:

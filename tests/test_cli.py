@@ -721,9 +721,11 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
             home = tmp_path / "home" / "vllm"
             assert f"VLLM_CACHE_ROOT={home}" in line and f"TMPDIR={home / 'tmp'}" in line
             assert ("NUMBA_THREADING_LAYER=workqueue" in line) == (cpu or dtype == "float32"), (cpu, dtype)
-            assert "RAG_ACCEL_EXACT=auto" in line  # (exact steps where the workers run bfloat16 on a CPU)
-    res = CliRunner().invoke(app, ["serve", "some/model", "--no-exact", "--dry-run"])
-    assert "RAG_ACCEL_EXACT=off" in res.output
+            assert """--additional-config '{"rag_accel_exact": "auto"}'""" in line  # (bfloat16 on a CPU: exact)
+    res = CliRunner().invoke(app, ["serve", "some/model", "--no-exact", "--dry-run", "--",
+                                   "--additional-config", '{"mine": 1}'])
+    assert """--additional-config '{"mine": 1, "rag_accel_exact": "off"}'""" in res.output  # (one option, merged)
+    assert "RAG_ACCEL_EXACT" not in res.output
     assert not (tmp_path / "home" / "vllm" / "tmp").exists()  # (a dry run makes nothing)
 
 

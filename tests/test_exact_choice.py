@@ -84,3 +84,22 @@ def test_a_choice_is_probed_once_per_shape_and_thread_count():
     probed = len(rows.calls)
     assert probed and choose_linear(WEIGHT, None, rows) == LinearChoice(LARGE_CHUNK)
     assert len(rows.calls) == probed
+
+
+def test_an_engines_mode_comes_from_its_config_and_a_bad_one_is_refused():
+    """Exact mode is an engine's setting, passed in its config (``additional_config``), never the environment's."""
+    from types import SimpleNamespace
+
+    from rag_accel.vllm.requests import exact_config
+
+    def config(value):
+        return SimpleNamespace(additional_config=exact_config(value, {"other": 1}))
+
+    assert [exact.mode(config(v)) for v in ("auto", "on", "off")] == ["auto", "on", "off"]
+    assert exact.mode(None) == exact.mode(SimpleNamespace(additional_config={})) == "off"
+    with pytest.raises(ValueError, match="rag_accel_exact"):
+        exact.mode(SimpleNamespace(additional_config={"rag_accel_exact": "yes"}))
+    assert [exact.active(m, torch.bfloat16) for m in ("auto", "on", "off")] == [True, True, False]
+    assert [exact.active(m, torch.float32) for m in ("auto", "on", "off")] == [False, True, False]
+    with pytest.raises(ValueError, match="exact switch"):
+        exact_config("on", {"rag_accel_exact": "off"})  # (one owner: the exact argument)

@@ -285,3 +285,37 @@ def test_no_module_uses_another_modules_private_names(tmp_path: Path):
                      "def f(a, b):\n    a._own()\n    b._theirs()\n")
     assert [what for _, what in _private_uses(probe)[1]] == ["imports x._hidden", "calls b._theirs"]
     assert _private_uses(ROOT / "rag_accel" / "hf" / "draft_models.py")[0] >= {"_forward", "_start"}
+
+
+#: Modules that may change this process's environment: the launchers, which start engines in it.
+ENVIRONMENT_WRITERS = ("rag_accel.serving", "rag_accel.cli", "rag_accel.bench.harness")
+
+
+def _environment_writes(path: Path) -> list[int]:
+    """The lines of a module that change ``os.environ`` (an item set or deleted, ``setdefault``, ``update``,
+    ``pop``, ``clear``) or call ``os.putenv`` / ``os.unsetenv``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    environ = lambda n: ast.unparse(n) in ("os.environ", "environ")  # noqa: E731
+    lines = []
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Assign, ast.AugAssign, ast.Delete)):
+            targets = n.targets if isinstance(n, (ast.Assign, ast.Delete)) else [n.target]
+            lines += [n.lineno for t in targets if isinstance(t, ast.Subscript) and environ(t.value)]
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if (environ(n.func.value) and n.func.attr in ("setdefault", "update", "pop", "clear", "__setitem__")
+                    or ast.unparse(n.func) in ("os.putenv", "os.unsetenv")):
+                lines.append(n.lineno)
+    return lines
+
+
+def test_only_the_launchers_change_the_environment(tmp_path: Path):
+    """A setting is passed to what needs it (an engine's mode in its config), never left in the environment for
+    another module to find: only the launchers (``rag-accel serve``, the command line, the bench's peers) set the
+    environment an engine starts in."""
+    wrong = {m: lines for m, f in _module_files().items() if not _within(m, ENVIRONMENT_WRITERS)
+             and (lines := _environment_writes(f))}
+    assert wrong == {}
+    probe = tmp_path / "probe.py"  # the reader itself
+    probe.write_text("import os\nos.environ['A'] = '1'\nos.environ.setdefault('B', '2')\nx = os.environ.get('C')\n"
+                     "del os.environ['A']\nos.putenv('D', '3')\n")
+    assert sorted(_environment_writes(probe)) == [2, 3, 5, 6]

@@ -90,16 +90,16 @@ def test_serve_command_per_speculation_mode():
 
 
 def _settings(line: str):
-    """The server settings a `rag-accel serve --dry-run` command line carries (its one RAG_ACCEL_SERVER;
-    beside it only the engine's exact mode, which its workers read, for a server and an in-process engine alike)."""
+    """The server settings a `rag-accel serve --dry-run` command line carries (its one RAG_ACCEL_SERVER, no other
+    variable of ours: the engine's exact mode goes in its config, --additional-config)."""
     import shlex
 
-    from rag_accel.vllm.requests import EXACT_ENV, SETTINGS_ENV, ServerSettings
+    from rag_accel.vllm.requests import SETTINGS_ENV, ServerSettings
 
     values = [w.split("=", 1)[1] for w in shlex.split(line) if w.startswith(SETTINGS_ENV + "=")]
     others = [w.split("=", 1)[0] for w in shlex.split(line) if w.startswith("RAG_ACCEL_") and
               not w.startswith(SETTINGS_ENV + "=")]
-    assert len(values) == 1 and others == [EXACT_ENV], line
+    assert len(values) == 1 and others == [], line
     return ServerSettings.from_json(values[0])
 
 

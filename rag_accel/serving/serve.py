@@ -161,34 +161,41 @@ def _given(extra: Sequence[str], option: str) -> bool:
     return any(a == option or a.startswith(option + "=") for a in extra)
 
 
-def _option_value(extra: Sequence[str], names: Sequence[str]) -> int | None:
-    """The integer value of the first of ``names`` given in ``extra`` (``--x 2`` or ``--x=2``)."""
+def _option_text(extra: Sequence[str], names: Sequence[str]) -> tuple[int, int, str] | None:
+    """Where the first of ``names`` is given in ``extra`` (``--x v`` or ``--x=v``): (its index, the arguments it
+    takes, its value); ``None``: not given."""
     for i, a in enumerate(extra):
         for name in names:
             if a == name and i + 1 < len(extra):
-                value = extra[i + 1]
-            elif a.startswith(name + "="):
-                value = a.split("=", 1)[1]
-            else:
-                continue
-            try:
-                return int(value)
-            except ValueError:
-                return None  # vLLM's own parser says what is wrong
+                return i, 2, extra[i + 1]
+            if a.startswith(name + "="):
+                return i, 1, a.split("=", 1)[1]
     return None
+
+
+def _option_value(extra: Sequence[str], names: Sequence[str]) -> int | None:
+    """The integer value of the first of ``names`` given in ``extra`` (``--x 2`` or ``--x=2``)."""
+    found = _option_text(extra, names)
+    try:
+        return None if found is None else int(found[2])
+    except ValueError:
+        return None  # vLLM's own parser says what is wrong
 
 
 def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtype: str | None = None,
                   max_model_len: int | None = None, speculation: str = "ours",
                   max_draft_tokens: int = VLLM_DRAFT_TOKENS, served_model_name: str | None = None,
-                  extra: Sequence[str] = ()) -> list[str]:
-    """The ``vllm serve`` command line (argv) for these options; ``extra``: more vLLM options, as given.
+                  exact: str = "auto", extra: Sequence[str] = ()) -> list[str]:
+    """The ``vllm serve`` command line (argv) for these options; ``exact``: the workers' exact mode
+    (:func:`rag_accel.vllm.requests.exact_mode`), in the engine's ``--additional-config`` (merged with one in
+    ``extra``); ``extra``: more vLLM options, as given.
 
     Example:
         >>> cmd = serve_command("/models/x", port=8001, dtype="float32", speculation="off", extra=["--seed", "1"])
         >>> cmd[cmd.index("serve"):]  # doctest: +NORMALIZE_WHITESPACE
         ['serve', '/models/x', '--host', '127.0.0.1', '--port', '8001', '--dtype', 'float32',
-         '--middleware', 'rag_accel.vllm.predictions.PredictedOutputs', '--seed', '1']
+         '--middleware', 'rag_accel.vllm.predictions.PredictedOutputs', '--additional-config',
+         '{"rag_accel_exact": "auto"}', '--seed', '1']
     """
     if not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"port must be in 1..65535, got {port!r}")
@@ -212,8 +219,19 @@ def serve_command(model: str, *, host: str = "127.0.0.1", port: int = 8000, dtyp
     from ..vllm.requests import MIDDLEWARE_PATH  # (no vLLM import)
 
     cmd += ["--middleware", MIDDLEWARE_PATH]
-    cmd += list(extra)
-    return cmd
+    from ..vllm.requests import exact_config
+
+    extra = list(extra)
+    found = _option_text(extra, ("--additional-config",))
+    given = None
+    if found is not None:  # (the caller's own keys go in one option with the mode)
+        at, taken, given = found
+        del extra[at:at + taken]
+    try:
+        cmd += ["--additional-config", json.dumps(exact_config(exact, given))]
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--additional-config is not JSON: {e}") from None
+    return cmd + extra
 
 
 def cpu_backend() -> bool:

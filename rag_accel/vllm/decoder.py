@@ -21,7 +21,7 @@ from ..protocol import CallOptions, Request, batch_arguments, call_config
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
 from ..wire import RequestArgs
-from .requests import (PROPOSER_PATH, TRACKER_PATH, check_layout, exact_environment, exact_mode, kv_cache_bytes,
+from .requests import (PROPOSER_PATH, TRACKER_PATH, check_layout, exact_config, exact_mode, kv_cache_bytes,
                        model_kv_shape, speculative_config)
 
 if TYPE_CHECKING:
@@ -134,8 +134,8 @@ class VllmDecoder:
                 kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(*model_kv_shape(path), dtype,
                                                                  int(kwargs["max_model_len"]),
                                                                  psutil.virtual_memory().available)
-        with exact_environment(exact_mode(exact)):  # (the engine's processes inherit it as they start)
-            llm = LLM(**kwargs)
+        kwargs["additional_config"] = exact_config(exact_mode(exact), kwargs.get("additional_config"))
+        llm = LLM(**kwargs)  # (its workers read the mode from the engine's config: rag_accel.vllm.exact)
         dec = cls(llm, cfg.replace(max_draft_tokens=max(cfg.max_draft_tokens, int(k))), memory_scope=memory_scope)
         if exact and not dec.exact:
             dec.close()

