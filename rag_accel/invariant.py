@@ -22,8 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EXACT_CANDIDATES", "PROBE_TRIALS", "ExactPlan", "compute_rows", "exact_linear", "invariant_rows",
-           "is_invariant"]
+__all__ = ["EXACT_CANDIDATES", "EXACT_DTYPES", "PROBE_TRIALS", "ExactPlan", "compute_rows", "exact_linear",
+           "invariant_rows", "is_invariant"]
+
+#: The dtypes both engines compute exactly by default on a CPU (the transformers decoder's ``exact=None``, vLLM's mode
+#: "auto"): where a product's order of additions shows in the result's rounding.
+EXACT_DTYPES = (torch.bfloat16, torch.float16)
 
 #: Random inputs a probe tries before it calls a plan invariant. A kernel whose order of additions changes with the
 #: row count changes a bfloat16 result only where the rounding flips, so one input can miss it: on a 2-core AMD EPYC

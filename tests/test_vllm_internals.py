@@ -86,6 +86,14 @@ def test_patches_are_applied_once_and_declare_what_they_wrap():
     from vllm.v1.worker.worker_base import WorkerBase
 
     assert hasattr(WorkerBase, patches.STATS_METHOD)
+    import vllm.model_executor.layers.utils as layer_utils
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    patches.apply_exact_patches()
+    assert patches.apply_exact_patches() is False  # (the exact steps' two: marked, wrapped once)
+    for wrapped, module in ((layer_utils.dispatch_cpu_unquantized_gemm, "vllm.model_executor.layers.utils"),
+                            (CPUAttentionMetadataBuilder.build, "vllm.v1.attention.backends.cpu_attn")):
+        assert getattr(wrapped, patches._MARK) and wrapped.__wrapped__.__module__ == module
 
 
 def _build(config, custom):

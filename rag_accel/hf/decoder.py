@@ -24,6 +24,7 @@ from .threads import free_cores
 from ..config import DEFAULT_COPY_DRAFTERS, DecoderConfig
 from ..drafters import Draft, Drafter, chain_order
 from ..inputs import check_lengths, check_stops, encode_prompt
+from ..invariant import EXACT_DTYPES
 from ..models import announced
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
 from .linears import exact_linears, exact_plans, install_exact, plan_linears, planned_linears
@@ -46,9 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["GenerationOutput", "GenerationStats", "GenerationStream", "ReferenceDecoder", "context_window",
            "forward_seconds", "measure_cost_curve", "new_cache", "resolve_device", "rollback_cache"]
 
-# The dtypes whose verify steps run exact by default (ReferenceDecoder(exact=None)): a verify's products and attention
-# computed so that each row is bit for bit a one-token step's (tests/test_exact.py; costs: benchmarks/experiments/verify_costs.py --arms exact).
-EXACT_DEFAULT_DTYPES = (torch.bfloat16, torch.float16)
 
 # Generation-config settings that change greedy outputs and that this decoder
 # does not apply (yet): refuse rather than silently differ from generate().
@@ -182,15 +180,15 @@ class ReferenceDecoder:
 
     @staticmethod
     def _exact_steps(model: Any, exact: bool | None) -> bool:
-        """Whether steps run exact (by default: :data:`EXACT_DEFAULT_DTYPES` on a CPU; on a GPU the invariant plans
-        and the row attention are unmeasured, ``exact=True`` asks for them): the model must route its attention
-        through transformers' "sdpa" function, which the row-by-row attention replaces."""
+        """Whether steps run exact (by default: :data:`~rag_accel.invariant.EXACT_DTYPES` on a CPU; on a GPU the
+        invariant plans and the row attention are unmeasured, ``exact=True`` asks for them): the model must route its
+        attention through transformers' "sdpa" function, which the row-by-row attention replaces."""
         if exact is not None and not isinstance(exact, bool):
             raise TypeError(f"exact must be a bool or None, got {type(exact).__name__}")
         param = next(model.parameters())
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         if exact is None:
-            exact = param.dtype in EXACT_DEFAULT_DTYPES and param.device.type == "cpu"
+            exact = param.dtype in EXACT_DTYPES and param.device.type == "cpu"
             if exact and impl != "sdpa":
                 import warnings
 

