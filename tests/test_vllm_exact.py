@@ -221,9 +221,26 @@ def test_offline_models_are_exact_in_bfloat16(model, compiled):
         _close(dec)
 
 
-def test_exact_can_be_turned_off_and_is_checked():
+@pytest.mark.slow
+def test_exact_can_be_turned_off_and_is_checked(tmp_path_factory):
+    """A bad switch is refused before an engine starts; ``exact=False`` gives a bf16 engine whose worker runs
+    vLLM's own kernels: its config's mode reaches it as "off" and it replaces no linear layer."""
+    from rag_accel.vllm.patches import STATS_METHOD
+
     with pytest.raises(TypeError, match="exact must be a bool"):
         VllmDecoder.from_pretrained("smollm2-135m-instruct", exact="yes", **ENGINE)
+    path = _tiny("llama", tmp_path_factory)
+    try:
+        dec = VllmDecoder.from_pretrained(path, exact=False, **ENGINE)
+        try:
+            assert not dec.exact
+            status = [r["exact"] for r in dec.llm.collective_rpc(STATS_METHOD, args=([], False))]
+            assert status == [{"mode": "off", "linears": 0, "attention": 0}]
+            assert len(dec.generate([5, 6, 7], max_new_tokens=4).token_ids) == 4  # (it serves)
+        finally:
+            _close(dec)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_choice_is_remembered_for_the_next_process_and_a_damaged_file_measured_again(tmp_path, monkeypatch, caplog):
