@@ -381,7 +381,7 @@ def bench(
                              concurrency_items=concurrency_items, skipped=skipped)
         runs = run_benchmark(dec, timed, method_list, max_new_tokens, repeats=repeats,
                              progress=lambda s: typer.echo(s, err=True), engines=engines, reworded=reworded,
-                             warmup=warmup, cold=cold, on_item=lambda rs: report.write(rs, cost_curves=dec.cost_curves))
+                             warmup=warmup, cold=cold, on_item=lambda rs: report.write(rs, cost_curves=dec.steps.curves))
         batch_runs = run_concurrency(engines, dec, timed, levels, max_new_tokens, concurrency_items,
                                      progress=lambda s: typer.echo(s, err=True)) if levels else []
     except (FileNotFoundError, ValueError, TypeError, ImportError, CliError) as e:
@@ -390,7 +390,7 @@ def bench(
         for e in engines.values():
             e.close()
     env["static_steps"] = dec.static_steps  # (exact static steps may close at the first request: as they ran)
-    tables, plot_skipped = report.finish(runs, batch_runs, dec.cost_curves)
+    tables, plot_skipped = report.finish(runs, batch_runs, dec.steps.curves)
     typer.echo(tables)
     for line in bench_verdicts(runs):
         typer.secho(line, bold=True)

@@ -36,8 +36,21 @@ SAMPLING_ARGS = ("temperature", "top_k", "top_p", "seed")
 class CallOptions(TypedDict, total=False):
     """The per-call options of ``generate`` / ``stream`` / ``generate_batch`` on every decoder, declared once: each
     decoder's methods take them as ``**options: Unpack[CallOptions]``, and :meth:`Request.of` checks them.
-    ``answers``: earlier answers to copy from; ``prediction``: OpenAI's Predicted Outputs (rag_accel.prediction), its
-    parts references of the call. In generate_batch each of those two holds one entry per prompt, as references
+
+    - ``max_new_tokens``: most tokens to generate. ``stop``: stop string(s); the text ends before the first one (the
+      token ids end with the token that completed it).
+    - ``config``: a :class:`~rag_accel.config.DecoderConfig` or a dict of changes to the decoder's, for this call.
+    - ``speculate``: ``False``: no drafting for this call (the output is the same).
+    - ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``: sampling, distributed as the model's own (unset
+      values from the model's generation config; ``seed`` makes an output reproducible).
+    - ``answers``: earlier answers of this model to copy from (a cached answer to a similar question), strings or
+      token-id lists, drafted as the memory of answers drafts; with the references they count against
+      ``max_reference_tokens``.
+    - ``prediction``: OpenAI's Predicted Outputs (``{"type": "content", "content": text or [{"type": "text", "text":
+      ...}, ...]}``, :mod:`rag_accel.prediction`): each text part one more reference, counted in
+      ``stats.accepted_prediction_tokens``.
+
+    In generate_batch ``answers`` and ``prediction`` hold one entry per prompt, as references
     (:func:`batch_arguments`)."""
 
     max_new_tokens: int

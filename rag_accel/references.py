@@ -34,8 +34,8 @@ from .inputs import array_types, check_ids, check_text, token_ids
 from .memory import answers_drafter
 
 __all__ = ["WAITED_REFERENCE_SIZE", "ReferenceSetUp", "TextBound", "TokenCache", "certain_tokens", "check_reference",
-           "check_references", "encode_references", "max_chars_per_token", "may_exceed", "min_tokens",
-           "reference_drafters", "text_bound", "tokenize_references", "tokenizer_json_bound"]
+           "check_references", "check_request_references", "encode_references", "max_chars_per_token", "may_exceed",
+           "min_tokens",            "reference_drafters", "text_bound", "tokenize_references", "tokenizer_json_bound"]
 
 #: A request's references (and answers) of up to this many characters of text or token ids in all are
 #: tokenised and indexed before its first draft, by either engine: a few milliseconds, less than a step.
@@ -96,6 +96,19 @@ def may_exceed(refs: Sequence[str | list[int]], max_tokens: int) -> bool:
     when it cannot (a token covers at least one character), their tokenising may be deferred
     without deferring a refusal."""
     return sum(len(r) for r in refs) > max_tokens
+
+
+def check_request_references(tokenizer: Any, references: Any, answers: Any, vocab_size: int, max_tokens: int,
+                             cache: TokenCache | None = None) -> tuple[list[str | list[int]], list[str | list[int]]]:
+    """A request's references and earlier answers, checked (:func:`check_references`) and, where only tokenising
+    tells whether together they pass ``max_tokens``, tokenised now so that the request is refused before it runs
+    (other texts are tokenised while the prompt is prefilled)."""
+    refs = check_references(tokenizer, references, vocab_size, max_tokens)
+    given = check_references(tokenizer, answers, vocab_size, max_tokens, "answers")
+    if may_exceed([*refs, *given], max_tokens):
+        ids = tokenize_references(tokenizer, [*refs, *given], max_tokens, cache=cache)
+        refs, given = ids[:len(refs)], ids[len(refs):]
+    return refs, given
 
 
 #: References past this many tokens in one request get a warning: they are accepted (up to

@@ -78,7 +78,7 @@ def test_decoder_verifies_with_packed_heads_and_stays_exact(arch, tokenizer, mon
     assert count.calls == 0  # generate() outside the decoder's verify forwards: the model's own path
     for pack, mode in [(True, "right"), (True, "wrong"), (False, "mix")]:
         dec = ReferenceDecoder(model, tokenizer, DecoderConfig(adaptive=False, max_draft_tokens=6))
-        dec.pack_gqa = pack  # (a class constant; an experiment may set it on an instance)
+        dec.steps.pack_gqa = pack  # (a class constant; an experiment may set it on an instance)
         before = count.calls
         out = dec.generate(prompt, max_new_tokens=30, drafters=[OracleDrafter(want, len(prompt), mode, dec.vocab_size)])
         assert out.token_ids == want

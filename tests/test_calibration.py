@@ -14,7 +14,7 @@ from helpers import tiny_model
 
 from rag_accel import ReferenceDecoder
 from rag_accel.hf import attention, calibration
-from rag_accel.hf import decoder as decoder_module
+from rag_accel.hf import steps as steps_module
 
 
 @pytest.fixture()
@@ -40,9 +40,9 @@ def test_a_second_load_measures_nothing_and_gets_what_the_first_measured(folder,
     def measured(*args, **kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(decoder_module, "measure_cost_curve", measured)
-    monkeypatch.setattr(decoder_module, "plan_linears", measured)
-    monkeypatch.setattr(decoder_module, "exact_plans", measured)
+    monkeypatch.setattr(steps_module, "measure_cost_curve", measured)
+    monkeypatch.setattr(steps_module, "plan_linears", measured)
+    monkeypatch.setattr(steps_module, "exact_plans", measured)
     second = ReferenceDecoder.from_pretrained(str(folder), dtype=torch.bfloat16)
     assert "calibrating" not in capsys.readouterr().err
     k = second.config.max_draft_tokens

@@ -8,7 +8,7 @@ import pytest
 from helpers import hf_greedy, tiny_model
 
 from rag_accel import DecoderConfig, ReferenceDecoder
-from rag_accel.hf.decoder import resolve_device
+from rag_accel.hf.loading import resolve_device
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,13 @@ SIZES = (2, 3, 4, 8, 16, 33)
 def _rows(dec, context, seq):
     """(each token's logits as a one-token step, then the logits of forwards over its first k, k in SIZES)."""
     with torch.inference_mode():
-        cache = dec._new_cache()
-        dec._forward(context, cache, last_only=True)
-        alone = [dec._forward([t], cache, exact=True)[-1] for t in seq]
+        cache = dec.steps.new_cache()
+        dec.steps.forward(context, cache, last_only=True)
+        alone = [dec.steps.forward([t], cache, exact=True)[-1] for t in seq]
         rollback_cache(cache, len(seq))
         together = {}
         for k in SIZES:
-            together[k] = dec._forward(seq[:k], cache, exact=True)
+            together[k] = dec.steps.forward(seq[:k], cache, exact=True)
             rollback_cache(cache, k)
     return alone, together
 
@@ -72,11 +72,11 @@ def test_without_exact_steps_bfloat16_verify_rows_differ(tokenizer):
     g = torch.Generator().manual_seed(3)
     context, seq = (torch.randint(0, dec.vocab_size, (n,), generator=g).tolist() for n in (20, 16))
     with torch.inference_mode():
-        cache = dec._new_cache()
-        dec._forward(context, cache, last_only=True)
-        alone = [dec._forward([t], cache, pack_gqa=True)[-1] for t in seq]
+        cache = dec.steps.new_cache()
+        dec.steps.forward(context, cache, last_only=True)
+        alone = [dec.steps.forward([t], cache, pack_gqa=True)[-1] for t in seq]
         rollback_cache(cache, 16)
-        logits = dec._forward(seq, cache, pack_gqa=True)
+        logits = dec.steps.forward(seq, cache, pack_gqa=True)
     assert sum(torch.equal(logits[i], alone[i]) for i in range(16)) < 16
 
 
@@ -228,9 +228,9 @@ def test_the_1_5b_shaped_heads_take_the_batched_path(tokenizer, monkeypatch):
     calls, real = [], attention.block_attention
     monkeypatch.setattr(attention, "block_attention", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
     with torch.inference_mode():
-        cache = dec._new_cache()
-        dec._forward(list(range(5, 40)), cache, last_only=True)
-        dec._forward(list(range(40, 48)), cache, exact=True)
+        cache = dec.steps.new_cache()
+        dec.steps.forward(list(range(5, 40)), cache, last_only=True)
+        dec.steps.forward(list(range(40, 48)), cache, exact=True)
     assert calls == [8, 8]  # one call per layer, all 8 rows
 
 

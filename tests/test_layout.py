@@ -319,3 +319,31 @@ def test_only_the_launchers_change_the_environment(tmp_path: Path):
     probe.write_text("import os\nos.environ['A'] = '1'\nos.environ.setdefault('B', '2')\nx = os.environ.get('C')\n"
                      "del os.environ['A']\nos.putenv('D', '3')\n")
     assert sorted(_environment_writes(probe)) == [2, 3, 5, 6]
+
+
+#: The transformers engine's rooms beside its decoder: what the decoder checks and loads when it is built, the
+#: forwards (cache, forward path, plans, probes, cost curves), one request's state and set-up.
+HF_ROOMS = {"loading": "check_model", "steps": "Steps", "request": "RequestState"}
+#: The decode loop's verbs, in the order a step calls them (0. prefill before the loop).
+LOOP_VERBS = ["_emit", "_learn", "_draft", "_verify", "_accept", "_account"]
+
+
+def test_the_transformers_decoder_is_its_api_and_its_loop():
+    """``rag_accel/hf/decoder.py`` keeps the API and a loop that reads as named verbs, each a call; the rest lives in
+    the rooms of :data:`HF_ROOMS`, which the decoder imports."""
+    path = ROOT / "rag_accel" / "hf" / "decoder.py"
+    source = path.read_text(encoding="utf-8")
+    assert len(source.splitlines()) <= 400
+    tree = ast.parse(source)
+    decode = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_decode")
+    assert decode.end_lineno - decode.lineno < 50, "the loop fits on a screen"
+    loop = next(n for n in ast.walk(decode) if isinstance(n, ast.While))
+    calls = [n.func.attr for n in sorted((n for n in ast.walk(loop) if isinstance(n, ast.Call)),
+                                         key=lambda n: (n.lineno, n.col_offset))
+             if isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+    assert [c for c in calls if c in LOOP_VERBS] == LOOP_VERBS
+    assert any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "_prefill" for n in ast.walk(decode))
+    imported = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    for room, name in HF_ROOMS.items():
+        assert (room, name) in imported, f"decoder.py takes {name} from hf/{room}.py"
+        assert (ROOT / "rag_accel" / "hf" / f"{room}.py").is_file()

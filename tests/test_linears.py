@@ -79,7 +79,7 @@ class _Count:
 def _transposed_everywhere(monkeypatch, upto=8):
     """Plans that change every row count 1..upto (the real plan depends on this machine's timing)."""
     plan = LinearPlan((0,) + tuple(range(1, upto + 1)), (False,) + (True,) * upto)
-    monkeypatch.setattr("rag_accel.hf.decoder.plan_linears",
+    monkeypatch.setattr("rag_accel.hf.steps.plan_linears",
                         lambda model: {shape: plan for shape in linears.linears(model)})
 
 
@@ -95,7 +95,7 @@ def test_decoder_forwards_take_their_plans_and_stay_exact(arch, tokenizer, monke
     assert count.rows == []  # generate(): the model's own projections
     for fast, mode in [(True, "right"), (True, "wrong"), (False, "mix")]:
         dec = ReferenceDecoder(model, tokenizer, DecoderConfig(adaptive=False, max_draft_tokens=6))
-        dec.fast_linears = fast  # (a class constant; an experiment may set it on an instance)
+        dec.steps.fast_linears = fast  # (a class constant; an experiment may set it on an instance)
         out = dec.generate(prompt, max_new_tokens=30, drafters=[OracleDrafter(want, len(prompt), mode, dec.vocab_size)])
         assert out.token_ids == want
         if fast:  # the prefill's 40 rows are past the plan (8 rows); every step's 1 + draft rows take it
@@ -156,18 +156,18 @@ def test_the_decoder_plans_once_on_its_model_and_each_path_is_timed_on_its_own(t
     model = tiny_model("llama", vocab_size=len(tokenizer))
     planned = []
     real = linears.plan_linears
-    monkeypatch.setattr("rag_accel.hf.decoder.plan_linears", lambda m: planned.append(m) or real(m))
+    monkeypatch.setattr("rag_accel.hf.steps.plan_linears", lambda m: planned.append(m) or real(m))
     dec = ReferenceDecoder(model, tokenizer, DecoderConfig(max_draft_tokens=4))
     prompt = list(range(5, 25))
     first = dec.generate(prompt, max_new_tokens=3)
-    fast_key = (4, dec.pack_gqa, True, False)
-    assert planned == [model] and first.stats.calibration_s > 0 and set(dec._cost_curves) == {fast_key}
+    fast_key = (4, dec.steps.pack_gqa, True, False)
+    assert planned == [model] and first.stats.calibration_s > 0 and set(dec.steps.curves) == {fast_key}
     assert set(dec.plan_linears()) == set(linears.linears(model))  # every shape has its plan
     assert dec.generate(prompt, max_new_tokens=3).stats.calibration_s == 0  # measured once
-    dec.fast_linears = False
+    dec.steps.fast_linears = False
     count = _Count(monkeypatch)
     plain = dec.generate(prompt, max_new_tokens=3)
     assert plain.stats.calibration_s > 0 and planned == [model]
-    assert set(dec._cost_curves) == {fast_key, (4, dec.pack_gqa, False, False)}
+    assert set(dec.steps.curves) == {fast_key, (4, dec.steps.pack_gqa, False, False)}
     assert count.rows == []  # timed, and decoded, on the model's own projections
     assert plain.token_ids == first.token_ids == hf_greedy(model, prompt, 3)

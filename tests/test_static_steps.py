@@ -90,21 +90,21 @@ def test_padding_never_changes_an_accepted_token(real_decoder):
     unpadded verify on a dynamic cache at every one of its rows, for every ``n`` from 1 to 13 at three lengths."""
     dec = ReferenceDecoder(real_decoder.model, real_decoder.tokenizer, DecoderConfig(max_draft_tokens=12),
                            static_steps=True)
-    assert dec._static.sizes == (1, 2, 4, 8, 13)
+    assert dec.steps.static.sizes == (1, 2, 4, 8, 13)
     item = load_msmarco_sample(limit=1)[0]
     ids = dec.encode_prompt(rag_messages(item.query, item.passages))
     rng = random.Random(0)
     with torch.inference_mode():
         for length in (len(ids) // 3, len(ids) // 2, len(ids)):
-            lease, dynamic = dec._new_cache(len(ids) + 64), real_decoder._new_cache()
+            lease, dynamic = dec.steps.new_cache(len(ids) + 64), real_decoder.steps.new_cache()
             assert isinstance(lease, StaticLease)
             try:
-                dec._forward(ids[:length], lease, last_only=True)
-                real_decoder._forward(ids[:length], dynamic, last_only=True)
+                dec.steps.forward(ids[:length], lease, last_only=True)
+                real_decoder.steps.forward(ids[:length], dynamic, last_only=True)
                 for n in range(1, 14):
                     tokens = [rng.randrange(dec.vocab_size) for _ in range(n)]
-                    got = dec._forward(tokens, lease).argmax(-1)
-                    want = real_decoder._forward(tokens, dynamic).argmax(-1)
+                    got = dec.steps.forward(tokens, lease).argmax(-1)
+                    want = real_decoder.steps.forward(tokens, dynamic).argmax(-1)
                     assert torch.equal(got, want), (length, n)
                     lease.crop(-n)
                     dynamic.crop(-n)
@@ -149,12 +149,12 @@ def test_a_static_step_reads_nothing_back_from_the_device(tokenizer, arch):
                            static_steps=True)
     reads = _HostReads()
     with torch.inference_mode():
-        lease = dec._new_cache(200)
+        lease = dec.steps.new_cache(200)
         try:
-            dec._forward(list(range(10, 50)), lease, last_only=True)
+            dec.steps.forward(list(range(10, 50)), lease, last_only=True)
             with reads:
                 for n in (1, 3, 8, 9):
-                    dec._forward(list(range(60, 60 + n)), lease)
+                    dec.steps.forward(list(range(60, 60 + n)), lease)
                     lease.crop(-n)
         finally:
             lease.release()
@@ -169,13 +169,13 @@ def test_a_failed_capture_leaves_eager_steps(tokenizer, recwarn):
     output greedy's."""
     model = tiny_model("llama", vocab_size=len(tokenizer))
     dec = ReferenceDecoder(model, tokenizer, DecoderConfig(adaptive=False, max_draft_tokens=8), static_steps=True)
-    dec._static.capture = True
+    dec.steps.static.capture = True
     for prompt in _prompts(2, dec.vocab_size, 7):
         want = hf_greedy(model, prompt, MAX_NEW)
         assert dec.generate(prompt, [prompt], max_new_tokens=MAX_NEW).token_ids == want
     failed = [w for w in recwarn if "could not capture the steps as CUDA graphs" in str(w.message)]
     assert len(failed) == 1 and "run eagerly on the static cache" in str(failed[0].message)
-    assert dec._static.capture is False and dec._static.graphs == {}
+    assert dec.steps.static.capture is False and dec.steps.static.graphs == {}
 
 
 def test_a_second_request_in_flight_takes_a_dynamic_cache(tokenizer):
@@ -187,12 +187,12 @@ def test_a_second_request_in_flight_takes_a_dynamic_cache(tokenizer):
     sa, sb = dec.stream(a, [a], max_new_tokens=MAX_NEW), dec.stream(b, [b], max_new_tokens=MAX_NEW)
     ia = iter(sa)
     first = next(ia)  # a holds the static cache
-    assert dec._static._busy.locked()
+    assert dec.steps.static._busy.locked()
     rest_b = "".join(sb)
     rest_a = first + "".join(ia)
     assert sa.output.token_ids == hf_greedy(model, a, MAX_NEW) and sb.output.token_ids == hf_greedy(model, b, MAX_NEW)
     assert rest_a == sa.output.text and rest_b == sb.output.text
-    lease = dec._new_cache(100)
+    lease = dec.steps.new_cache(100)
     assert isinstance(lease, StaticLease)
     lease.release()
 
@@ -213,10 +213,10 @@ def test_a_dropped_or_failed_request_hands_the_static_cache_back(tokenizer):
 
     threading.Thread(target=other).start()
     assert done.wait(60)
-    lease = dec._new_cache(100)
+    lease = dec.steps.new_cache(100)
     assert isinstance(lease, StaticLease) and lease.get_seq_length() == 0
     lease.release()
-    assert not isinstance(dec._new_cache(10 ** 6), StaticLease)  # more than it holds: a dynamic cache
+    assert not isinstance(dec.steps.new_cache(10 ** 6), StaticLease)  # more than it holds: a dynamic cache
 
 
 def test_a_request_that_fails_mid_answer_hands_the_static_cache_back(tokenizer):
@@ -239,8 +239,8 @@ def test_a_request_that_fails_mid_answer_hands_the_static_cache_back(tokenizer):
     with pytest.raises(RuntimeError, match="drafter broke"):
         dec.generate(prompt, max_new_tokens=MAX_NEW,
                      drafters=[FailsOnThird(want, len(prompt), "right", dec.vocab_size)])
-    assert not dec._static._busy.locked()
-    lease = dec._new_cache(100)
+    assert not dec.steps.static._busy.locked()
+    lease = dec.steps.new_cache(100)
     assert isinstance(lease, StaticLease) and lease.get_seq_length() == 0
     lease.release()
     assert dec.generate(prompt, max_new_tokens=MAX_NEW).token_ids == want
@@ -280,15 +280,15 @@ def exact_bf16(request, tokenizer):
 def _one_by_one_and_together(dec, context, seq):
     """(each token's logits from a plain step, the logits of one step over ``seq[:k]`` for every k) on the
     decoder's static cache."""
-    lease = dec._new_cache(len(context) + 2 * len(seq))
+    lease = dec.steps.new_cache(len(context) + 2 * len(seq))
     assert isinstance(lease, StaticLease)
     try:
-        dec._forward(context, lease, last_only=True)
-        alone = [dec._forward([t], lease, exact=True)[-1] for t in seq]
+        dec.steps.forward(context, lease, last_only=True)
+        alone = [dec.steps.forward([t], lease, exact=True)[-1] for t in seq]
         lease.crop(-len(seq))
         together = {}
         for k in range(1, len(seq) + 1):
-            together[k] = dec._forward(seq[:k], lease, exact=True)
+            together[k] = dec.steps.forward(seq[:k], lease, exact=True)
             lease.crop(-k)
     finally:
         lease.release()
@@ -302,15 +302,15 @@ def test_exact_static_steps_compute_every_verify_row_as_a_plain_step(exact_bf16,
     g = torch.Generator().manual_seed(context_len)
     context = torch.randint(0, exact_bf16.vocab_size, (context_len,), generator=g).tolist()
     seq = torch.randint(0, exact_bf16.vocab_size, (9,), generator=g).tolist()
-    static.release(exact_bf16._new_cache(len(context)))  # (the probe runs at the first lease)
+    static.release(exact_bf16.steps.new_cache(len(context)))  # (the probe runs at the first lease)
     if not exact_bf16.static_steps:  # (the decoder's exact steps then run on the dynamic path: tests/test_exact.py)
         pytest.skip("on this CPU even the largest step size computes a row by its place among the rows")
-    assert exact_bf16._static.sizes[-1] == 9  # (the largest size is kept wherever any is)
+    assert exact_bf16.steps.static.sizes[-1] == 9  # (the largest size is kept wherever any is)
     with torch.inference_mode():
         alone, together = _one_by_one_and_together(exact_bf16, context, seq)
     for k, logits in together.items():
         for i in range(k):
-            assert torch.equal(logits[i], alone[i]), (exact_bf16._static.sizes, k, i)
+            assert torch.equal(logits[i], alone[i]), (exact_bf16.steps.static.sizes, k, i)
 
 
 @pytest.mark.parametrize("mode", ["right", "wrong", "mix"])
@@ -357,7 +357,7 @@ def test_the_probe_drops_a_size_whose_rows_differ(tokenizer, monkeypatch):
     dec = _perturbed_decoder(tokenizer, monkeypatch, lambda size, row: size == 2 and row == 1)
     prompt = _prompts(1, dec.vocab_size, 4)[0]
     want = dec.generate(prompt, max_new_tokens=MAX_NEW, speculate=False).token_ids
-    assert dec._static.sizes == (1, 4, 8, 9)
+    assert dec.steps.static.sizes == (1, 4, 8, 9)
     out = dec.generate(prompt, max_new_tokens=MAX_NEW, drafters=[OracleDrafter(want, len(prompt), "mix",
                                                                                 dec.vocab_size)])
     assert out.token_ids == want
@@ -369,7 +369,7 @@ def test_the_probe_drops_a_largest_size_whose_rows_depend_on_their_place(tokeniz
     dec = _perturbed_decoder(tokenizer, monkeypatch, lambda size, row: size == 9 and row == 3)
     prompt = _prompts(1, dec.vocab_size, 6)[0]
     want = dec.generate(prompt, max_new_tokens=MAX_NEW, speculate=False).token_ids
-    assert dec._static.sizes == (1, 2, 4, 8)
+    assert dec.steps.static.sizes == (1, 2, 4, 8)
     out = dec.generate(prompt, max_new_tokens=MAX_NEW, drafters=[OracleDrafter(want, len(prompt), "right",
                                                                                 dec.vocab_size)])
     assert out.token_ids == want
@@ -383,7 +383,7 @@ def test_the_probe_finds_a_row_that_depends_on_its_place(tokenizer, monkeypatch)
     prompt = _prompts(1, dec.vocab_size, 5)[0]
     with pytest.warns(UserWarning, match="no step size computes its rows"):
         want = dec.generate(prompt, max_new_tokens=MAX_NEW, speculate=False).token_ids
-    assert not dec.static_steps and isinstance(dec._new_cache(10), type(dec._new_cache()))
+    assert not dec.static_steps and isinstance(dec.steps.new_cache(10), type(dec.steps.new_cache()))
     out = dec.generate(prompt, max_new_tokens=MAX_NEW, drafters=[OracleDrafter(want, len(prompt), "mix",
                                                                                 dec.vocab_size)])
     assert out.token_ids == want
@@ -395,7 +395,7 @@ def test_exact_static_cost_curve_prices_only_the_kept_sizes(tokenizer, monkeypat
     dec = _perturbed_decoder(tokenizer, monkeypatch, lambda size, row: size < 9 and row == 0,
                              DecoderConfig(max_draft_tokens=8))
     curve = dec.cost_curve(8)
-    assert dec._static.sizes == (9,)
+    assert dec.steps.static.sizes == (9,)
     assert curve == (1.0,) * 9
 
 

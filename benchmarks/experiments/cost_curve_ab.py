@@ -2,7 +2,7 @@
 
     python benchmarks/experiments/cost_curve_ab.py --items 30 --repeats 3 --out benchmarks/results/cost_curve_ab_cpu_smollm2
 
-:func:`rag_accel.hf.decoder.measure_cost_curve` (arm ``before``) times forwards over 1, 2, 4, 8, 16, 32 and
+:func:`rag_accel.hf.steps.measure_cost_curve` (arm ``before``) times forwards over 1, 2, 4, 8, 16, 32 and
 ``max_draft + 1`` tokens and makes the curve non-decreasing. On this CPU a forward over 2-3 tokens costs more
 than one over 4-8 (the matrix products' kernel for two or three rows is slower than the one for four and more;
 ``tree_verify.py`` times every size), so that curve charges a 5-token draft what 2 tokens cost. The candidate
@@ -32,7 +32,7 @@ import torch
 from rag_accel import ReferenceDecoder
 from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 from rag_accel_lab.replay import cost_of, forward_costs
-from rag_accel.hf.decoder import measure_cost_curve
+from rag_accel.hf.steps import measure_cost_curve
 
 ARMS = ("greedy", "before", "after")
 
@@ -110,7 +110,7 @@ def main() -> None:
         return render(json.loads(args.render.read_text()), args.render)
     dec = ReferenceDecoder.from_pretrained("smollm2-135m-instruct", calibrate=False)
     k = dec.config.max_draft_tokens
-    curves = {"before": measure_cost_curve(dec, k),  # (the decoder's own forward path)
+    curves = {"before": measure_cost_curve(dec.steps, k),  # (the decoder's own forward path)
               "after": curve_with_dips(dec, k)}
     items = load_msmarco_sample()[-args.items:]
     load_before = os.getloadavg()

@@ -37,9 +37,9 @@ ids = dec.encode_prompt("The capital of France is")
 steps = []
 with torch.inference_mode():
     for _ in range(22):
-        cache = dec._new_cache()
-        dec._forward(ids, cache, last_only=True)
-        t = time.perf_counter(); dec._forward([ids[-1]], cache); steps.append(time.perf_counter() - t)
+        cache = dec.steps.new_cache()
+        dec.steps.forward(ids, cache, last_only=True)
+        t = time.perf_counter(); dec.steps.forward([ids[-1]], cache); steps.append(time.perf_counter() - t)
 answers = []
 for it in load_msmarco_sample(with_answers=True)[-{items}:]:
     t = time.perf_counter()

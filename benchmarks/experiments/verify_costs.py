@@ -42,17 +42,17 @@ def measure(dec: ReferenceDecoder, context: int, sizes: tuple[int, ...], repeats
     samples: dict[str, dict[int, list[float]]] = {arm: {n: [] for n in sizes} for arm in arms}
     equal: dict[str, dict[int, int]] = {arm: {} for arm in arms}
     with torch.inference_mode():
-        dec._forward(ctx[:16], dec._new_cache(), last_only=True)  # (the first forward of all pays set-ups)
-        cache = dec._new_cache()
+        dec.steps.forward(ctx[:16], dec.steps.new_cache(), last_only=True)  # (the first forward of all pays set-ups)
+        cache = dec.steps.new_cache()
         t0 = time.perf_counter()
-        dec._forward(ctx, cache, last_only=True)
+        dec.steps.forward(ctx, cache, last_only=True)
         prefill_ms = (time.perf_counter() - t0) * 1e3
         for r in range(repeats + 1):
             for n in sizes:
                 for arm in (arms if r % 2 else arms[::-1]):
                     ids = torch.randint(0, dec.vocab_size, (n,), generator=gen).tolist()
                     t0 = time.perf_counter()
-                    dec._forward(ids, cache, pack_gqa=dec.pack_gqa, **ARMS[arm])
+                    dec.steps.forward(ids, cache, pack_gqa=dec.steps.pack_gqa, **ARMS[arm])
                     if r:
                         samples[arm][n].append(time.perf_counter() - t0)
                     rollback_cache(cache, n)
@@ -60,10 +60,10 @@ def measure(dec: ReferenceDecoder, context: int, sizes: tuple[int, ...], repeats
         for arm in arms:  # each row of an N-token forward against the same token's one-token step
             alone = []
             for t in seq:
-                alone.append(dec._forward([t], cache, pack_gqa=dec.pack_gqa, **ARMS[arm])[-1])
+                alone.append(dec.steps.forward([t], cache, pack_gqa=dec.steps.pack_gqa, **ARMS[arm])[-1])
             rollback_cache(cache, len(seq))
             for n in sizes:
-                logits = dec._forward(seq[:n], cache, pack_gqa=dec.pack_gqa, **ARMS[arm])
+                logits = dec.steps.forward(seq[:n], cache, pack_gqa=dec.steps.pack_gqa, **ARMS[arm])
                 rollback_cache(cache, n)
                 equal[arm][n] = sum(torch.equal(logits[i], alone[i]) for i in range(n))
     return ({arm: {n: min(v) * 1e3 for n, v in by.items()} for arm, by in samples.items()}, prefill_ms, equal)

@@ -343,11 +343,11 @@ def forward_costs(dec: Any, context: int, repeats: int, sizes: Sequence[int] = S
                   fast_linears: bool = True) -> dict[int, float]:
     """A forward of the transformers decoder ``dec`` over ``N`` tokens on a cached ``context``, relative to
     ``N = 1`` (which ``sizes`` must hold), for ``N`` in ``sizes``: round-robin, the first round a warm-up, the least
-    disturbed of ``repeats`` (:func:`rag_accel.hf.decoder.forward_seconds`). ``pack_gqa``, ``fast_linears``: the
+    disturbed of ``repeats`` (:func:`rag_accel.hf.steps.forward_seconds`). ``pack_gqa``, ``fast_linears``: the
     forward path, by default the decoder's own."""
-    from rag_accel.hf.decoder import forward_seconds
+    from rag_accel.hf.steps import forward_seconds
 
-    seconds = forward_seconds(dec, sizes, context, repeats, pack_gqa=pack_gqa, fast_linears=fast_linears)
+    seconds = forward_seconds(dec.steps, sizes, context, repeats, pack_gqa=pack_gqa, fast_linears=fast_linears)
     return {n: s / seconds[1] for n, s in seconds.items()}
 
 

@@ -297,3 +297,10 @@ class UniversalDrafter:
 
     def update(self, context: Sequence[int], num_new: int) -> None:
         """Text is absorbed lazily, at the next proposal."""
+
+
+def new_drafter(draft_model: Any, draft_tokenizer: Any, tokenizer: Any, universal: bool) -> Any:
+    """A request's drafter over ``draft_model``: :class:`UniversalDrafter` where its tokenizer is its own."""
+    if universal:
+        return UniversalDrafter(draft_model, draft_tokenizer, tokenizer, confidence=DRAFT_CONFIDENCE)
+    return ModelDrafter(draft_model, confidence=DRAFT_CONFIDENCE)

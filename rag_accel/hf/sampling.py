@@ -129,3 +129,20 @@ def gumbel_argmax(scores: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     [0]
     """
     return (scores + noise).argmax(-1)
+
+
+def model_sampling(given: dict | None, model: object) -> Sampling | None:
+    """A request's sampling (:func:`~rag_accel.protocol.sampling_request`'s; ``None``: greedy), the values it leaves
+    unset taken from the model's generation config, as ``generate(do_sample=True)`` takes them."""
+    if given is None:
+        return None
+    gen_cfg = getattr(model, "generation_config", None)
+
+    def given_or_model(name: str, fallback: object) -> object:
+        if name in given:
+            return given[name]
+        model_value = getattr(gen_cfg, name, None)
+        return fallback if model_value is None else model_value
+
+    return Sampling(temperature=given_or_model("temperature", 1.0), top_k=given_or_model("top_k", None),
+                    top_p=given_or_model("top_p", None), seed=given.get("seed"))
