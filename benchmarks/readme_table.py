@@ -2,9 +2,9 @@
 
     python benchmarks/readme_table.py
 
-rewrites ``benchmarks/results/README.md`` between its results markers (every committed run, a heading each) and
-between its summary markers (the peers side by side, per request and in flight, cold and warm; the README's
-Results table quotes it by hand), and ``benchmarks/README.md`` and ``benchmarks/experiments/README.md`` between
+rewrites ``benchmarks/results/README.md`` between its results markers (the index of every committed run: its page
+and what it answers, under the script that made it), ``benchmarks/results/notes.md`` between its summary markers (the
+peers side by side, per request and in flight, cold and warm; the README's Results table quotes it by hand), and ``benchmarks/README.md`` and ``benchmarks/experiments/README.md`` between
 their scripts markers (each script there, its purpose and the command of every committed run it made). Prose lines are wrapped: no line of the results
 page is over 400 characters (tests/test_readme.py).
 """
@@ -77,164 +77,6 @@ LONG_DOCUMENTS = (RESULTS / "long_documents_vllm_cpu_smollm2_spare.json",
 # a request's references set up beside its prefill: 2 torch threads (the CPU's cores), and 1 (a core left free,
 # as a GPU leaves the host's)
 SETUP, SETUP_FREE = RESULTS / "setup_cost_cpu_smollm2.json", RESULTS / "setup_cost_cpu_smollm2_1thread.json"
-
-
-def engine_section(path: Path) -> str:
-    r = json.loads(path.read_text())
-    env, s = r["environment"], r["summary"]
-    repeats = f", median of {r['repeats']} runs per item" if r.get("repeats", 1) > 1 else ""
-    lines = [
-        f"**{env['model'].split('/')[-1]}, {env['dtype']}, {env['device']} ({env['cpu_threads']} threads), "
-        f"{r['items']} MS-MARCO items, {r['max_new_tokens']} new tokens"
-        f"{', draft model: ' + env['draft_model'] if env.get('draft_model') else ''}"
-        f"{repeats}, {env['date']}** "
-        f"([json]({path.name}))",
-        "",
-        "| method | speed-up vs greedy (geo-mean) | worst item | tokens/step | tokens/s | identical to greedy |",
-        "|---|---|---|---|---|---|",
-    ]
-    for m, v in s.items():
-        lines.append(f"| {m} | {v['speedup_geomean']:.2f}x | {v['speedup_worst']:.2f}x | "
-                     f"{v['tokens_per_step']:.2f} | {v['tokens_per_s']:.1f} | {v['identical_rate']:.0%} |")
-    if env.get("vllm"):  # the vLLM methods beside the transformers ones: the bench's own tables
-        from rag_accel.bench.results import concurrency_table, markdown_table
-
-        lines[2:] = [f"vLLM {env['vllm']}, {env.get('max_draft_tokens', env.get('num_speculative_tokens'))} draft tokens per step, env "
-                     f"`{env.get('vllm_env', {})}`; machine load (1/5/15 min, 2 cores) before {env.get('load_before')}, "
-                     f"after {env.get('load_after')}.", "", markdown_table(s)]
-        if r.get("reworded_summary"):
-            given = ("passed by the client (not in the prompt) as `answers=`, beside the passages"
-                     if r.get("cached_answer_as") == "answers" else "as an extra reference that is not in the prompt")
-            lines += ["", f"Cached-answer case ({r['reworded']} items): the question reworded, greedy's answer to the "
-                          f"original {given}:", "",
-                      markdown_table(r["reworded_summary"], legend=False)]
-        if r.get("concurrency_summary"):
-            lines += ["", "Throughput with several requests in flight (vLLM; the transformers methods run one "
-                          "request at a time):", "", concurrency_table(r["concurrency_summary"])]
-    png = path.with_suffix(".png")
-    if png.is_file():
-        lines += ["", f"![per-item speed-up and tokens per step]({png.name})"]
-    if r.get("code_commit"):  # a run of code that is no longer on the branch: say where it runs
-        lines += ["", f"Reproduce (at commit {r['code_commit']}: {r['reproduce_note']}): "
-                      f"`git checkout {r['code_commit']} && {r['command']}`"]
-    else:
-        lines += ["", f"Reproduce: `{r['command']}`"]
-    if r.get("note"):
-        lines += ["", f"Note: {r['note']}"]
-    return "\n".join(lines)
-
-
-def propose_section(path: Path) -> str:
-    r = json.loads(path.read_text())
-    lines = [
-        f"**Drafting cost against reference size** ({r['environment']['device']}, {r['environment']['date']}; "
-        f"[json]({path.name})): one `propose` of the reference drafter, a fresh search and a "
-        "followed span, against transformers' prompt lookup (`PromptLookupCandidateGenerator`) on the same tokens.",
-        "",
-        "| reference tokens | index build | index peak memory | propose: search (median / p99) | propose: followed span | HF prompt lookup |",
-        "|---|---|---|---|---|---|",
-    ]
-    for x in r["rows"]:
-        lines.append(f"| {x['reference_tokens']:,} | {x['index_build_s']:.3f} s | {x['index_peak_mem_mb']:.0f} MiB | "
-                     f"{x['propose_search_us_median']:.0f} / {x['propose_search_us_p99']:.0f} µs | "
-                     f"{x['propose_follow_us_median']:.0f} µs | {x['hf_prompt_lookup_us_median']:.0f} µs |")
-    lines += ["", f"Reproduce: `{r['command']}`"]
-    return "\n".join(lines)
-
-
-def retrieval_section(path: Path) -> str:
-    r = json.loads(path.read_text())
-    lines = [f"**Retrieval quality**: reranking the BM25 top-10 of the {r['queries']} TREC-DL 2019+2020 sample "
-             f"queries, nDCG@10 (ranx) against NIST grades ({r['date']}; [json]({path.name}))", "",
-             "| order | nDCG@10 |", "|---|---|"]
-    lines += [f"| {name} | {v:.3f} |" for name, v in r["ndcg@10"].items()]
-    lines += ["", f"Reproduce: `{r['command']}`"]
-    return "\n".join(lines)
-
-
-def cache_section(path: Path) -> str:
-    r = json.loads(path.read_text())
-    env = r["environment"]
-    ok, total = r["identical"]
-    lines = [f"**Cached answers and earlier turns as references** ({r['items']} MS-MARCO items, {env['device']}, "
-             f"{env['date']}; outputs identical to greedy {ok}/{total}; [json]({path.name}))", "",
-             "| scenario / decoder / references | tokens per step |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in r["tokens_per_step"].items()]
-    lines += [*(["", r["note"]] if r.get("note") else []), "", f"Reproduce: `{r['command']}`"]
-    return "\n".join(lines)
-
-
-def integrations_section(path: Path) -> str:
-    r = json.loads(path.read_text())
-    env = r["environment"]
-    lines = [f"**Framework adapters end to end** ({env['model']}, {env['dtype']}, {env['device']}, {env['date']}; "
-             f"{r['items']} MS-MARCO questions, top-{r['k']} of {r['corpus_passages']} passages, "
-             f"{r['max_new_tokens']} new tokens; [json]({path.name})): the LangChain chain and the "
-             "LlamaIndex query engine against the same chain / engine with `accelerate=False` (the model's own "
-             "`generate(do_sample=False)`); the whole call is timed, retrieval included.", "",
-             "| framework | speed-up (geo-mean) | worst question | tokens/step | identical answers |",
-             "|---|---|---|---|---|"]
-    for name, v in r["results"].items():
-        s = v["summary"]
-        lines.append(f"| {name} | {s['speedup_geomean']:.2f}x | {s['speedup_worst']:.2f}x | "
-                     f"{s['tokens_per_step']:.2f} | {s['identical_rate']:.0%} |")
-    lines += ["", f"Reproduce: `{r['command']}`"]
-    return "\n".join(lines)
-
-
-def coupling_section(path: Path) -> str:
-    r = json.loads(path.read_text())
-    return "\n".join([
-        f"**Draft-model acceptance under sampling** ({r['model']} with {r['draft_model']} as draft, {r['device']}, "
-        f"temperature {r['temperature']}, top-p {r['top_p']}, {r['positions']} positions of {r['items']} MS-MARCO "
-        f"answers, {r['date']}; [json]({path.name}))",
-        "",
-        "| verification rule | acceptance per draft token |",
-        "|---|---|",
-        f"| accept/resample (Leviathan et al.), 1 - TV | {r['accept_resample_acceptance']:.3f} |",
-        f"| Gumbel coupling (ours: seeded output independent of the drafts) | {r['gumbel_coupling_acceptance']:.3f} |",
-        "",
-        f"Reproduce: `{r['command']}`",
-    ])
-
-
-def vllm_section(path: Path) -> str:
-    r = json.loads(path.read_text())
-    a = r["args"]
-    lines = [f"**On vLLM** ({r['model']}, {r['device']}, {r['date'][:10]}; requests of {a.get('new', 128)} new tokens; "
-             f"status: {r['status']}; [json]({path.name})): latency per request at concurrency 1, "
-             "throughput (tokens/s over all requests) with 4 and 16 in flight, identical-output rate against "
-             "vllm-greedy, and a reworded question with the cached answer of the original as its reference "
-             "(not in the prompt).", "",
-             "| method | latency c=1 | tok/s c=4 | tok/s c=16 | identical c=1 / c=4 / c=16 | tokens/step c=1 | "
-             "reworded: latency | reworded: tokens/step |", "|---|---|---|---|---|---|---|---|"]
-    runs = dict(r["methods"])
-    if r.get("greedy_rerun"):
-        runs["vllm-greedy (rerun)"] = r["greedy_rerun"]
-    for name, m in runs.items():
-        c1, c4, c16, rw = (m.get(k, {}) for k in ("c1", "c4", "c16", "reworded_c1"))
-        same = " / ".join(str(c.get("identical", "-")) for c in (c1, c4, c16))
-        lines.append(f"| {name} | {c1.get('latency_s', float('nan')):.2f} s | {c4.get('tokens_per_s', float('nan')):.1f} | "
-                     f"{c16.get('tokens_per_s', float('nan')):.1f} | {same} | {c1.get('tokens_per_step', float('nan')):.2f} | "
-                     f"{rw.get('latency_s', float('nan')):.2f} s | {rw.get('tokens_per_step', float('nan')):.2f} |")
-    lines += ["", f"Reproduce: `{r['command']}`"]
-    if r.get("notes"):
-        lines += ["", r["notes"].replace("## Reading it (labelled honestly)", "Reading it:").strip()]
-    return "\n".join(lines)
-
-
-def serve_section(path: Path) -> str:
-    from serve_bench import table  # benchmarks/serve_bench.py, beside this script
-
-    r = json.loads(path.read_text())
-    a = r["args"]
-    return "\n".join([
-        f"**Serving through HTTP** ({r['model']}, {r['device']}, {r['vllm']}, {r['date'][:10]}; {r['label']}; "
-        f"[json]({path.name})): `rag-accel serve` with `--speculation off | ngram | ours`, one server "
-        f"after the other, the same {r['items']} MS-MARCO items ({a['new']} new tokens, greedy, the passages in the "
-        "prompt and as `vllm_xargs` references) sent by the real `openai` client with c requests in flight: "
-        "tokens/s over all requests, request latency p50 / p99, outputs identical to the off server's, tokens per "
-        "step from the server's spec-decode counters.", "", *table(r), "", f"Reproduce: `{r['command']}`"])
 
 
 #: Prose lines are wrapped at this width; no line of the results page may pass LONGEST (tests/test_readme.py).
@@ -485,7 +327,7 @@ def summary_section() -> str:
                   f"{cold['environment']['date']}; {same:.0%} identical:", "",
                   *(f"- {x}" for x in said)]
     if all(p.is_file() for p in GPU):
-        lines += ["", "### On a GPU", "", gpu_paragraph(*GPU)]
+        lines += ["", "### On a GPU", "", gpu_paragraph(*GPU), "", GPU_CEILING]
     if MISLEADING.is_file():
         ms = json.loads(MISLEADING.read_text())["summary"]["ours-ref"]
         lines += ["", "### Every draft rejected", "", f"References built to match the output and continue it wrongly (cold, "
@@ -584,6 +426,16 @@ def gpu_paragraph(warm_path: Path, cold_path: Path, cold_r3_path: Path) -> str:
             + gpu_steps_clause())
 
 
+# the transformers engine's ceiling on a GPU, replayed at measured step times (benchmarks/experiments/gpu_ceiling.py)
+GPU_CEILING = (
+    "What copying can reach on the transformers engine once its steps are graph-captured, replayed on SmolLM2's "
+    "bfloat16 answers to the last 30 items at those H200 step times, padded to the static step sizes, with a 30 ms "
+    "prefill ([run](benchmarks/results/gpu_ceiling_h200_smollm2_last30x64_bf16.md)): the copy oracle (each step "
+    "copying the most that gets accepted, from the best place) 1.88x the engine's plain steps, our drafts sent at the "
+    "oracle's lengths 1.59x, our drafting as it runs 1.45x (worst item 0.96x). The gap to the oracle is the choice of "
+    "occurrence and length, as on the CPU.")
+
+
 def gpu_steps_clause(path: Path = RESULTS / "gpu_step_costs_h200.json") -> str:
     """`` A CUDA-graph step ...``: what a verify of 10 draft tokens cost against a plain step on the GPU, by the
     step-cost run (bfloat16 shapes; one row and 32 rows), and where the proposer's replay at those times is."""
@@ -676,28 +528,42 @@ def scripts_section(folder: Path) -> str:
     return "\n\n".join(parts)
 
 
+#: The scripts whose runs get a heading of their own in the index; every other script's runs are listed together.
+MAIN_SCRIPTS = {"rag-accel bench": "`rag-accel bench`: the methods side by side",
+                "edit_bench": "`edit_bench.py`: editing and RAG against plain vLLM",
+                "inflight_bench": "`inflight_bench.py`: requests in flight on vLLM",
+                "config_ab": "`config_ab.py`: one setting on and off, on one engine",
+                "exact_costs": "`exact_costs.py`: what exact steps cost in vLLM's worker",
+                "verify_costs": "`verify_costs.py`: a verify forward's cost on transformers"}
+
+
+def run_index() -> str:
+    """Every committed run (each page in the results folder), one line each under the script that made it: its page
+    and what it answers (the page's title)."""
+    groups: dict[str, list[str]] = {}
+    for md in sorted(RESULTS.glob("*.md")):
+        if md.name in ("README.md", "notes.md"):
+            continue
+        title = md.read_text().splitlines()[0].lstrip("# ").strip()
+        js = md.with_suffix(".json")
+        command = recorded_command(js) if js.is_file() else None
+        m = re.search(r"(rag-accel bench)(?!-)|benchmarks/(?:experiments/)?(\w+)\.py", command or "")
+        script = (m[1] or m[2]) if m else None
+        group = script if script in MAIN_SCRIPTS else "others"
+        name = f"`{script}.py`: " if group == "others" and script and script != "rag-accel bench" else ""
+        groups.setdefault(group, []).append(f"- [{md.stem}]({md.name}): {name}{title}")
+    parts = [f"### {MAIN_SCRIPTS[g]}\n\n" + "\n".join(groups[g]) for g in MAIN_SCRIPTS if g in groups]
+    parts.append("### Every other script's runs\n\n" + "\n".join(groups.get("others", [])))
+    return "\n\n".join(parts)
+
+
 def main() -> None:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    res = RESULTS
-    kinds = [  # (heading, section, runs): a heading per kind of run, one under it per run
-        ("`rag-accel bench`: the methods side by side", engine_section, sorted(res.glob("bench_*.json"))),
-        ("`rag-accel bench-drafting`: drafting cost", propose_section, sorted(res.glob("propose_*.json"))),
-        ("Retrieval quality", retrieval_section, sorted(res.glob("retrieval_*.json"))),
-        ("The framework adapters", integrations_section, sorted(res.glob("integrations_*.json"))),
-        ("Cached answers and earlier turns", cache_section, sorted(res.glob("cache_multiturn_*.json"))),
-        ("Draft-model acceptance under sampling", coupling_section, sorted(res.glob("coupling_*.json"))),
-        ("vLLM, the first benchmark (`vllm_bench.py`)", vllm_section,
-         [p for p in sorted(res.glob("vllm_cpu_*.json")) if not p.stem.endswith("_rerun")]),
-        # the busy smoke run shows the script works, its speeds compare nothing (its own note says so)
-        ("Serving through HTTP", serve_section,
-         [p for p in sorted(res.glob("serve_*.json")) if not p.stem.endswith("_busy")]),
-    ]
-    parts = [f"### {heading}\n\n" + "\n\n".join(f"#### {p.stem}\n\n{section(p)}" for p in runs)
-             for heading, section, runs in kinds if runs]
-    _replace(RESULTS / "README.md", START, END, "\n\n".join(parts))
-    # (the README's Results table is written by hand and links here; the summary's links are the README's, from the root)
-    summary = summary_section().replace("](benchmarks/results/README.md)", "](#every-committed-run)")
-    _replace(RESULTS / "README.md", SUMMARY_START, SUMMARY_END, summary.replace("](benchmarks/results/", "]("))
+    _replace(RESULTS / "README.md", START, END, run_index(), wrapped=False)
+    # (the README's Results table is written by hand and links to the notes; the summary's links are the README's,
+    # from the root)
+    summary = summary_section().replace("](benchmarks/results/README.md)", "](README.md#every-committed-run)")
+    _replace(RESULTS / "notes.md", SUMMARY_START, SUMMARY_END, summary.replace("](benchmarks/results/", "]("))
     for folder in (ROOT / "benchmarks", ROOT / "benchmarks" / "experiments"):  # (each command whole, to copy)
         _replace(folder / "README.md", SCRIPTS_START, SCRIPTS_END, scripts_section(folder), wrapped=False)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 EXPERIMENTS = BENCH / "experiments"
 RESULTS_PAGE = BENCH / "results" / "README.md"
+NOTES = BENCH / "results" / "notes.md"
 
 
 def test_the_top_level_holds_at_most_twelve_benchmarks_each_in_its_index():
@@ -51,16 +52,32 @@ def test_the_lab_is_outside_the_wheel():
     assert 'include = ["rag_accel*"]' in (root / "pyproject.toml").read_text(encoding="utf-8")
 
 
-def test_the_results_page_has_headings_an_index_of_findings_and_short_lines():
+def _slugs(page: Path) -> set[str]:
+    return {re.sub(r"[^a-z0-9 -]", "", h.lstrip("#").strip().lower()).replace(" ", "-")
+            for h in page.read_text(encoding="utf-8").splitlines() if re.match(r"#{1,4} ", h)}
+
+
+def test_the_results_page_is_an_index_of_findings_and_every_run():
+    """``benchmarks/results/README.md`` is an index a reader can find things in: at most 300 lines, its Findings
+    first (their links reach headings of the page or of the notes, where the story of the runs lives), then every
+    committed run's page, one line each (python benchmarks/readme_table.py); no line a screen cannot hold."""
     lines = RESULTS_PAGE.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300
     headings = [ln for ln in lines if re.match(r"#{2,4} ", ln)]
-    assert headings[0] == "## Findings" and "## Every committed run" in headings and len(headings) >= 20
-    long = [(n, len(ln)) for n, ln in enumerate(lines, 1) if len(ln) > 400]
-    assert long == [], f"lines over 400 characters (line, length): {long}"
-    findings = lines[lines.index("## Findings") + 1:lines.index(headings[1])]
-    slugs = {re.sub(r"[^a-z0-9 -]", "", h.lstrip("#").strip().lower()).replace(" ", "-") for h in headings}
-    anchors = [a for ln in findings for a in re.findall(r"\]\(#([^)]+)\)", ln)]
-    assert len(anchors) >= 8 and set(anchors) <= slugs, set(anchors) - slugs
+    assert headings[0] == "## Findings" and "## Every committed run" in headings
+    for page in (RESULTS_PAGE, NOTES):
+        long = [(n, len(ln)) for n, ln in enumerate(page.read_text(encoding="utf-8").splitlines(), 1) if len(ln) > 400]
+        assert long == [], f"{page.name}: lines over 400 characters (line, length): {long}"
+    findings = "\n".join(lines[lines.index("## Findings") + 1:lines.index("## Every committed run")])
+    anchors = re.findall(r"\]\((notes\.md)?#([^)]+)\)", findings)
+    assert len(anchors) >= 8
+    wrong = [a for page, a in anchors if a not in _slugs(NOTES if page else RESULTS_PAGE)]
+    assert wrong == [], wrong
+    index = "\n".join(lines[lines.index("## Every committed run"):])
+    listed = re.findall(r"^- \[(\w+)\]\((\w+)\.md\)", index, re.M)
+    assert all(a == b for a, b in listed)
+    pages = {p.stem for p in RESULTS_PAGE.parent.glob("*.md")} - {"README", "notes"}
+    assert sorted(a for a, _ in listed) == sorted(pages), "a run's page missing from the index, or listed twice"
 
 
 def test_wrap_keeps_markdown_blocks_and_long_commands_whole():

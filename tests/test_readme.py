@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # what a reader follows from the README
 RESULTS_PAGE = ROOT / "benchmarks" / "results" / "README.md"
+NOTES_PAGE = ROOT / "benchmarks" / "results" / "notes.md"  # the story of the runs, which the results page indexes
 SKIP_MARK = re.compile(r"^<!--\s*not run in the tests:\s*(?P<reason>\S.*?)\s*-->$")
 
 
@@ -67,7 +68,7 @@ def test_the_readme_reads_in_ten_minutes_and_every_link_resolves():
     README, docs/ and the results page points at a file that exists (text moved between pages keeps
     working links); an anchor into another page names one of its headings."""
     assert len(README.read_text(encoding="utf-8").splitlines()) < 300
-    for page in [*PAGES, RESULTS_PAGE]:
+    for page in [*PAGES, RESULTS_PAGE, NOTES_PAGE]:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
             if target.startswith(("http://", "https://", "#")):
                 continue
@@ -150,7 +151,8 @@ def test_reproduce_lines_name_existing_methods():
     commit says so ("Reproduce (at commit ...)") and checks that commit out first."""
     from rag_accel.methods import ALL_METHODS
 
-    lines = [ln for page in [*PAGES, RESULTS_PAGE] for ln in page.read_text(encoding="utf-8").splitlines()]
+    lines = [ln for page in [*PAGES, RESULTS_PAGE, NOTES_PAGE]
+             for ln in page.read_text(encoding="utf-8").splitlines()]
     assert any(ln.startswith("Reproduce") for ln in lines)
     for line in lines:
         if not line.startswith("Reproduce") or "rag-accel bench " not in line:
