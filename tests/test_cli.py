@@ -698,8 +698,9 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
     env = cpu_environment({}, prefix=str(tmp_path))
     assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "NUMBA_THREADING_LAYER": "workqueue"}
     assert home_environment({}) == {"VLLM_CACHE_ROOT": str(tmp_path / "home" / "vllm"),
+                                    "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "home" / "vllm" / "inductor"),
                                     "TMPDIR": str(tmp_path / "home" / "vllm" / "tmp")}
-    assert home_environment({"TMPDIR": "/mine", "VLLM_CACHE_ROOT": "/c"}) == {}
+    assert home_environment({"TMPDIR": "/mine", "VLLM_CACHE_ROOT": "/c", "TORCHINDUCTOR_CACHE_DIR": "/i"}) == {}
     assert cpu_environment({"LD_PRELOAD": "/x/libtcmalloc.so"}, prefix=str(tmp_path))["LD_PRELOAD"] == (
         f"{tmp_path / 'lib' / 'libiomp5.so'}:/x/libtcmalloc.so")
     assert cpu_environment({"LD_PRELOAD": "/y/libiomp5.so", "NUMBA_THREADING_LAYER": "omp"},

@@ -288,7 +288,8 @@ def test_no_module_uses_another_modules_private_names(tmp_path: Path):
 
 
 #: Modules that may change this process's environment: the launchers, which start engines in it.
-ENVIRONMENT_WRITERS = ("rag_accel.serving", "rag_accel.cli", "rag_accel.bench.harness")
+ENVIRONMENT_WRITERS = ("rag_accel.serving", "rag_accel.cli", "rag_accel.bench.harness",
+                       "rag_accel.vllm.launch")  # (VllmDecoder's engine start, put back once it has started)
 
 
 def _environment_writes(path: Path) -> list[int]:

@@ -113,3 +113,53 @@ def test_data_parallel_2_through_the_server_is_exact_and_drafts(tiny_llama, monk
         assert [o.token_ids for o in ons] == [o.token_ids for o in offs]
         drafts1, accepted1 = srv.spec_decode_counters()
     assert accepted1 - accepted0 > len(PROMPTS) * MAX_NEW // 2
+
+
+ENGINE_SCRIPT = """
+import sys
+from rag_accel.vllm import VllmDecoder
+if __name__ == "__main__":
+    dec = VllmDecoder.from_pretrained(sys.argv[1], max_model_len=512, enforce_eager=True)
+    print("OUT", dec.generate("One, two, three, four,", ["five, six"], max_new_tokens=6).token_ids, flush=True)
+    dec.close()
+"""
+
+
+def _vllm_leftovers(folder) -> set[str]:
+    """What vLLM and torch leave in a temporary folder: its processes' sockets, ``vllm_dist_*`` files, inductor's
+    ``torchinductor_*`` folder; and an engine's own folder (``rag-accel-vllm-*``) not removed."""
+    import stat
+    from pathlib import Path
+
+    out = set()
+    for p in Path(folder).iterdir():
+        try:
+            sock = stat.S_ISSOCK(p.lstat().st_mode)
+        except OSError:
+            continue
+        if sock or p.name.startswith(("vllm", "torchinductor", "rag-accel-vllm")):
+            out.add(p.name)
+    return out
+
+
+@pytest.mark.slow
+def test_an_engine_from_python_leaves_nothing_in_the_temporary_folder(tiny_llama, tmp_path):
+    """VllmDecoder's engine writes its caches under RAG_ACCEL_HOME and its temporary files (its processes'
+    sockets, the file their process group starts from) in a folder of its own, removed when it closes: the system's
+    temporary folder is left as it was (vLLM alone leaves seven sockets there per start), even where RAG_ACCEL_HOME
+    is too deep for a socket's path."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TMPDIR", "TEMP", "TMP", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "VLLM_RPC_BASE_PATH")}
+    system_tmp = "/tmp"  # (where Python puts temporary files without TMPDIR, TEMP or TMP)
+    before = _vllm_leftovers(system_tmp)
+    done = subprocess.run([sys.executable, str(script), tiny_llama], cwd=tmp_path, capture_output=True, text=True,
+                          env={**env, "RAG_ACCEL_HOME": str(home), "HF_HUB_OFFLINE": "1"}, timeout=600)
+    assert done.returncode == 0 and "OUT [" in done.stdout, done.stderr[-3000:]
+    assert _vllm_leftovers(system_tmp) - before == set()
+    assert (home / "vllm").is_dir()  # (its caches' place)

@@ -1,37 +1,16 @@
 """``rag-accel serve``: vLLM's OpenAI-compatible server with our proposer configured.
 
-The command is vLLM's own ``vllm serve`` with two options added, nothing else changed::
+The command is vLLM's own ``vllm serve`` with our options added, nothing else changed: the proposer
+(``--speculative-config '{"method": "custom_class", "model": "rag_accel.vllm.RagProposer", ...}'``), its row tracker
+(``--logits-processors rag_accel.vllm:RowTracker``), OpenAI's Predicted Outputs
+(``--middleware rag_accel.vllm.predictions.PredictedOutputs``) and the engine's exact mode
+(``--additional-config``). Every vLLM option passes through after ``--``. The process then *becomes* that server
+(``exec``): signals reach vLLM directly.
 
-    vllm serve MODEL --speculative-config '{"method": "custom_class", "model": "rag_accel.vllm.RagProposer",
-                                            "num_speculative_tokens": 10}'
-                     --logits-processors rag_accel.vllm:RowTracker
-
-so every vLLM option (``--tensor-parallel-size``, ``--data-parallel-size``, ...) passes through
-after ``--``. The process then *becomes* that server (``exec``): signals (Ctrl-C, SIGTERM from a
-supervisor) reach vLLM directly, with no wrapper in between to forward them.
-
-plus ``--middleware rag_accel.vllm.predictions.PredictedOutputs``: OpenAI's Predicted Outputs
-(``prediction={"type": "content", "content": ...}``, each text part a reference of that request; its counts
-in ``usage.completion_tokens_details``).
-
-A request's documents travel as a prediction, or in the request body's ``vllm_xargs``::
-
-    client.chat.completions.create(model=..., messages=..., extra_body={"vllm_xargs": {
-        "references": ["passage one", "passage two"],   # strings
-        "reference_ids": "[[12, 34, 56]]",              # token ids: a JSON string of id lists
-        "answers": ["a cached answer"],                 # earlier answers ("answer_ids" for ids)
-        "speculate": False}})                           # this request: no drafting
-
-Without references a request drafts from its prompt and its own output (the frequency drafter).
-Bad ``vllm_xargs`` (wrong types, references and answers over ``--max-reference-tokens``) are refused for that
-request with HTTP 400 (:meth:`rag_accel.vllm.RowTracker.validate_params`); the server serves on.
-
-``--speculation ngram`` (vLLM's own n-gram proposer, ``-k`` tokens, lookup 2-4), ``suffix`` (vLLM's suffix
-decoding, with arctic-inference installed) and ``off`` (no speculation) start the same server without our
-proposer, for comparison; they ignore ``vllm_xargs``.
-
-Running such a server from Python (a subprocess, for tests, notebooks and benchmarks) is
-:mod:`rag_accel.serving.server_process`.
+A request's documents travel as a prediction or in the body's ``vllm_xargs`` (:class:`rag_accel.wire.RequestArgs`;
+``docs/vllm-and-serving.md`` shows a client); bad ones are refused for that request with HTTP 400 and the server
+serves on. ``--speculation ngram``, ``suffix`` and ``off`` start the same server with vLLM's own proposers, or none,
+for comparison. Running such a server from Python is :mod:`rag_accel.serving.server_process`.
 """
 
 from __future__ import annotations
@@ -283,18 +262,18 @@ def cpu_environment(env: Mapping[str, str], prefix: str | None = None) -> dict[s
 
 
 def home_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """Where the server writes, on any device, where ``env`` (the caller's environment) does not say: under
-    ``$RAG_ACCEL_HOME/vllm``, with the rest of what rag_accel writes.
-
-    - ``VLLM_CACHE_ROOT``: vLLM's compile cache (else ``~/.cache/vllm``);
-    - ``TMPDIR``: vLLM's temporary files (else ``/tmp``), among them the file its workers meet at,
-      ``vllm_dist_<id>``, which vLLM 0.32 leaves behind at every engine start (``get_file_store_init_method``).
-      :func:`exec_server` makes the folder.
+    """Where the server writes, on any device, where ``env`` (the caller's environment) does not say: its caches
+    under ``$RAG_ACCEL_HOME/vllm`` (:func:`rag_accel.vllm.launch.home_environment`) and its temporary files
+    (``TMPDIR``, else ``/tmp``), among them the file its workers meet at, ``vllm_dist_<id>``, which vLLM 0.32 leaves
+    behind at every engine start (``get_file_store_init_method``). :func:`exec_server` makes the folder.
     """
     from ..models import cache_home
+    from ..vllm.launch import home_environment as caches
 
-    root = cache_home() / "vllm"
-    return {k: v for k, v in (("VLLM_CACHE_ROOT", str(root)), ("TMPDIR", str(root / "tmp"))) if k not in env}
+    out = caches(env)
+    if "TMPDIR" not in env:
+        out["TMPDIR"] = str(cache_home() / "vllm" / "tmp")
+    return out
 
 
 def vllm_bind_hint(bind: str | None, busy: dict[int, float] | None = None) -> str | None:

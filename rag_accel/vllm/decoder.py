@@ -21,6 +21,7 @@ from ..protocol import CallOptions, Request, batch_arguments, call_config
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
 from ..wire import RequestArgs
+from .launch import engine_environment, engine_temp_dir, home_environment, remove_temp_dir
 from .requests import (PROPOSER_PATH, TRACKER_PATH, check_layout, exact_config, exact_mode, kv_cache_bytes,
                        model_kv_shape, speculative_config)
 
@@ -57,6 +58,7 @@ class VllmDecoder:
     """
 
     def __init__(self, llm: Any, config: DecoderConfig | None = None, *, memory_scope: str | None = None) -> None:
+        self._temp_dir = None  # (from_pretrained: its engine's temporary folder, removed at close)
         self.llm = llm
         self.memory_scope = check_scope(memory_scope, "memory_scope") if memory_scope is not None else None
         self.config = config or DecoderConfig()
@@ -135,8 +137,16 @@ class VllmDecoder:
                                                                  int(kwargs["max_model_len"]),
                                                                  psutil.virtual_memory().available)
         kwargs["additional_config"] = exact_config(exact_mode(exact), kwargs.get("additional_config"))
-        llm = LLM(**kwargs)  # (its workers read the mode from the engine's config: rag_accel.vllm.exact)
+        temp_dir = engine_temp_dir()  # (its caches under RAG_ACCEL_HOME, its temporary files in a folder of its
+        # own, removed at close)
+        try:
+            with engine_environment(home_environment(os.environ), temp_dir):
+                llm = LLM(**kwargs)  # (its workers read the mode from the engine's config: rag_accel.vllm.exact)
+        except BaseException:
+            remove_temp_dir(temp_dir)
+            raise
         dec = cls(llm, cfg.replace(max_draft_tokens=max(cfg.max_draft_tokens, int(k))), memory_scope=memory_scope)
+        dec._temp_dir = temp_dir
         if exact and not dec.exact:
             dec.close()
             raise RuntimeError("rag_accel: exact=True but no vLLM worker computed exactly: the engine's workers did "
@@ -393,6 +403,8 @@ class VllmDecoder:
             proc.join(max(0.0, deadline - time.monotonic()))
         if alive := [p.pid for p in procs if p.is_alive()]:
             log.warning("rag_accel: vLLM engine processes %s still running %.0f s after shutdown", alive, timeout)
+        else:  # (its processes' sockets and files, which they no longer use)
+            remove_temp_dir(self._temp_dir)
 
 
 def _eos_token_ids(tokenizer: Any, model_config: Any) -> frozenset[int]:
