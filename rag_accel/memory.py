@@ -1,16 +1,13 @@
 """A memory of earlier answers, per scope: a copy source for later requests of the same scope.
 
-vLLM's suffix decoding keeps a tree of every answer the engine gave and copies from it; a RAG
-server asked a question again, or reworded, or a follow-up that quotes an earlier answer, gains
-from that. :class:`AnswerMemory` is the same source for our drafters, with two differences:
+vLLM's suffix decoding keeps a tree of every answer the engine gave and copies from it (a question asked again,
+reworded, or a follow-up that quotes an answer gains). :class:`AnswerMemory` is that source for our drafters, with
+two differences:
 
-- **Scoped.** Each request names a scope (``extra_args["memory_scope"]`` on vLLM); it drafts
-  only from answers given in that scope, and its answer joins that scope only. One tenant's
-  answers never draft for another's. Outputs never change (drafts are verified), but time does:
-  a request that copies from the memory is faster, so a client that can time its requests learns
-  whether an answer with that text was given earlier *in its scope*. Scope per tenant (or per
-  user) and that is all it can learn: what it was told already. A request with no scope neither
-  reads nor writes the memory, unless the deployment names a default scope.
+- **Scoped.** Each request names a scope (``extra_args["memory_scope"]`` on vLLM); it drafts only from answers
+  given in that scope, and its answer joins that scope only. Outputs never change, but time does: a client that
+  times its requests learns whether an answer with that text was given earlier *in its scope*, so scope per tenant
+  (or user). A request with no scope neither reads nor writes the memory, unless the deployment names a default.
 - **Bounded.** ``max_tokens`` over all scopes (each answer also counts ``ANSWER_OVERHEAD``, so
   many tiny scopes cannot grow it either); past it, the oldest segment of answers goes first.
 

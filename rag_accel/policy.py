@@ -1,38 +1,22 @@
 """Cost-aware draft length: draft the length that maximises tokens per unit of time.
 
-A verification forward over ``1 + L`` tokens costs ``cost[L]`` plain steps
-(measured once per model and device). A draft of length ``L`` yields
-``E(L) = 1 + a0 * (1 + a1 + a1^2 + ... + a1^(L-1))`` tokens in expectation,
-where ``a0`` is the chance its first token is right and ``a1`` the chance each
-further token is right given the previous one was. Both are learnt online per
-drafter and per strength of evidence (matched suffix length), shrunk towards
-the drafter's overall rate. The policy picks ``argmax_L E(L) / cost[L]``,
-``L = 0`` (a plain step) included, so a drafter whose guesses keep failing
-stops costing time.
+A verification forward over ``1 + L`` tokens costs ``cost[L]`` plain steps (measured once per model and device).
+A draft of length ``L`` yields ``E(L) = 1 + a0 * (1 + a1 + ... + a1^(L-1))`` tokens in expectation, where ``a0`` is
+the chance its first token is right and ``a1`` the chance each further token is, given the previous one was; both
+are learnt online per drafter and strength of evidence (matched suffix length), shrunk towards the drafter's
+overall rate. The policy picks ``argmax_L E(L) / cost[L]``, ``L = 0`` (a plain step) included, so a drafter whose
+guesses keep failing stops costing time. Learning needs no sent draft: the model's own next token tells whether
+the first unsent draft token was right (a free "shadow" check), so the rates recover when a drafter is right again.
 
-Learning does not need the draft to be sent: the model's own next token tells
-whether the first unsent draft token was right (a free "shadow" check), so the
-rates recover when a drafter starts to be right again.
+Some requests defeat every drafter at once (the model paraphrases instead of copying). So the policy also keeps,
+per request, the first-token hits of all drafts (sent or shadow) against what the learnt rates predicted, and
+scales every first-token rate down by that ratio (never up).
 
-Some requests defeat every drafter at once (the model paraphrases instead of
-copying), and each drafter and evidence bucket would otherwise have to fail on
-its own before the policy stops. So the policy also keeps, per request, the
-first-token hits of all drafts (sent or shadow) against the hits the learnt
-rates predicted for them, and scales every first-token rate down by that
-observed/expected ratio (never up: a request that copies well raises its own
-bucket rates already).
-
-A draft that carries a probability for each of its tokens (the frequency
-drafter's, from how many earlier occurrences continue that way) is valued by
-those instead: ``E(L) = 1 + sum_i min(1, g_i p_i)`` over its first ``L`` tokens,
-where ``g_i`` calibrates the claims: per drafter, match-length bucket and
-bucket of draft positions, how often the drafts' leading tokens reached that
-position over the probability they claimed for it (learnt across requests
-like the rates; ``1`` before any evidence). Per-token counts tell where a
-draft's branch thins out, which a per-match-length rate cannot; the
-calibration corrects what counts over few occurrences overstate (one earlier
-occurrence claims 0.5 for every token it copies, where a 1-token match is
-right a fifth of the time and a long copy's 9th token less often than its 1st).
+A draft that carries a probability for each of its tokens (the frequency drafter's, from how many earlier
+occurrences continue that way) is valued by those instead: ``E(L) = 1 + sum_i min(1, g_i p_i)`` over its first
+``L`` tokens, where ``g_i`` calibrates the claims per drafter, match-length bucket and bucket of draft positions
+(how often drafts reached that position over the probability they claimed; ``1`` before any evidence): counts over
+few occurrences overstate (one earlier occurrence claims 0.5 for every token it copies).
 """
 
 from __future__ import annotations

