@@ -33,9 +33,10 @@ def test_an_engine_start_sees_its_places_and_the_caller_gets_its_environment_bac
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "home" / "vllm" / "inductor")
         (temp / "a-socket").write_text("")
     assert dict(os.environ) == before and tempfile.tempdir == tempdir_before
+    other = engine_temp_dir()
     remove_temp_dir(temp)
-    assert not temp.exists()
-    assert engine_temp_dir() != temp  # (one folder per engine)
+    remove_temp_dir(other)
+    assert other != temp and not temp.exists() and not other.exists()  # (one folder per engine, gone at close)
 
 
 def test_a_callers_temporary_folder_is_left_as_it_is(tmp_path, monkeypatch):
