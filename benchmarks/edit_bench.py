@@ -161,8 +161,8 @@ def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[d
              else rag_items(args.items, tokenizer))
     warm, timed = items[-1], items[:-1] if len(items) > 1 else items
     k = args.max_draft_tokens
-    common = dict(max_draft_tokens=k, dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True,
-                  enable_prefix_caching=False)
+    common = dict(max_draft_tokens=k, dtype=args.dtype, max_model_len=args.max_model_len,
+                  enforce_eager=not args.compiled, enable_prefix_caching=False)
     engines = {"vllm-greedy": {"speculation": "off"}, "vllm-ngram": {"speculation": "ngram"},
                "vllm-suffix": {"speculation": "suffix"}, "vllm-ours": {"speculation": "ours"},
                "vllm-draft": {"speculation": "off", "speculative_config": {
@@ -177,7 +177,8 @@ def run_vllm(args: argparse.Namespace, methods: list[str]) -> tuple[dict, list[d
             if not run_vllm_engine(args, name, {**common, "exact": None if args.exact else False, **engines[name]},
                                    run_levels, warm, timed, rows, loads, exact):
                 break
-    return {"dtype": args.dtype, "load": loads, "in_flight": args.in_flight, "exact": exact}, rows
+    return {"dtype": args.dtype, "load": loads, "in_flight": args.in_flight, "exact": exact,
+            "compilation": "compiled" if args.compiled else "eager"}, rows
 
 
 def run_vllm_engine(args: argparse.Namespace, name: str, kwargs: dict, levels: list[int], warm: dict,
@@ -290,6 +291,10 @@ def markdown(result: dict) -> str:
     if any(m.endswith("suffix") for summary in result["summary"].values() for m in summary):
         lines.append("- suffix decoding: a fresh engine for each level (its tree keeps the answers it gave, across "
                      "requests, as in a server; never those of the same items at another level)")
+    if result["info"].get("compilation"):
+        lines.append(f"- vLLM engines: {result['info']['compilation']}"
+                     + (" (as vLLM and rag-accel serve run them by default)" if result["info"]["compilation"]
+                        == "compiled" else " (enforce_eager)"))
     if result["info"].get("exact"):
         on = [m for m, v in result["info"]["exact"].items() if v]
         lines.append(f"- exact steps in vLLM's CPU worker: {'on for ' + ', '.join(on) if on else 'off'}"
@@ -366,6 +371,8 @@ def main() -> None:
     ap.add_argument("--versus", default=PLAIN + "suffix", help="vLLM: the peer every method is also set against "
                     "(what its users would run instead), where it ran")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--compiled", action="store_true", help="vLLM: engines compiled as vLLM and rag-accel serve run "
+                    "them by default (default: eager, as every committed run before it)")
     ap.add_argument("--max-draft-tokens", type=int, default=K, help="vLLM: every drafting method's most draft "
                     "tokens a step (num_speculative_tokens)")
     ap.add_argument("--data", type=Path, default=None, help="edit items (default: ../shared/data/edits when present, "
