@@ -399,6 +399,38 @@ def test_exact_static_cost_curve_prices_only_the_kept_sizes(tokenizer, monkeypat
     assert curve == (1.0,) * 9
 
 
+def test_the_attention_probe_drops_a_size_the_kernel_computes_otherwise(tokenizer, monkeypatch):
+    """``static.attention_sizes`` replays the model's own attention call on probe values in every size: with a
+    kernel that computes each query row alone (invariant by construction) it keeps every size; with the same kernel
+    computing a 2-row call's rows otherwise (a blocking chosen by the row count), it drops size 2 and only that."""
+    import torch.nn.functional as F
+
+    attention_sizes = static.attention_sizes
+    monkeypatch.setattr(static, "linear_sizes", lambda model, sizes: set(sizes))  # (the first lease's probe keeps
+    monkeypatch.setattr(static, "attention_sizes", lambda steps, sizes: set(sizes))  # every size: the cache opens)
+    dec = ReferenceDecoder(tiny_model("llama", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer, EXACT_CFG,
+                           exact=True, static_steps=True)
+    static.release(dec.steps.new_cache(16))
+    steps, sizes = dec.steps.static, dec.steps.static.sizes
+    assert len(sizes) > 2 and 2 in sizes
+    original = F.scaled_dot_product_attention
+
+    def row_by_row(query, key, value, attn_mask=None, **kwargs):
+        rows = [original(query[..., i:i + 1, :], key, value,
+                         attn_mask=None if attn_mask is None else attn_mask[..., i:i + 1, :], **kwargs)
+                for i in range(query.shape[-2])]
+        return torch.cat(rows, dim=-2)
+
+    def otherwise_at_two(query, key, value, attn_mask=None, **kwargs):
+        out = row_by_row(query, key, value, attn_mask, **kwargs)
+        return out + 0.5 if query.shape[-2] == 2 else out
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", row_by_row)
+    assert attention_sizes(steps, sizes) == set(sizes)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", otherwise_at_two)
+    assert attention_sizes(steps, sizes) == set(sizes) - {2}
+
+
 def _rows_of(fn, x, sizes, top):
     """Which of ``sizes`` give ``fn`` (a function of [1, rows, in]) rows equal to the ``top``-row call's."""
     ref = fn(x[:, :top])
