@@ -66,6 +66,35 @@ def test_every_verify_row_is_bit_equal_to_a_one_token_step(bf16, context_len):
             assert torch.equal(logits[i], alone[i]), (k, i, (logits[i].float() - alone[i].float()).abs().max())
 
 
+@pytest.mark.parametrize("verdict", [False, True])
+def test_each_attention_path_is_taken_where_the_probe_says_and_stays_exact(tokenizer, monkeypatch, verdict):
+    """The probe's verdict picks the exact attention's path (a CPU whose kernel fails the block probe takes the row
+    by row one, which this CPU may never take): with the verdict forced, the verify runs that path, and every row
+    still equals a one-token step. (Forced True on Qwen2.5-1.5B's head shape, 6 query heads per key/value head,
+    skipped on a CPU whose kernel fails the probe for it.)"""
+    arch = "qwen2-h128"
+    model = tiny_model(arch, vocab_size=len(tokenizer)).to(torch.bfloat16)
+    cfg = model.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    if verdict and not attention.block_is_invariant(heads, kv, cfg.hidden_size // heads, torch.bfloat16):
+        pytest.skip("this CPU's kernel fails the block probe for this head shape")
+    monkeypatch.setattr(attention, "block_is_invariant", lambda *a, **k: verdict)
+    taken = []
+    for name in ("block_attention", "row_attention"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(attention, name,
+                            lambda *a, _real=real, _name=name, **k: taken.append(_name) or _real(*a, **k))
+    dec = ReferenceDecoder(model, tokenizer)
+    g = torch.Generator().manual_seed(1)
+    context = torch.randint(0, dec.vocab_size, (40,), generator=g).tolist()
+    seq = torch.randint(0, dec.vocab_size, (max(SIZES),), generator=g).tolist()
+    alone, together = _rows(dec, context, seq)
+    assert set(taken) == {"block_attention" if verdict else "row_attention"}
+    for k, logits in together.items():
+        for i in range(k):
+            assert torch.equal(logits[i], alone[i]), (verdict, k, i)
+
+
 def test_without_exact_steps_bfloat16_verify_rows_differ(tokenizer):
     """The contrast the mode removes (the library's kernels): not every row of a 16-token verify equals its step."""
     dec = ReferenceDecoder(tiny_model("qwen2", vocab_size=len(tokenizer)).to(torch.bfloat16), tokenizer, exact=False)
