@@ -9,7 +9,9 @@ compute every row as it would be computed alone, by a plan found on the machine,
   (``weight @ hidden.T`` or ``F.linear``) that :func:`is_invariant` finds invariant for a weight shape;
 - :func:`invariant_rows`: for any row kernel (an engine's own, such as vLLM's oneDNN product), the largest number
   of rows for which every row of every smaller call is bit-equal to the row alone: calls of at most that many rows
-  are then invariant.
+  are then invariant;
+- :func:`cancelling_rows`: probe input that shows another order of additions where random rows hide it (the
+  static steps' probes take it).
 
 Both engines use them: the transformers decoder's exact steps (:mod:`rag_accel.hf.linears`) and vLLM's CPU worker
 in exact mode (:mod:`rag_accel.vllm.exact`).
@@ -17,13 +19,14 @@ in exact mode (:mod:`rag_accel.vllm.exact`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EXACT_CANDIDATES", "EXACT_DTYPES", "PROBE_TRIALS", "ExactPlan", "compute_rows", "exact_linear",
-           "invariant_rows", "is_invariant"]
+__all__ = ["CANCEL_GAIN", "EXACT_CANDIDATES", "EXACT_DTYPES", "PROBE_TRIALS", "ExactPlan", "big_power_of_two",
+           "cancelling_rows", "compute_rows", "exact_linear", "invariant_rows", "is_invariant"]
 
 #: The dtypes both engines compute exactly by default on a CPU (the transformers decoder's ``exact=None``, vLLM's mode
 #: "auto"): where a product's order of additions shows in the result's rounding.
@@ -34,6 +37,44 @@ EXACT_DTYPES = (torch.bfloat16, torch.float16)
 #: (AVX-512 BF16, no AMX) vLLM's oneDNN product of a 1536-wide weight looked invariant to 17-32 rows on 4 of 15
 #: inputs and differed from 1-9 rows on the rest; one such false verdict on SmolLM2's MLP changed a verify's logits.
 PROBE_TRIALS = 8
+
+
+#: How far above a sum's size a probe's cancelling terms go, by the dtype the kernel writes: a small term added to a
+#: partial sum that large loses low bits down to about the output's last bit (float32 sums, 24 bits), so an
+#: order of additions that puts the big terms apart shows in the result. (float16 stops lower: its largest value.)
+CANCEL_GAIN = {torch.bfloat16: 2.0 ** 17, torch.float16: 2.0 ** 11, torch.float32: 2.0 ** 6}
+
+
+def big_power_of_two(dtype: torch.dtype, typical: float) -> float:
+    """A power of two about :data:`CANCEL_GAIN` times ``typical`` (what a sum of the small terms comes to)."""
+    return float(2.0 ** math.ceil(math.log2(CANCEL_GAIN.get(dtype, 2.0 ** 6) * max(typical, 1e-30))))
+
+
+def cancelling_rows(n: int, weight_rows: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """``n`` random rows ``x`` (float32) that each make one output row of ``x @ weight_rows.T`` (``weight_rows``:
+    [out, in], in the kernel's dtype) a cancellation: small random terms plus two big ones that cancel exactly,
+    ``w[i, a] * x[a] = - w[i, b] * x[b]`` (``x[a]``, ``x[b]``: the other's weight times a power of two, exact in
+    the weight's dtype). Summed in another order, the small terms lose other low bits to the big partial sums, so a
+    product whose order of additions changes with the number of rows almost surely gives that output other bits;
+    random rows alone differ only where a rounding flips (for a bfloat16 output about one in ten thousand)."""
+    out_f, in_f = weight_rows.shape
+    x = torch.randn(n, in_f, generator=gen)
+    w = weight_rows.float().cpu()
+    rms = float(w.pow(2).mean().sqrt())
+    limit = torch.finfo(weight_rows.dtype).max / (4 * in_f)
+    for r in range(n):
+        for _ in range(16):  # (weights below the row's typical size would need too big a partner: pick again)
+            i = int(torch.randint(out_f, (1,), generator=gen))
+            a, b = torch.randperm(in_f, generator=gen)[:2].tolist()
+            wa, wb = float(w[i, a]), float(w[i, b])
+            if abs(wa) < rms or abs(wb) < rms:
+                continue
+            c = big_power_of_two(weight_rows.dtype, rms * math.sqrt(in_f)) / abs(wa * wb)
+            c = 2.0 ** math.floor(math.log2(c))
+            if max(abs(wa), abs(wb)) * c <= limit:
+                x[r, a], x[r, b] = wb * c, -wa * c
+                break
+    return x
 
 
 def compute_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int,

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rag_accel import DecoderConfig, ReferenceDecoder
 from rag_accel.hf import static
 from rag_accel.hf.static import StaticLease, step_sizes
+from rag_accel.invariant import cancelling_rows
 from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
 MAX_NEW = 40
@@ -455,7 +456,7 @@ def test_cancelling_rows_reveal_an_order_of_additions_random_rows_hide():
             return in_order(x, 0, 64).to(torch.bfloat16)
         return (in_order(x, 0, 32) + in_order(x, 32, 64)).to(torch.bfloat16)
 
-    cancel = static.cancelling_rows(4, w, g).to(torch.bfloat16)[None]
+    cancel = cancelling_rows(4, w, g).to(torch.bfloat16)[None]
     random_rows = torch.randn(1, 4, 64, generator=g).to(torch.bfloat16)
     assert 1 not in _rows_of(split_when_alone, cancel, (1, 2, 4), 4)
     assert _rows_of(split_when_alone, random_rows, (1, 2, 4), 4) == {1, 2, 4}  # (what a random probe would say)

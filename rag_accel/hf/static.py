@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..invariant import PROBE_TRIALS
+from ..invariant import PROBE_TRIALS, big_power_of_two, cancelling_rows
 
 #: The static cache's length: a request whose prompt, answer and largest step could pass it runs on a dynamic cache.
 STATIC_CACHE_TOKENS = 4096
@@ -239,44 +239,6 @@ def exact_sizes(steps: StaticSteps, contexts: tuple[int, ...] = PROBE_CONTEXTS) 
             finally:
                 steps.cache.crop(-n)
     return tuple(kept)
-
-
-#: How far above a sum's size a probe's cancelling terms go, by the dtype the kernel writes: a small term added to a
-#: partial sum that large loses low bits down to about the output's last bit (float32 sums, 24 bits), so an
-#: order of additions that puts the big terms apart shows in the result. (float16 stops lower: its largest value.)
-CANCEL_GAIN = {torch.bfloat16: 2.0 ** 17, torch.float16: 2.0 ** 11, torch.float32: 2.0 ** 6}
-
-
-def big_power_of_two(dtype: torch.dtype, typical: float) -> float:
-    """A power of two about :data:`CANCEL_GAIN` times ``typical`` (what a sum of the small terms comes to)."""
-    return float(2.0 ** math.ceil(math.log2(CANCEL_GAIN.get(dtype, 2.0 ** 6) * max(typical, 1e-30))))
-
-
-def cancelling_rows(n: int, weight_rows: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """``n`` random rows ``x`` (float32) that each make one output row of ``x @ weight_rows.T`` (``weight_rows``:
-    [out, in], in the kernel's dtype) a cancellation: small random terms plus two big ones that cancel exactly,
-    ``w[i, a] * x[a] = - w[i, b] * x[b]`` (``x[a]``, ``x[b]``: the other's weight times a power of two, exact in
-    the weight's dtype). Summed in another order, the small terms lose other low bits to the big partial sums, so a
-    product whose order of additions changes with the number of rows almost surely gives that output other bits;
-    random rows alone differ only where a rounding flips (for a bfloat16 output about one in ten thousand)."""
-    out_f, in_f = weight_rows.shape
-    x = torch.randn(n, in_f, generator=gen)
-    w = weight_rows.float().cpu()
-    rms = float(w.pow(2).mean().sqrt())
-    limit = torch.finfo(weight_rows.dtype).max / (4 * in_f)
-    for r in range(n):
-        for _ in range(16):  # (weights below the row's typical size would need too big a partner: pick again)
-            i = int(torch.randint(out_f, (1,), generator=gen))
-            a, b = torch.randperm(in_f, generator=gen)[:2].tolist()
-            wa, wb = float(w[i, a]), float(w[i, b])
-            if abs(wa) < rms or abs(wb) < rms:
-                continue
-            c = big_power_of_two(weight_rows.dtype, rms * math.sqrt(in_f)) / abs(wa * wb)
-            c = 2.0 ** math.floor(math.log2(c))
-            if max(abs(wa), abs(wb)) * c <= limit:
-                x[r, a], x[r, b] = wb * c, -wa * c
-                break
-    return x
 
 
 def linear_sizes(model: Any, sizes: tuple[int, ...], trials: int = PROBE_TRIALS) -> set[int]:
