@@ -325,7 +325,7 @@ def test_only_the_launchers_change_the_environment(tmp_path: Path):
 #: The transformers engine's rooms beside its decoder: what the decoder checks and loads when it is built, the
 #: forwards (cache, forward path, plans, probes, cost curves), one request's state and set-up.
 HF_ROOMS = {"loading": "check_model", "steps": "Steps", "request": "RequestState"}
-#: The decode loop's verbs, in the order a step calls them (0. prefill before the loop).
+#: The decode loop's verbs, in the order a step calls them (0. ``_begin``, the prefill and the set-up, before it).
 LOOP_VERBS = ["_emit", "_learn", "_draft", "_verify", "_accept", "_account"]
 
 
@@ -343,7 +343,7 @@ def test_the_transformers_decoder_is_its_api_and_its_loop():
                                          key=lambda n: (n.lineno, n.col_offset))
              if isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
     assert [c for c in calls if c in LOOP_VERBS] == LOOP_VERBS
-    assert any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "_prefill" for n in ast.walk(decode))
+    assert any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "_begin" for n in ast.walk(decode))
     imported = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
     for room, name in HF_ROOMS.items():
         assert (room, name) in imported, f"decoder.py takes {name} from hf/{room}.py"

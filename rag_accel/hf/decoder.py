@@ -252,7 +252,7 @@ class ReferenceDecoder:
             free_cores().before_call()  # (where the library owns torch's threads and the load may have changed)
         with self._lock, torch.inference_mode():
             req = self._start(prompt_ids, max_new_tokens, stops, cfg, sampling)
-            setup, new_tokens = self._prefill(req, refs, answers, custom_drafters, encode_s)  # 0.
+            setup, new_tokens = self._begin(req, refs, answers, custom_drafters, encode_s)  # 0.
         try:
             while True:
                 piece = self._emit(req, new_tokens)  # 1.
@@ -296,8 +296,8 @@ class ReferenceDecoder:
         cache = self.steps.new_cache(len(prompt_ids) + max_new_tokens + cfg.max_draft_tokens + 1)
         return RequestState(list(prompt_ids), cache, None, out, stats, cfg, sampling, curve)
 
-    def _prefill(self, req: RequestState, refs: list, answers: list, custom_drafters: Sequence[Drafter] | None,
-                 encode_s: float) -> tuple[SetUp, list[int]]:
+    def _begin(self, req: RequestState, refs: list, answers: list, custom_drafters: Sequence[Drafter] | None,
+               encode_s: float) -> tuple[SetUp, list[int]]:
         """0. The whole prompt in one forward, its argmax (or a sample) the first new token, while the request's
         drafting is set up on a thread (a failure hands the static cache back)."""
         try:
@@ -307,7 +307,7 @@ class ReferenceDecoder:
                                             self.reference_tokens)
             setup = SetUp(lambda: self._set_up_drafting(req, custom_drafters), refs_setup)
             try:
-                new_tokens = self._first_token(req)
+                new_tokens = self._prefill(req)
             except BaseException:
                 setup.stop()
                 raise
@@ -334,7 +334,8 @@ class ReferenceDecoder:
                                                    draft_model=draft_model)
         req.stats.setup_s = self.clock() - t0
 
-    def _first_token(self, req: RequestState) -> list[int]:
+    def _prefill(self, req: RequestState) -> list[int]:
+        """The whole prompt in one forward; its argmax (or a sample) is the first new token."""
         t0 = self.clock()
         steps = self.steps
         last = steps.forward(req.context, req.cache, last_only=True, fast_linears=steps.fast_linears)[-1:]  # [1, V]
