@@ -135,15 +135,17 @@ def main() -> None:
     from rag_accel.rag.msmarco import load_msmarco_sample, rag_messages
 
     run = json.loads(args.run.read_text())
-    outputs = args.outputs
-    if outputs is None:  # the run's own greedy answers
-        outputs = Path(tempfile.mkdtemp()) / "outputs.json"
-        outputs.write_text(json.dumps({"model": run["model"], "outputs": {
-            r["item"]: r["token_ids"] for r in run["rows"] if r["method"] == "vllm-greedy" and r.get("level", 1) == 1}}))
-    saved = json.loads(outputs.read_text())
-    tok = _Tokens(saved["model"])
     items = {it.id: it for it in load_msmarco_sample(with_answers=True)}
-    prepared = prepare(outputs, tok, items)
+    with tempfile.TemporaryDirectory() as folder:
+        outputs = args.outputs
+        if outputs is None:  # the run's own greedy answers
+            outputs = Path(folder) / "outputs.json"
+            outputs.write_text(json.dumps({"model": run["model"], "outputs": {
+                r["item"]: r["token_ids"] for r in run["rows"]
+                if r["method"] == "vllm-greedy" and r.get("level", 1) == 1}}))
+        saved = json.loads(outputs.read_text())
+        tok = _Tokens(saved["model"])
+        prepared = prepare(outputs, tok, items)
     run_items = {r["item"] for r in run["rows"]}
     prompt_len = {i: len(tok.encode_prompt(rag_messages(items[i].query, items[i].passages))) for i in run_items}
     costs = measured_costs(run, prompt_len)
