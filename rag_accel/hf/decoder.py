@@ -1,8 +1,7 @@
 """Lossless reference decoding: draft from references / context, verify in one forward.
 
-The output token ids equal ``model.generate(do_sample=False)`` of the same
-model: every emitted token is the model's own argmax given everything before
-it; drafts only decide how many of those argmaxes one forward pass computes.
+The output token ids equal ``model.generate(do_sample=False)`` of the same model: every emitted token is the
+model's own argmax given everything before it; drafts only decide how many of those argmaxes one forward computes.
 """
 
 from __future__ import annotations
@@ -56,13 +55,11 @@ class ReferenceDecoder:
                  draft_model: Any = None, draft_tokenizer: Any = None, exact: bool | None = None,
                  static_steps: bool | None = None) -> None:
         self.vocab_size = check_model(model, tokenizer)
-        self.model, self.tokenizer = model, tokenizer
-        self.config = decoder_config(config, draft_model is not None)
+        self.model, self.tokenizer, self.config = model, tokenizer, decoder_config(config, draft_model is not None)
         self.eos_token_ids: frozenset[int] = eos_token_ids(model, tokenizer)
-        self.exact = exact_steps(model, exact)
         # the forwards: cache, forward path, plans, probes and cost curves; its lock serialises the model's use,
         # held for one step of a call, never across a stream's yield (see _decode)
-        self.steps = Steps(model, exact=self.exact, static_steps=static_steps,
+        self.steps = Steps(model, exact=exact_steps(model, exact), static_steps=static_steps,
                            max_draft_tokens=self.config.max_draft_tokens, draft_model=draft_model)
         self.context_window: int | None = self.steps.context_window
         self._lock = self.steps.lock
@@ -113,6 +110,10 @@ class ReferenceDecoder:
     @property
     def device(self) -> torch.device:
         return self.steps.device
+
+    @property
+    def exact(self) -> bool:  # (every row computed as it would be alone: chosen once, at construction)
+        return self.steps.exact
 
     @property
     def universal(self) -> bool:
@@ -375,7 +376,7 @@ class ReferenceDecoder:
         argmax, or its sample for that position)."""
         steps = self.steps
         logits = steps.forward([req.context[-1]] + sent, req.cache, pack_gqa=steps.pack_gqa,
-                               fast_linears=steps.fast_linears, exact=self.exact)  # [1 + len(sent), V]
+                               fast_linears=steps.fast_linears, exact=steps.exact)  # [1 + len(sent), V]
         if req.sampling is None:
             return logits.argmax(-1).tolist()
         pos = len(req.out.token_ids)
