@@ -96,6 +96,43 @@ def test_patches_are_applied_once_and_declare_what_they_wrap():
         assert getattr(wrapped, patches._MARK) and wrapped.__wrapped__.__module__ == module
 
 
+def test_the_compile_cache_patch_is_applied_once_and_finalizes_only_what_has_nothing_to_finalize(monkeypatch):
+    """Patch 6: a loaded function without finalize_loading (torch's own backend's) gets a no-op one for vLLM to
+    call; one with its own keeps it; torch's loader is itself again after the call, also when the load fails."""
+    import types
+
+    import torch.compiler
+    import vllm.compilation.decorators as decorators
+
+    patches.apply_compile_cache_patch()
+    assert patches.apply_compile_cache_patch() is False
+    wrapped = decorators._try_load_aot_compiled_fn
+    assert getattr(wrapped, patches._MARK) and wrapped.__wrapped__.__module__ == "vllm.compilation.decorators"
+
+    def plain(x):
+        return x
+
+    class Finalizable:
+        def finalize_loading(self, config):
+            return "its own"
+
+    for compiled in (plain, Finalizable()):
+        loaded = types.SimpleNamespace(_artifacts=types.SimpleNamespace(compiled_fn=compiled))
+        monkeypatch.setattr(torch.compiler, "load_compiled_function", lambda f, **kw: loaded)
+        real = torch.compiler.load_compiled_function
+
+        def vllm_load(model, path):  # (what vLLM's loader does with it)
+            fn = torch.compiler.load_compiled_function(path, f_globals={})
+            return fn._artifacts.compiled_fn.finalize_loading(model)
+
+        got = patches._wrap_aot_load(vllm_load)("config", "path")
+        assert got == (None if compiled is plain else "its own")
+        assert torch.compiler.load_compiled_function is real
+    with pytest.raises(EOFError):
+        patches._wrap_aot_load(lambda model, path: (_ for _ in ()).throw(EOFError()))("config", "path")
+    assert torch.compiler.load_compiled_function is real
+
+
 def _build(config, custom):
     """Call the patched build_logitsprocs as a runner's __init__ does."""
     return lp.build_logitsprocs(config, torch.device("cpu"), False, False, custom)

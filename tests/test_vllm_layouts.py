@@ -125,6 +125,40 @@ if __name__ == "__main__":
 """
 
 
+COMPILED_SCRIPT = """
+import sys
+from rag_accel.vllm import VllmDecoder
+if __name__ == "__main__":
+    dec = VllmDecoder.from_pretrained(sys.argv[1], dtype="bfloat16", max_model_len=512)
+    for prompt in ("One, two, three, four,", "The capital of France is", "def add(a, b):"):
+        print("OUT", dec.generate(prompt, max_new_tokens=12).token_ids, flush=True)
+    dec.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_second_start_loads_the_compiled_model_and_answers_as_the_first(tiny_llama, tmp_path):
+    """vLLM's CPU platform compiles with torch's own backend, whose saved function vLLM failed to load (it lacks
+    vLLM's finalize_loading), so every start compiled again; with patch 6 a second start under the same
+    RAG_ACCEL_HOME loads it, and its answers (bfloat16, exact steps) are the first start's, token for token."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "compiled.py"
+    script.write_text(COMPILED_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR")}
+    env.update(RAG_ACCEL_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    runs = [subprocess.run([sys.executable, str(script), tiny_llama], cwd=tmp_path, capture_output=True, text=True,
+                           env=env, timeout=600) for _ in range(2)]
+    for done in runs:
+        assert done.returncode == 0 and done.stdout.count("OUT [") == 3, done.stderr[-3000:]
+    first, second = (done.stdout + done.stderr for done in runs)
+    assert "saved AOT compiled function" in first and "Directly load AOT compilation" not in first
+    assert "Directly load AOT compilation" in second and "Compiling model again" not in second
+    outputs = [[ln for ln in done.stdout.splitlines() if ln.startswith("OUT")] for done in runs]
+    assert outputs[0] == outputs[1]
+
+
 def _vllm_leftovers(folder) -> set[str]:
     """What vLLM and torch leave in a temporary folder: its processes' sockets, ``vllm_dist_*`` files, inductor's
     ``torchinductor_*`` folder; and an engine's own folder (``rag-accel-vllm-*``) not removed."""

@@ -16,6 +16,10 @@ processors (which get one) whenever speculation is on. rag_accel changes these, 
    and the output head's ``cpu_linear`` becomes a product whose rows do not depend on their neighbours.
 5. ``CPUAttentionMetadataBuilder.build`` (``vllm.v1.attention.backends.cpu_attn``), in exact mode: a request's query
    rows reach the attention kernel as pieces it reduces as one-token steps (``VLLM_CPU_ATTN_SPLIT_KV`` off).
+6. ``_try_load_aot_compiled_fn`` (``vllm.compilation.decorators``): a model compiled by torch's own backend (vLLM's
+   CPU platform compiles that way) loads from vLLM's compile cache. vLLM calls a ``finalize_loading`` that only its
+   own backend's functions have, so every start on a CPU failed to load and compiled the model again; where the
+   loaded function lacks it there is nothing to finalize, and it gets a no-op one.
 
 All are applied in every vLLM process through vLLM's plugin entry point (``vllm.general_plugins`` in
 pyproject.toml), before a worker builds its runner; :class:`~rag_accel.vllm.RagProposer` applies them again (a
@@ -38,9 +42,9 @@ from typing import Any
 
 from .requests import PROPOSER_PATH, TRACKER_PATH
 
-__all__ = ["CHECKED_VERSIONS", "INTERNALS", "Internal", "answer_vllm_version_as_vllm_cpu", "apply_exact_patches",
-           "apply_worker_patches", "check_internals", "expect_tracker", "pop_request_stats", "pop_stats_rpc",
-           "register", "require_tracker", "vllm_version"]
+__all__ = ["CHECKED_VERSIONS", "INTERNALS", "Internal", "answer_vllm_version_as_vllm_cpu",
+           "apply_compile_cache_patch", "apply_exact_patches", "apply_worker_patches", "check_internals",
+           "expect_tracker", "pop_request_stats", "pop_stats_rpc", "register", "require_tracker", "vllm_version"]
 
 log = logging.getLogger("rag_accel.vllm")
 
@@ -118,6 +122,11 @@ INTERNALS = (
              "patch 5 replaces its query_start_loc(_cpu), seq_lens, num_reqs, max_query_len, block_table_tensor"),
     Internal("vllm.envs:VLLM_CPU_ATTN_SPLIT_KV", None,
              "patch 5 sets it False in an exact engine's worker: one sequence's keys are never split across threads"),
+    # a second start on a CPU: the compiled model loaded, not compiled again
+    Internal("vllm.compilation.decorators:_try_load_aot_compiled_fn", ("model", "aot_compilation_path"),
+             "wrapped (patch 6): a model compiled by torch's own backend loads from the compile cache", patched=True),
+    Internal("torch.compiler:load_compiled_function", ("file",),
+             "what patch 6's wrapper sees vLLM load (its _artifacts.compiled_fn gains a no-op finalize_loading)"),
 )
 
 
@@ -159,7 +168,7 @@ def check_internals() -> list[str]:
         if names[:len(it.params)] != it.params:
             problems.append(f"{it.target} takes {names}, rag_accel expects {it.params} first; it uses it: {it.why}")
     problems += [p for p in (_runner_calls_propose_as_expected(), _engine_manager_keeps_processes(),
-                             _app_state_has_engine(), *_exact_call_sites()) if p]
+                             _app_state_has_engine(), _aot_load_as_expected(), *_exact_call_sites()) if p]
     return problems
 
 
@@ -206,6 +215,22 @@ def _app_state_has_engine() -> str | None:
     missing = [a for a in ("state.engine_client", "state.vllm_config") if a not in src]
     if missing:
         return f"init_app_state no longer sets {missing}; the prediction middleware reads them"
+    return None
+
+
+def _aot_load_as_expected() -> str | None:
+    """vLLM still loads a compiled model through ``torch.compiler.load_compiled_function`` and calls its
+    artifacts' ``finalize_loading`` (read from ``_try_load_aot_compiled_fn``'s source): what patch 6 relies on."""
+    try:
+        from vllm.compilation.decorators import _try_load_aot_compiled_fn
+
+        src = inspect.getsource(getattr(_try_load_aot_compiled_fn, "__wrapped__", _try_load_aot_compiled_fn))
+    except Exception as e:  # noqa: BLE001 - reported by check_internals' own lookup
+        return f"could not read _try_load_aot_compiled_fn: {e}"
+    missing = [n for n in ("torch.compiler.load_compiled_function(", "_artifacts.compiled_fn.finalize_loading(")
+               if n not in src]
+    if missing:
+        return f"_try_load_aot_compiled_fn no longer has {missing}; patch 6 (a CPU start loads its compiled model) relies on it"
     return None
 
 
@@ -355,6 +380,45 @@ def apply_worker_patches() -> bool:
     return applied
 
 
+def _nothing_to_finalize(*_: Any, **__: Any) -> None:
+    """A compiled function of torch's own backend is whole once loaded: there is nothing to finalize."""
+
+
+def _wrap_aot_load(original: Any) -> Any:
+    """Patch 6: vLLM's ``_try_load_aot_compiled_fn``, where the function loaded for it without a
+    ``finalize_loading`` (torch's own backend's) gets :func:`_nothing_to_finalize`; anything else as vLLM loads
+    it. (``torch.compiler.load_compiled_function`` is seen for this call only, in the worker that loads.)"""
+
+    def try_load(model: Any, aot_compilation_path: str) -> Any:
+        import torch.compiler as compiler
+
+        load = compiler.load_compiled_function
+
+        def load_finalizable(*args: Any, **kwargs: Any) -> Any:
+            fn = load(*args, **kwargs)
+            compiled = getattr(getattr(fn, "_artifacts", None), "compiled_fn", None)
+            if compiled is not None and not hasattr(compiled, "finalize_loading"):
+                compiled.finalize_loading = _nothing_to_finalize
+            return fn
+
+        compiler.load_compiled_function = load_finalizable
+        try:
+            return original(model, aot_compilation_path)
+        finally:
+            compiler.load_compiled_function = load
+
+    try_load.__wrapped__ = original  # type: ignore[attr-defined]
+    return try_load
+
+
+def apply_compile_cache_patch() -> bool:
+    """Patch 6 in this process (once; later calls return ``False``)."""
+    import vllm.compilation.decorators as decorators
+
+    with _lock:
+        return _patch_attr(decorators, "_try_load_aot_compiled_fn", _wrap_aot_load)
+
+
 def apply_exact_patches() -> bool:
     """Patches 4 and 5 in this process (once; later calls return ``False``). Each computes exactly only in an
     engine whose config asks for it (:func:`rag_accel.vllm.exact.mode`); elsewhere it calls vLLM's own code."""
@@ -442,6 +506,10 @@ def register() -> None:
         apply_exact_patches()
     except Exception as e:  # noqa: BLE001 - a vLLM without its CPU backend's modules: exact=True then refuses
         log.warning("rag_accel: exact steps unavailable in vLLM %s (%r)", vllm_version(), e)
+    try:
+        apply_compile_cache_patch()
+    except Exception as e:  # noqa: BLE001 - a start then compiles the model as vLLM does
+        log.debug("rag_accel: compile cache patch not applied in vLLM %s (%r)", vllm_version(), e)
 
 
 def expect_tracker(vllm_config: Any, proposer: Any) -> None:
