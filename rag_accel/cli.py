@@ -504,8 +504,8 @@ def serve(
     import os
 
     from .serving.serve import (cpu_backend, cpu_environment, cpu_hints, default_dtype, exec_server,
-                                home_environment, model_text_bound, model_vocab_size, vllm_bind_hint,
-                        resolve_model, serve_command, shell_line)
+                                home_environment, kv_cache_options, model_text_bound, model_vocab_size,
+                                resolve_model, serve_command, shell_line, vllm_bind_hint)
     from .vllm.requests import exact_mode
 
     if model.startswith("-"):
@@ -526,9 +526,13 @@ def serve(
               "install vllm==0.33.0 (GPU); the README's test section has the commands")
     try:
         path, name = resolve_model(model)
-        cmd = serve_command(path, host=host, port=port, dtype=dtype or default_dtype(), max_model_len=max_model_len,
+        dtype = dtype or default_dtype()
+        extra = list(ctx.args)
+        if cpu_backend() or dtype == "float32":  # (sized as a VllmDecoder's, never most of the memory)
+            extra += kv_cache_options(path, dtype, max_model_len, extra, os.environ)
+        cmd = serve_command(path, host=host, port=port, dtype=dtype, max_model_len=max_model_len,
                             speculation=speculation, max_draft_tokens=max_draft_tokens,
-                            served_model_name=name, exact=exact_mode(None if exact else False), extra=ctx.args)
+                            served_model_name=name, exact=exact_mode(None if exact else False), extra=extra)
     except (FileNotFoundError, ValueError, ImportError, TypeError) as e:
         _fail(str(e))
     from .memory import check_scope

@@ -784,3 +784,31 @@ def test_the_server_removes_intel_openmps_files_of_its_ended_processes(tmp_path)
     reaper.join()
     assert sorted(removed) == sorted([files[ended.pid], files[exiting.pid]])
     assert files[os.getpid()].exists() and other.exists()
+
+
+def test_the_servers_kv_cache_on_a_cpu_is_sized_as_a_vllm_decoders(tmp_path, monkeypatch):
+    """Without VLLM_CPU_KVCACHE_SPACE or --kv-cache-memory-bytes, a CPU server's KV cache is a VllmDecoder's (room
+    for 32,768 tokens, a whole sequence at least, a quarter of the free memory at most), read from the model's
+    config without transformers: vLLM's own default took 20 of this machine's 24 GiB for SmolLM2, and the start
+    spent 40 s filling it. A size of the caller's own stands."""
+    from rag_accel.serving.serve import kv_cache_options
+    from rag_accel.vllm.requests import kv_cache_bytes
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+        "max_position_embeddings": 8192}))
+    got = kv_cache_options(str(tmp_path), "bfloat16", None, [], {}, available=24 << 30)
+    assert got == ["--kv-cache-memory-bytes", str(kv_cache_bytes(30, 3, 64, "bfloat16", 8192, 24 << 30))]
+    assert int(got[1]) == 2 * 30 * 3 * 64 * 2 * 32_768  # (720 MiB, where vLLM took 20 GiB)
+    window = kv_cache_options(str(tmp_path), "float32", 100_000, [], {}, available=1 << 40)
+    assert int(window[1]) == 2 * 30 * 3 * 64 * 4 * 200_000  # (two sequences of the window asked for)
+    assert kv_cache_options(str(tmp_path), "bfloat16", None, ["--kv-cache-memory-bytes", "1"], {}) == []
+    assert kv_cache_options(str(tmp_path), "bfloat16", None, [], {"VLLM_CPU_KVCACHE_SPACE": "2"}) == []
+    assert kv_cache_options(str(tmp_path / "nowhere"), "bfloat16", None, [], {}) == []  # (a hub name: vLLM's)
+    from typer.testing import CliRunner
+
+    from rag_accel.cli import app
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dtype", "bfloat16", "--dry-run"])
+    assert res.exit_code == 0 and "--kv-cache-memory-bytes " in res.output, res.output
