@@ -222,9 +222,8 @@ def _aot_load_as_expected() -> str | None:
     """vLLM still loads a compiled model through ``torch.compiler.load_compiled_function`` and calls its
     artifacts' ``finalize_loading`` (read from ``_try_load_aot_compiled_fn``'s source): what patch 6 relies on."""
     try:
-        from vllm.compilation.decorators import _try_load_aot_compiled_fn
-
-        src = inspect.getsource(getattr(_try_load_aot_compiled_fn, "__wrapped__", _try_load_aot_compiled_fn))
+        load = _resolve("vllm.compilation.decorators:_try_load_aot_compiled_fn")
+        src = inspect.getsource(getattr(load, "__wrapped__", load))
     except Exception as e:  # noqa: BLE001 - reported by check_internals' own lookup
         return f"could not read _try_load_aot_compiled_fn: {e}"
     missing = [n for n in ("torch.compiler.load_compiled_function(", "_artifacts.compiled_fn.finalize_loading(")
