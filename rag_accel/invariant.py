@@ -13,20 +13,25 @@ compute every row as it would be computed alone, by a plan found on the machine,
 - :func:`cancelling_rows`: probe input that shows another order of additions where random rows hide it (the
   static steps' probes take it).
 
-Both engines use them: the transformers decoder's exact steps (:mod:`rag_accel.hf.linears`) and vLLM's CPU worker
-in exact mode (:mod:`rag_accel.vllm.exact`).
+Every probe of both engines (these, the attention kernels', the static sizes', vLLM's pieces) asks one question,
+:func:`rows_agree`: does a call give each row the bits a reference gives it? What the probes found is kept in
+:data:`VERDICTS`, one table per process. Both engines use them: the transformers decoder's exact steps
+(:mod:`rag_accel.hf.linears`) and vLLM's CPU worker in exact mode (:mod:`rag_accel.vllm.exact`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["CANCEL_GAIN", "EXACT_CANDIDATES", "EXACT_DTYPES", "PROBE_TRIALS", "ExactPlan", "big_power_of_two",
-           "cancelling_rows", "compute_rows", "exact_linear", "invariant_rows", "is_invariant"]
+__all__ = ["CANCEL_GAIN", "EXACT_CANDIDATES", "EXACT_DTYPES", "PROBE_TRIALS", "VERDICTS", "ExactPlan", "Verdicts",
+           "big_power_of_two", "cancelling_rows", "compute_rows", "exact_linear", "invariant_rows", "is_invariant",
+           "rows_agree"]
 
 #: The dtypes both engines compute exactly by default on a CPU (the transformers decoder's ``exact=None``, vLLM's mode
 #: "auto"): where a product's order of additions shows in the result's rounding.
@@ -43,6 +48,73 @@ PROBE_TRIALS = 8
 #: partial sum that large loses low bits down to about the output's last bit (float32 sums, 24 bits), so an
 #: order of additions that puts the big terms apart shows in the result. (float16 stops lower: its largest value.)
 CANCEL_GAIN = {torch.bfloat16: 2.0 ** 17, torch.float16: 2.0 ** 11, torch.float32: 2.0 ** 6}
+
+
+def rows_agree(call: Callable[[int, int], torch.Tensor], reference: torch.Tensor,
+               spans: Iterable[tuple[int, int]], dim: int = 0) -> bool:
+    """The one probe: whether ``call(start, count)`` gives, for every ``(start, count)`` of ``spans``, bit for bit
+    ``reference``'s rows ``start .. start + count`` (rows along ``dim``). The callers say what a call and its
+    reference are: a product of a few rows against the same rows computed alone, a small step against a large
+    one's rows, a request's rows beside others against its one-token steps.
+
+    Example:
+        >>> w, x = torch.randn(3, 4), torch.randn(5, 4)
+        >>> alone = torch.cat([x[i:i + 1] @ w.t() for i in range(5)])
+        >>> rows_agree(lambda o, n: torch.cat([x[i:i + 1] @ w.t() for i in range(o, o + n)]), alone, [(0, 5), (2, 2)])
+        True
+        >>> rows_agree(lambda o, n: alone.narrow(0, o, n) + 1, alone, [(0, 1)])
+        False
+    """
+    return all(torch.equal(call(start, count), reference.narrow(dim, start, count)) for start, count in spans)
+
+
+class Verdicts:
+    """What this process's probes found, one table: ``kind`` (which probe) and its key -> the verdict. A verdict is
+    probed once (under a lock: a probe may run on a request's thread) and kept for the process's life; an earlier
+    process's, remembered on disk by the engine that probed, can seed it (:meth:`seed`).
+
+    Example:
+        >>> table = Verdicts()
+        >>> table.get("demo", (1, 2), lambda: True), table.get("demo", (1, 2), lambda: False)  # probed once
+        (True, True)
+        >>> table.known("demo")
+        {(1, 2): True}
+    """
+
+    def __init__(self) -> None:
+        self._found: dict[str, dict[Any, Any]] = {}
+        self._lock = threading.RLock()
+
+    def get(self, kind: str, key: Any, probe: Callable[[], Any]) -> Any:
+        """The verdict of ``kind`` for ``key``: ``probe()``'s, the first time it is asked in this process."""
+        table = self._found.setdefault(kind, {})
+        if key not in table:
+            with self._lock:
+                if key not in table:
+                    table[key] = probe()
+        return table[key]
+
+    def known(self, kind: str) -> dict[Any, Any]:
+        """The verdicts of ``kind`` found (or seeded) so far, a copy."""
+        return dict(self._found.get(kind, {}))
+
+    def seed(self, kind: str, known: dict[Any, Any]) -> None:
+        """Take verdicts an earlier process found (a key probed here already keeps its own)."""
+        table = self._found.setdefault(kind, {})
+        for key, verdict in known.items():
+            table.setdefault(key, verdict)
+
+    def forget(self, kind: str | None = None) -> None:
+        """Forget ``kind``'s verdicts (``None``: all): the next ask probes again."""
+        with self._lock:
+            if kind is None:
+                self._found.clear()
+            else:
+                self._found.pop(kind, None)
+
+
+#: This process's verdicts (every probe's, both engines').
+VERDICTS = Verdicts()
 
 
 def big_power_of_two(dtype: torch.dtype, typical: float) -> float:
@@ -140,7 +212,8 @@ def is_invariant(weight: torch.Tensor, bias: torch.Tensor | None, plan: ExactPla
         for _ in range(trials):
             x = torch.randn(rows, weight.shape[1], generator=gen).to(device=weight.device, dtype=weight.dtype)
             alone = torch.cat([exact_linear(x[j:j + 1], weight, bias, plan) for j in range(rows)])
-            if not all(torch.equal(exact_linear(x[:n], weight, bias, plan), alone[:n]) for n in range(2, rows + 1)):
+            if not rows_agree(lambda _, n: exact_linear(x[:n], weight, bias, plan), alone,
+                              ((0, n) for n in range(2, rows + 1))):
                 return False
     return True
 
@@ -162,7 +235,8 @@ def invariant_rows(rows: Callable[[torch.Tensor], torch.Tensor], in_features: in
         for _ in range(trials):
             x = torch.randn(best, in_features, generator=gen).to(dtype)
             alone = torch.cat([rows(x[j:j + 1]) for j in range(best)])
-            best = next((n - 1 for n in range(2, best + 1) if not torch.equal(rows(x[:n]), alone[:n])), best)
+            best = next((n - 1 for n in range(2, best + 1) if not rows_agree(lambda _, m: rows(x[:m]), alone,
+                                                                             [(0, n)])), best)
             if best == 1:
                 break
     return best

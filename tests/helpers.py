@@ -133,3 +133,11 @@ def rag_completion_ids(tokenizer, lengths=(480, 600), n_items=20):
         ids = next(p for p in prompts if len(p) > length)
         out.append(ids[:1] + ids[len(ids) - length + 1:])
     return out
+
+
+def fresh_verdicts(monkeypatch, kind: str) -> None:
+    """This test starts with none of ``kind``'s probe verdicts known (``rag_accel.invariant.VERDICTS``), as a new
+    process would; the table is put back after it."""
+    from rag_accel.invariant import VERDICTS
+
+    monkeypatch.setattr(VERDICTS, "_found", {k: dict(v) for k, v in VERDICTS._found.items() if k != kind})

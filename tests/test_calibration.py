@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import fresh_verdicts, tiny_model
 
 from rag_accel import ReferenceDecoder
 from rag_accel.hf import attention, calibration
@@ -91,7 +91,7 @@ def test_attention_verdicts_are_remembered(folder, tmp_path, monkeypatch):
     (path,) = _files(tmp_path)
     found = dict(json.loads(path.read_text())["sections"])["attention"]
     assert any(key[:3] == [4, 2, 16] for key, _ in found)  # the tiny Llama's heads, probed by its exact steps
-    monkeypatch.setattr(attention, "_VERDICTS", {})
+    fresh_verdicts(monkeypatch, attention.VERDICT_KIND)
     monkeypatch.setattr(attention, "_probe", lambda *key: pytest.fail(f"probed again: {key}"))
     dec = ReferenceDecoder.from_pretrained(str(folder), dtype=torch.bfloat16)
     dec.generate("hello", [" hello there hello"], max_new_tokens=6)

@@ -15,12 +15,12 @@ import itertools
 
 import pytest
 import torch
-from helpers import OracleDrafter, tiny_model
+from helpers import OracleDrafter, fresh_verdicts, tiny_model
 
 from rag_accel import DecoderConfig, ReferenceDecoder
 from rag_accel.hf import attention, linears
 from rag_accel.hf.kv import rollback_cache
-from rag_accel.invariant import EXACT_CANDIDATES, ExactPlan, exact_linear, invariant_rows, is_invariant
+from rag_accel.invariant import EXACT_CANDIDATES, VERDICTS, ExactPlan, exact_linear, invariant_rows, is_invariant
 
 ARCHS = ["llama", "qwen2", "qwen2-h128", "gpt2", "gemma3"]
 SIZES = (2, 3, 4, 8, 16, 33)
@@ -230,7 +230,7 @@ def test_the_probe_answers_for_the_thread_count_it_ran_at(monkeypatch):
     threads = torch.get_num_threads()
     probes = []
     monkeypatch.setattr(attention, "_probe", lambda *key: probes.append(key) or True)
-    monkeypatch.setattr(attention, "_VERDICTS", {})
+    fresh_verdicts(monkeypatch, attention.VERDICT_KIND)
     for _ in range(2):
         attention.block_is_invariant(8, 2, 32, torch.bfloat16)
     assert len(probes) == 1
@@ -240,7 +240,8 @@ def test_the_probe_answers_for_the_thread_count_it_ran_at(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert [p[-1] for p in probes] == [threads, threads + 1]
-    attention.remember_verdicts({(8, 2, 32, torch.bfloat16, "cpu", threads + 7): False})  # an earlier process's
+    VERDICTS.seed(attention.VERDICT_KIND, {(8, 2, 32, torch.bfloat16, "cpu", threads + 7): False})  # an earlier
+    # process's
     torch.set_num_threads(threads + 7)
     try:
         assert attention.block_is_invariant(8, 2, 32, torch.bfloat16) is False and len(probes) == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import fresh_verdicts
 
 from rag_accel.vllm import exact
 from rag_accel.vllm.exact import LARGE_CHUNK, MAX_CHUNK, PADDED_ROWS, LinearChoice, choose_linear
@@ -36,7 +37,7 @@ def fake_rows(weight: torch.Tensor, kind):
 
 @pytest.fixture(autouse=True)
 def _fresh_choices(monkeypatch):
-    monkeypatch.setattr(exact, "_CHOICES", {})
+    fresh_verdicts(monkeypatch, exact.VERDICT_KIND)
 
 
 WEIGHT = torch.randn(24, 16, generator=torch.Generator().manual_seed(0))

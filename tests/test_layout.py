@@ -348,3 +348,22 @@ def test_the_transformers_decoder_is_its_api_and_its_loop():
     for room, name in HF_ROOMS.items():
         assert (room, name) in imported, f"decoder.py takes {name} from hf/{room}.py"
         assert (ROOT / "rag_accel" / "hf" / f"{room}.py").is_file()
+
+
+#: Where a bit-for-bit comparison of tensors may be made in the library: the one probe
+#: (``rag_accel.invariant.rows_agree``); the static steps' graph check compares argmaxes, not rows' bits.
+BIT_COMPARERS = {"rag_accel.invariant": 1, "rag_accel.hf.static": 1}
+
+
+def test_every_probe_asks_the_one_probe_function():
+    """Every invariance probe (products, the attention kernels, the static sizes, vLLM's pieces) asks
+    ``rows_agree`` whether a call gives each row the bits a reference gives it; no other module compares bits itself,
+    and the verdicts live in one table, ``rag_accel.invariant.VERDICTS``."""
+    counts = {m: n for m, f in _module_files().items()
+              if (n := sum(isinstance(c, ast.Call) and ast.unparse(c.func) == "torch.equal"
+                           for c in ast.walk(ast.parse(f.read_text(encoding="utf-8")))))}
+    assert counts == BIT_COMPARERS
+    users = {m for m, f in _module_files().items() if "rows_agree(" in f.read_text(encoding="utf-8")}
+    assert users >= {"rag_accel.invariant", "rag_accel.hf.static", "rag_accel.hf.attention", "rag_accel.vllm.exact"}
+    tables = {m for m, f in _module_files().items() if "VERDICTS.get(" in f.read_text(encoding="utf-8")}
+    assert tables == {"rag_accel.hf.attention", "rag_accel.vllm.exact"}

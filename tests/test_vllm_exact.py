@@ -23,7 +23,9 @@ from rag_accel.serving.server_process import import_vllm_or_skip
 import_vllm_or_skip()
 
 import torch  # noqa: E402
+from helpers import fresh_verdicts  # noqa: E402
 
+from rag_accel.invariant import VERDICTS  # noqa: E402
 from rag_accel.rag.msmarco import load_msmarco_sample, rag_completion, rag_messages  # noqa: E402
 from rag_accel.vllm import VllmDecoder  # noqa: E402
 from rag_accel.vllm.exact import MAX_CHUNK, exact_kernel, piece_rows, pieces_are_exact  # noqa: E402
@@ -249,19 +251,19 @@ def test_a_choice_is_remembered_for_the_next_process_and_a_damaged_file_measured
     from rag_accel.vllm import exact
 
     monkeypatch.setenv("RAG_ACCEL_HOME", str(tmp_path))
-    monkeypatch.setattr(exact, "_CHOICES", {})
+    fresh_verdicts(monkeypatch, exact.VERDICT_KIND)
     monkeypatch.setattr(exact, "_REMEMBERED", None)
     weight = (torch.randn(96, 64, generator=torch.Generator().manual_seed(3)) * 0.05).to(torch.bfloat16)
     measured = exact.choose_linear(weight, None)
     path, _ = exact.choices_path()
     assert path.parent == tmp_path / "calibration" and path.is_file()
-    monkeypatch.setattr(exact, "_CHOICES", {})  # (a new process)
+    VERDICTS.forget(exact.VERDICT_KIND)  # (a new process)
     monkeypatch.setattr(exact, "_REMEMBERED", None)
     real = exact._onednn_rows
     monkeypatch.setattr(exact, "_onednn_rows", lambda *a: pytest.fail("probed again"))
     assert exact.choose_linear(weight, None) == measured
     path.write_text(path.read_text().replace('"floor"', '"flour"'))
-    monkeypatch.setattr(exact, "_CHOICES", {})
+    VERDICTS.forget(exact.VERDICT_KIND)
     monkeypatch.setattr(exact, "_REMEMBERED", None)
     monkeypatch.setattr(exact, "_onednn_rows", real)
     exact.log.addHandler(caplog.handler)  # (vLLM's logger may not propagate to the root)

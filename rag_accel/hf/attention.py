@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .._context import scoped
+from ..invariant import VERDICTS, rows_agree
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("rag_accel_packed_gqa", default=False)
 _EXACT: contextvars.ContextVar[bool] = contextvars.ContextVar("rag_accel_exact_attention", default=False)
@@ -147,26 +148,14 @@ def block_is_invariant(heads: int, kv_heads: int, head_dim: int, dtype: torch.dt
     """Whether :func:`block_attention` gives every row of every :data:`PROBES` call, bit for bit, the values of
     the same row alone (random queries, keys and values of this head shape, on this machine's kernel at torch's
     current intra-op thread count, by which the kernel splits its work; once per shape, thread count and process:
-    about 0.15-0.3 s on a 2-core CPU; :func:`remember_verdicts` seeds what an earlier process found)."""
+    about 0.15-0.3 s on a 2-core CPU; an earlier process's verdicts seed :data:`~rag_accel.invariant.VERDICTS`)."""
     key = (heads, kv_heads, head_dim, dtype, device, torch.get_num_threads())
-    if key not in _VERDICTS:
-        _VERDICTS[key] = _probe(*key)
-    return _VERDICTS[key]
+    return VERDICTS.get(VERDICT_KIND, key, lambda: _probe(*key))
 
 
-#: (heads, kv heads, head size, dtype, device, threads) -> :func:`block_is_invariant`'s verdict, in this process.
-_VERDICTS: dict[tuple[int, int, int, torch.dtype, str, int], bool] = {}
-
-
-def verdicts() -> dict[tuple[int, int, int, torch.dtype, str, int], bool]:
-    """The probe's verdicts known in this process (:mod:`rag_accel.hf.calibration` remembers them)."""
-    return dict(_VERDICTS)
-
-
-def remember_verdicts(known: dict[tuple[int, int, int, torch.dtype, str, int], bool]) -> None:
-    """Take verdicts an earlier process found on this machine (its calibration) instead of probing again."""
-    for key, ok in known.items():
-        _VERDICTS.setdefault(key, ok)
+#: :data:`~rag_accel.invariant.VERDICTS`' table of :func:`block_is_invariant`: (heads, kv heads, head size, dtype,
+#: device, threads) -> its verdict (:mod:`rag_accel.hf.steps` remembers them in the machine's calibration).
+VERDICT_KIND = "block attention"
 
 
 def _probe(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: str, threads: int) -> bool:
@@ -176,12 +165,11 @@ def _probe(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device:
         q, k, v = (torch.randn(1, n, length, head_dim, generator=gen).to(device=device, dtype=dtype)
                    for n, length in ((heads, q_len), (kv_heads, t), (kv_heads, t)))
         with torch.inference_mode():
-            rows = block_attention(q, k, v, scale)
-            for i in range(q_len):
-                end = t - q_len + i + 1
-                one = block_attention(q[:, :, i:i + 1], k[:, :, :end], v[:, :, :end], scale)
-                if not torch.equal(rows[:, i:i + 1], one):
-                    return False
+            rows = block_attention(q, k, v, scale)  # [1, Q, H, D]: each row against the same row alone
+            alone = [(i, 1) for i in range(q_len)]
+            if not rows_agree(lambda i, _: block_attention(q[:, :, i:i + 1], k[:, :, :t - q_len + i + 1],
+                                                           v[:, :, :t - q_len + i + 1], scale), rows, alone, dim=1):
+                return False
     return True
 
 

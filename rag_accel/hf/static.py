@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..invariant import PROBE_TRIALS, big_power_of_two, cancelling_rows
+from ..invariant import PROBE_TRIALS, big_power_of_two, cancelling_rows, rows_agree
 
 #: The static cache's length: a request whose prompt, answer and largest step could pass it runs on a dynamic cache.
 STATIC_CACHE_TOKENS = 4096
@@ -82,6 +82,7 @@ class StaticSteps:
         self.model, self.cache_kwarg, self.sizes, self.capacity = model, cache_kwarg, sizes, capacity
         self.capture = capture  # False once a capture failed: eager steps from then on
         self.unprobed = exact  # exact steps: the sizes are the ones exact_sizes keeps, found at the first lease
+        self.closed = False  # no size was exact: no lease from now on
         self.cache: Any = None  # made at the first lease
         self.graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # size -> (graph, ids, logits)
         self._busy = threading.Lock()
@@ -89,8 +90,8 @@ class StaticSteps:
 
     def lease(self, need: int) -> StaticLease | None:
         """The static cache for one request of at most ``need`` positions (steps' padding included); ``None``
-        where another request holds it or ``need`` is more than it holds."""
-        if need > self.capacity or not self._busy.acquire(blocking=False):
+        where another request holds it, ``need`` is more than it holds, or it is closed."""
+        if self.closed or need > self.capacity or not self._busy.acquire(blocking=False):
             return None
         if self.cache is None:
             from transformers import StaticCache
@@ -116,7 +117,7 @@ class StaticSteps:
                     self.sizes = self.sizes[:-1]
         self.unprobed = False
         if not kept:
-            self.capacity = 0  # (no lease from now on)
+            self.closed = True
             warnings.warn("no step size computes its rows bit for bit as the largest does on this machine: exact "
                           "steps run on a dynamic cache, row by row (the same outputs, slower)", stacklevel=4)
             return False
@@ -234,7 +235,8 @@ def exact_sizes(steps: StaticSteps, contexts: tuple[int, ...] = PROBE_CONTEXTS) 
             try:
                 reference = chain(tokens, top, top)
                 for s in list(kept):
-                    if any(not torch.equal(chain(tokens, group, s), reference) for group in {1, s} - {top}):
+                    if any(not rows_agree(lambda _, n: chain(tokens, group, s), reference, [(0, top)])
+                           for group in {1, s} - {top}):
                         kept.remove(s)
             finally:
                 steps.cache.crop(-n)
@@ -263,10 +265,10 @@ def linear_sizes(model: Any, sizes: tuple[int, ...], trials: int = PROBE_TRIALS)
                 x = cancelling_rows(top, weight.t() if conv1d else weight, gen)
                 x = x.to(device=weight.device, dtype=weight.dtype)[None]  # [1, top, in]
                 ref = module(x)[0]  # [top, out]
-                if not torch.equal(module(x.roll(1, 1))[0], ref.roll(1, 0)):
-                    return set()
+                if not rows_agree(lambda _, n: module(x.roll(1, 1))[0].roll(-1, 0), ref, [(0, top)]):
+                    return set()  # (a row's bits depend on its place among the rows)
                 for s in sorted(kept - {top}):
-                    if any(not torch.equal(module(x[:, o:o + s])[0], ref[o:o + s]) for o in {0, top - s}):
+                    if not rows_agree(lambda o, n: module(x[:, o:o + n])[0], ref, ((o, s) for o in {0, top - s})):
                         kept.discard(s)
     return kept
 
@@ -319,12 +321,12 @@ def attention_sizes(steps: StaticSteps, sizes: tuple[int, ...], trials: int = PR
             vp[:, :, a], vp[:, :, b] = big, -big
             qp, kp, vp = (t.to(device=q.device, dtype=q.dtype) for t in (qp, kp, vp))
             ref = original(qp, kp, vp, attn_mask=mask, **kwargs)  # [1, H, top, D]
-            rolled = original(qp.roll(1, 2), kp, vp, attn_mask=mask.roll(1, 2), **kwargs)
-            if not torch.equal(rolled, ref.roll(1, 2)):  # a row's bits depend on its place among the rows
-                return set()
+            rolled = original(qp.roll(1, 2), kp, vp, attn_mask=mask.roll(1, 2), **kwargs).roll(-1, 2)
+            if not rows_agree(lambda _, n: rolled, ref, [(0, top)], dim=2):
+                return set()  # (a row's bits depend on its place among the rows)
             for s in sorted(kept - {top}):
-                if any(not torch.equal(original(qp[:, :, o:o + s], kp, vp, attn_mask=mask[:, :, o:o + s], **kwargs),
-                                       ref[:, :, o:o + s]) for o in {0, top - s}):
+                if not rows_agree(lambda o, n: original(qp[:, :, o:o + n], kp, vp, attn_mask=mask[:, :, o:o + n],
+                                                        **kwargs), ref, ((o, s) for o in {0, top - s}), dim=2):
                     kept.discard(s)
     return kept
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .attention import exact_attention, packed_gqa, remember_verdicts, verdicts
+from .attention import VERDICT_KIND, exact_attention, packed_gqa
 from .attention import install as install_packed_gqa
 from .calibration import Calibration
 from .kv import cache_kwarg, context_window, new_cache, rollback_cache
@@ -20,6 +20,7 @@ from .linears import exact_linears, exact_plans, install_exact, plan_linears, pl
 from .linears import install as install_linear_plans
 from .static import StaticLease, release, size_for
 from .static import resolve as resolve_static_steps
+from ..invariant import VERDICTS
 from ..speculation import StepCosts
 
 __all__ = ["CALIBRATION_BUDGET_S", "Steps", "forward_seconds", "measure_cost_curve", "measure_draft_costs"]
@@ -68,7 +69,7 @@ class Steps:
     def static_steps(self) -> bool:
         """Whether requests' steps run on the static cache in fixed sizes (captured as CUDA graphs on a GPU; exact
         steps: unless no size computed its rows alike, found at the first request)."""
-        return self.static is not None and self.static.capacity > 0
+        return self.static is not None and not self.static.closed
 
     @property
     def curves(self) -> dict[tuple[int, bool, bool, bool], tuple[float, ...]]:
@@ -81,7 +82,7 @@ class Steps:
         self.calibration = Calibration.open(getattr(self.model, "name_or_path", ""), self.model.dtype, self.device,
                                             draft_name)
         if self.calibration is not None:
-            remember_verdicts(self.calibration.get("attention") or {})
+            VERDICTS.seed(VERDICT_KIND, self.calibration.get("attention") or {})
         return self.calibration
 
     def curves_measured(self) -> int:
@@ -180,7 +181,7 @@ class Steps:
                                                        exact=key[3])
                 if cal:
                     cal.put("cost_curves", {**known, key: self._curves[key]})
-                    cal.put("attention", verdicts())  # (the exact forwards' probes ran by now)
+                    cal.put("attention", VERDICTS.known(VERDICT_KIND))  # (the exact forwards' probes ran by now)
         return self._curves[key]
 
     def calibrated(self, max_draft: int) -> bool:

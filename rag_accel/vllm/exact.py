@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from ..invariant import EXACT_CANDIDATES, EXACT_DTYPES, ExactPlan, exact_linear, invariant_rows, is_invariant
+from ..invariant import (EXACT_CANDIDATES, EXACT_DTYPES, VERDICTS, ExactPlan, exact_linear, invariant_rows,
+                         is_invariant, rows_agree)
 from .requests import EXACT_KEY
 
 log = logging.getLogger("vllm.rag_accel")  # (under vLLM's logger: its workers' log shows the mode)
@@ -181,7 +182,9 @@ class LinearChoice:
     floor: int = 1
 
 
-_CHOICES: dict[tuple[Any, ...], LinearChoice] = {}
+#: :data:`~rag_accel.invariant.VERDICTS`' table of :func:`choose_linear`: (out, in, dtype, bias, threads) -> its
+#: :class:`LinearChoice`.
+VERDICT_KIND = "vllm linear"
 #: The format of the choices remembered on disk: a change makes every file another key's.
 CHOICES_VERSION = 1
 _REMEMBERED: dict[str, LinearChoice] | None = None  # read from disk at the first choice of this process
@@ -259,33 +262,38 @@ def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKern
     3. oneDNN's calls of up to :data:`LARGE_CHUNK` rows, with the same floor, where every row of every count up to
        it equals the rows of step 1 or 2 (a prefill then runs in a few calls)."""
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
-    choice = _CHOICES.get(key)
     disk_key = "{}x{}:{}:{}:{}".format(*key) if rows is None else None  # (a test's fake kernel: never remembered)
-    if choice is None and disk_key is not None:
-        choice = _remembered().get(disk_key)  # (measured by an earlier process on this machine)
-        if choice is not None:
-            _CHOICES[key] = choice
-    if choice is None:
-        k, dtype = weight.shape[1], weight.dtype
-        chunk = 0
-        try:
-            rows = rows or _onednn_rows(weight, bias)
-            chunk = invariant_rows(lambda x: rows(x, MAX_CHUNK), k, dtype, MAX_CHUNK)
-        except RuntimeError as e:  # oneDNN refuses this dtype on this CPU: the torch plans
-            log.debug("rag_accel: oneDNN refused a %s weight (%s)", weight.dtype, e)
-        choice = LinearChoice(chunk)
-        if 0 < chunk < 16 and invariant_rows(lambda x: rows(x, PADDED_ROWS, PADDED_ROWS), k, dtype,
-                                             MAX_CHUNK + 1) == MAX_CHUNK + 1:
-            choice = LinearChoice(PADDED_ROWS, floor=PADDED_ROWS)
-        elif chunk < 16:
-            plan = next(p for p in EXACT_CANDIDATES if p.pad == 1 or is_invariant(weight, bias, p))
-            if plan.chunk > chunk:
-                choice = LinearChoice(plan.chunk, plan)
-        if choice.plan is None and choice.chunk and large_calls_agree(rows, choice, k, dtype):
-            choice = LinearChoice(LARGE_CHUNK, floor=choice.floor)
-        _CHOICES[key] = choice
-        if disk_key is not None:
-            _remember(disk_key, choice)
+
+    def probe() -> LinearChoice:
+        choice = _remembered().get(disk_key) if disk_key is not None else None  # (an earlier process's)
+        if choice is None:
+            choice = _probe_linear(weight, bias, rows)
+            if disk_key is not None:
+                _remember(disk_key, choice)
+        return choice
+
+    return VERDICTS.get(VERDICT_KIND, key, probe)
+
+
+def _probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKernel | None) -> LinearChoice:
+    """:func:`choose_linear`'s three steps, measured."""
+    k, dtype = weight.shape[1], weight.dtype
+    chunk = 0
+    try:
+        rows = rows or _onednn_rows(weight, bias)
+        chunk = invariant_rows(lambda x: rows(x, MAX_CHUNK), k, dtype, MAX_CHUNK)
+    except RuntimeError as e:  # oneDNN refuses this dtype on this CPU: the torch plans
+        log.debug("rag_accel: oneDNN refused a %s weight (%s)", weight.dtype, e)
+    choice = LinearChoice(chunk)
+    if 0 < chunk < 16 and invariant_rows(lambda x: rows(x, PADDED_ROWS, PADDED_ROWS), k, dtype,
+                                         MAX_CHUNK + 1) == MAX_CHUNK + 1:
+        choice = LinearChoice(PADDED_ROWS, floor=PADDED_ROWS)
+    elif chunk < 16:
+        plan = next(p for p in EXACT_CANDIDATES if p.pad == 1 or is_invariant(weight, bias, p))
+        if plan.chunk > chunk:
+            choice = LinearChoice(plan.chunk, plan)
+    if choice.plan is None and choice.chunk and large_calls_agree(rows, choice, k, dtype):
+        choice = LinearChoice(LARGE_CHUNK, floor=choice.floor)
     return choice
 
 
@@ -300,7 +308,7 @@ def large_calls_agree(rows: RowKernel, choice: LinearChoice, in_features: int, d
         for _ in range(trials):
             x = torch.randn(LARGE_CHUNK, in_features, generator=gen).to(dtype)
             want = rows(x, choice.chunk, choice.floor)
-            if not all(torch.equal(rows(x[:n], LARGE_CHUNK, choice.floor), want[:n]) for n in counts):
+            if not rows_agree(lambda _, n: rows(x[:n], LARGE_CHUNK, choice.floor), want, ((0, n) for n in counts)):
                 return False
     return True
 
@@ -424,10 +432,9 @@ def pieces_are_exact(isa: str, heads: int, kv_heads: int, head_dim: int, dtype: 
     shape = (heads, kv_heads, head_dim)
     with torch.inference_mode():
         for t, n in PIECE_PROBES:
-            alone = torch.cat([_attend([(0, 1, t - n + i + 1)], q_all, *cache, tables, shape, isa, rows, window)[0]
-                               for i in range(n)])
             beside = _attend([(1, 1, 900), (0, n, t), (2, 200, 600)], q_all, *cache, tables, shape, isa, rows, window)
-            if not torch.equal(beside[1], alone):
+            if not rows_agree(lambda i, _: _attend([(0, 1, t - n + i + 1)], q_all, *cache, tables, shape, isa, rows,
+                                                   window)[0], beside[1], ((i, 1) for i in range(n))):
                 return False
     return True
 
