@@ -31,37 +31,11 @@ import json
 import tempfile
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
-from rag_accel_lab.replay import copy_ceiling, prepare, replay
+from rag_accel_lab.replay import PromptTokens, copy_ceiling, prepare, replay
 
 K = 10
 TARGETS = (1.0, 1.1)
-
-
-class _Tokens:
-    """What :func:`rag_accel_lab.replay.prepare` needs of a decoder, the tokenizer alone (no weights loaded)."""
-
-    def __init__(self, model: str) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
-        from rag_accel.config import DecoderConfig
-        from rag_accel.models import local_model
-
-        path = local_model(model)
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.vocab_size = AutoConfig.from_pretrained(path).vocab_size
-        self.limit = DecoderConfig().max_reference_tokens
-
-    def encode_prompt(self, prompt: Any) -> list[int]:
-        from rag_accel.inputs import encode_prompt
-
-        return encode_prompt(self.tokenizer, prompt, self.vocab_size)
-
-    def encode_references(self, references: Any) -> list[list[int]]:
-        from rag_accel.references import encode_references
-
-        return encode_references(self.tokenizer, references, self.vocab_size, self.limit)
 
 
 def measured_costs(run: dict, prompt_len: dict[str, int]) -> dict[str, dict[str, float]]:
@@ -144,7 +118,7 @@ def main() -> None:
                 r["item"]: r["token_ids"] for r in run["rows"]
                 if r["method"] == "vllm-greedy" and r.get("level", 1) == 1}}))
         saved = json.loads(outputs.read_text())
-        tok = _Tokens(saved["model"])
+        tok = PromptTokens(saved["model"])
         prepared = prepare(outputs, tok, items)
     run_items = {r["item"] for r in run["rows"]}
     prompt_len = {i: len(tok.encode_prompt(rag_messages(items[i].query, items[i].passages))) for i in run_items}

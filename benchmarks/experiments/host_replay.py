@@ -4,6 +4,7 @@ the same items, rows and steps, no forward.
     python benchmarks/experiments/host_replay.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
         --levels 1,16 --out benchmarks/results/host_replay_smollm2
     python benchmarks/experiments/host_replay.py ... --profile 1   # where ours spends it, at one in flight
+    python benchmarks/experiments/host_replay.py --plot benchmarks/results/host_replay_smollm2.json
 
 (in the vLLM virtualenv, arctic-inference installed). ``host_costs.py`` times the proposers inside a real engine
 (one run per method, so other rows and other steps); this replays both on the same batches: ``--levels`` requests
@@ -190,9 +191,31 @@ def summary(log: list) -> dict[str, Any]:
             "sent_per_step": sum(s for _, _, s in steps) / sum(r for r, _, _ in steps), "drafts_sha256": digest}
 
 
+def plot(path: Path) -> None:
+    """Host time per request per step, by method and requests in flight."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = json.loads(path.read_text())
+    levels = sorted({r["level"] for r in result["rows"]})
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    for i, method in enumerate(("ours", "suffix")):
+        got = {r["level"]: r["per_request_us_median"] for r in result["rows"] if r["method"] == method}
+        ax.bar([j + 0.38 * i for j in range(len(levels))], [got[lv] for lv in levels], 0.36, label=method)
+    ax.set_xticks([j + 0.19 for j in range(len(levels))], [f"{lv} in flight" for lv in levels])
+    ax.set_ylabel("host us per request per step")
+    ax.set_title(f"Proposers' host work, replayed: {result['model']}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+    print(f"wrote {path.with_suffix('.png')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--outputs", type=Path, required=True, help="the model's greedy answers (rag-accel bench "
+    ap.add_argument("--outputs", type=Path, default=None, help="the model's greedy answers (rag-accel bench "
                     "--save-outputs)")
     ap.add_argument("--items", type=int, default=64)
     ap.add_argument("--levels", default="1,16")
@@ -200,15 +223,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="each method and level, alternating; the median kept")
     ap.add_argument("--profile", type=int, default=None, help="profile ours at this level and print it, only")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON, and nothing else")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).parent))
-    from e2e_ceiling import _Tokens
+    if args.plot is not None:
+        plot(args.plot)
+        return
+    if args.outputs is None:
+        ap.error("--outputs is required")
     from rag_accel.rag.msmarco import load_msmarco_sample
-    from rag_accel_lab.replay import prepare
+    from rag_accel_lab.replay import PromptTokens, prepare
 
     saved = json.loads(args.outputs.read_text())
     items = {it.id: it for it in load_msmarco_sample(with_answers=True)}
-    prepared = prepare(args.outputs, _Tokens(saved["model"]), items)[-args.items:]
+    prepared = prepare(args.outputs, PromptTokens(saved["model"]), items)[-args.items:]
     if args.profile is not None:
         prof = cProfile.Profile()
         run_ours(prepared, args.profile, args.step_ms / 1e3, prof)

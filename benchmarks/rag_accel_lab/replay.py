@@ -213,6 +213,31 @@ def replay(prepared: Sequence[tuple], k: int, curve: Sequence[float] | None = No
             "worst_item": min(speedups), "costs": item_costs}
 
 
+class PromptTokens:
+    """What :func:`rag_accel_lab.replay.prepare` needs of a decoder, the tokenizer alone (no weights loaded)."""
+
+    def __init__(self, model: str) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        from rag_accel.config import DecoderConfig
+        from rag_accel.models import local_model
+
+        path = local_model(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.vocab_size = AutoConfig.from_pretrained(path).vocab_size
+        self.limit = DecoderConfig().max_reference_tokens
+
+    def encode_prompt(self, prompt: Any) -> list[int]:
+        from rag_accel.inputs import encode_prompt
+
+        return encode_prompt(self.tokenizer, prompt, self.vocab_size)
+
+    def encode_references(self, references: Any) -> list[list[int]]:
+        from rag_accel.references import encode_references
+
+        return encode_references(self.tokenizer, references, self.vocab_size, self.limit)
+
+
 def prepare(path: Path, dec: Any, items: dict) -> list[tuple]:
     """``(item id, prompt ids, reference ids, the model's answer ids)`` of an outputs file's items (``dec``: the
     model's decoder, for its tokenizer; ``items``: the sample's items by id)."""
