@@ -697,10 +697,18 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
     monkeypatch.setenv("RAG_ACCEL_HOME", str(tmp_path / "home"))
     env = cpu_environment({}, prefix=str(tmp_path))
     assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "NUMBA_THREADING_LAYER": "workqueue"}
-    assert home_environment({}) == {"VLLM_CACHE_ROOT": str(tmp_path / "home" / "vllm"),
-                                    "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "home" / "vllm" / "inductor"),
-                                    "TMPDIR": str(tmp_path / "home" / "vllm" / "tmp")}
+    short = Path("/tmp") / f"rah-{os.getpid()}"  # (a home whose sockets' paths fit: nothing is made there)
+    monkeypatch.setenv("RAG_ACCEL_HOME", str(short))
+    assert home_environment({}) == {"VLLM_CACHE_ROOT": str(short / "vllm"),
+                                    "TORCHINDUCTOR_CACHE_DIR": str(short / "vllm" / "inductor"),
+                                    "TMPDIR": str(short / "vllm" / "tmp")}
     assert home_environment({"TMPDIR": "/mine", "VLLM_CACHE_ROOT": "/c", "TORCHINDUCTOR_CACHE_DIR": "/i"}) == {}
+    deep = tmp_path / ("d" * 80) / "home"  # (its sockets' paths would pass the 107 characters a socket's path holds)
+    monkeypatch.setenv("RAG_ACCEL_HOME", str(deep))
+    tmp = home_environment({})["TMPDIR"]
+    assert len(tmp) + 1 + 36 <= 107 and not tmp.startswith(str(deep)) and tmp.endswith(f"-{os.getuid()}"), tmp
+    assert home_environment({})["VLLM_CACHE_ROOT"] == str(deep / "vllm")  # (the caches stay under the home)
+    monkeypatch.setenv("RAG_ACCEL_HOME", str(short))
     assert cpu_environment({"LD_PRELOAD": "/x/libtcmalloc.so"}, prefix=str(tmp_path))["LD_PRELOAD"] == (
         f"{tmp_path / 'lib' / 'libiomp5.so'}:/x/libtcmalloc.so")
     assert cpu_environment({"LD_PRELOAD": "/y/libiomp5.so", "NUMBA_THREADING_LAYER": "omp"},
@@ -719,7 +727,7 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
         for dtype in ("float32", "bfloat16"):  # (on a CPU bfloat16 is the CPU backend's too; elsewhere a GPU's)
             res = CliRunner().invoke(app, ["serve", "some/model", "--dtype", dtype, "--dry-run"])
             line = next(x for x in res.output.splitlines() if " serve some/model " in x)
-            home = tmp_path / "home" / "vllm"
+            home = short / "vllm"
             assert f"VLLM_CACHE_ROOT={home}" in line and f"TMPDIR={home / 'tmp'}" in line
             assert ("NUMBA_THREADING_LAYER=workqueue" in line) == (cpu or dtype == "float32"), (cpu, dtype)
             assert """--additional-config '{"rag_accel_exact": "auto"}'""" in line  # (bfloat16 on a CPU: exact)
@@ -727,7 +735,7 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
                                    "--additional-config", '{"mine": 1}'])
     assert """--additional-config '{"mine": 1, "rag_accel_exact": "off"}'""" in res.output  # (one option, merged)
     assert "RAG_ACCEL_EXACT" not in res.output
-    assert not (tmp_path / "home" / "vllm" / "tmp").exists()  # (a dry run makes nothing)
+    assert not short.exists()  # (a dry run makes nothing)
 
 
 def test_a_model_name_is_checked_before_any_work(monkeypatch):

@@ -323,15 +323,26 @@ def home_environment(env: Mapping[str, str]) -> dict[str, str]:
     """Where the server writes, on any device, where ``env`` (the caller's environment) does not say: its caches
     under ``$RAG_ACCEL_HOME/vllm`` (:func:`rag_accel.vllm.launch.home_environment`) and its temporary files
     (``TMPDIR``, else ``/tmp``), among them the file its workers meet at, ``vllm_dist_<id>``, which vLLM 0.32 leaves
-    behind at every engine start (``get_file_store_init_method``). :func:`exec_server` makes the folder.
+    behind at every engine start (``get_file_store_init_method``); under a home too deep for its sockets' paths, a
+    folder of the user's own in the system's temporary folder. :func:`exec_server` makes the folder.
     """
     from ..models import cache_home
     from ..vllm.launch import home_environment as caches
 
     out = caches(env)
     if "TMPDIR" not in env:
-        out["TMPDIR"] = str(cache_home() / "vllm" / "tmp")
+        tmp = cache_home() / "vllm" / "tmp"
+        if len(str(tmp)) > SOCKET_FOLDER_CHARS:  # (a deep home: its sockets' paths would be too long to bind)
+            import tempfile
+
+            tmp = Path(tempfile.gettempdir()) / f"rag-accel-serve-{os.getuid()}"
+        out["TMPDIR"] = str(tmp)
     return out
+
+
+#: The longest temporary folder the server's processes can make their sockets in: a socket's path holds at most 107
+#: characters, and vLLM names each one by a 36-character id in that folder.
+SOCKET_FOLDER_CHARS = 70
 
 
 def vllm_bind_hint(bind: str | None, busy: dict[int, float] | None = None) -> str | None:
