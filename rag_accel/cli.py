@@ -571,7 +571,7 @@ def serve(
                     err=True)
     if on_cpu:
         bind = vllm_bind_hint(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))  # (another job on a bound core)
-        for hint in [*cpu_hints(os.environ), *([bind] if bind else [])]:
+        for hint in [*cpu_hints(os.environ, cmd), *([bind] if bind else [])]:
             typer.secho(f"note: {hint}", fg=typer.colors.YELLOW, err=True)
     exec_server(cmd, env)
 

@@ -820,3 +820,7 @@ def test_the_servers_kv_cache_on_a_cpu_is_sized_as_a_vllm_decoders(tmp_path, mon
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     res = CliRunner().invoke(app, ["serve", str(tmp_path), "--dtype", "bfloat16", "--dry-run"])
     assert res.exit_code == 0 and "--kv-cache-memory-bytes " in res.output, res.output
+    from rag_accel.serving.serve import cpu_hints
+
+    assert not any("KVCACHE" in h for h in cpu_hints({}, ["vllm", "serve", "m", *got]))  # (sized: no hint)
+    assert any("VLLM_CPU_KVCACHE_SPACE=2" in h for h in cpu_hints({}, ["vllm", "serve", "org/hub-model"]))

@@ -372,9 +372,13 @@ def vllm_bind_hint(bind: str | None, busy: dict[int, float] | None = None) -> st
             f"waits for: VLLM_CPU_OMP_THREADS_BIND={','.join(map(str, free))} computes on the free ones")
 
 
-def cpu_hints(env: Mapping[str, str]) -> list[str]:
-    """Settings vLLM's CPU backend needs that are not set (printed, never set for the user)."""
+def cpu_hints(env: Mapping[str, str], cmd: Sequence[str] = ()) -> list[str]:
+    """Settings vLLM's CPU backend needs that are not set (printed, never set for the user); ``cmd``: the server's
+    command line (a KV cache it sizes needs no hint)."""
     hints = []
+    if "VLLM_CPU_KVCACHE_SPACE" not in env and not _given(cmd, "--kv-cache-memory-bytes"):
+        hints.append("VLLM_CPU_KVCACHE_SPACE (GiB of KV cache; this model's layout could not be read here to size "
+                     "it, and vLLM's own default reserves most of the memory): e.g. VLLM_CPU_KVCACHE_SPACE=2")
     if "VLLM_CPU_OMP_THREADS_BIND" not in env:
         hints.append("VLLM_CPU_OMP_THREADS_BIND (vLLM's default leaves a core for the server): "
                      "e.g. VLLM_CPU_OMP_THREADS_BIND=0-1 to compute on cores 0 and 1")
