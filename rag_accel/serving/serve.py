@@ -67,10 +67,10 @@ def model_kv_layout(model: str) -> tuple[int, int, int, int] | None:
 
     Example:
         >>> import tempfile
-        >>> folder = tempfile.mkdtemp()
-        >>> _ = (Path(folder) / "config.json").write_text('{"num_hidden_layers": 30, "num_attention_heads": 9, '
-        ...     '"num_key_value_heads": 3, "hidden_size": 576, "max_position_embeddings": 8192}')
-        >>> model_kv_layout(folder)
+        >>> with tempfile.TemporaryDirectory() as folder:  # (SmolLM2's config)
+        ...     _ = (Path(folder) / "config.json").write_text('{"num_hidden_layers": 30, "num_attention_heads": 9, '
+        ...         '"num_key_value_heads": 3, "hidden_size": 576, "max_position_embeddings": 8192}')
+        ...     model_kv_layout(folder)
         (30, 3, 64, 8192)
     """
     try:
