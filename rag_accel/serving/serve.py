@@ -56,62 +56,19 @@ def model_vocab_size(model: str) -> int | None:
     return None
 
 
-#: Config keys a model's context window may be read from (vLLM reads the same); the largest counts here.
-_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
-
-
-def model_kv_layout(model: str) -> tuple[int, int, int, int] | None:
-    """(layers, key/value heads, head size, context window) of ``model`` from a local folder's ``config.json``
-    (a multimodal model's text config), the window scaled by a rope scaling's factor; ``None`` when that cannot be
-    read here (a hub name). Read without transformers: a dry run imports neither it nor torch.
-
-    Example:
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as folder:  # (SmolLM2's config)
-        ...     _ = (Path(folder) / "config.json").write_text('{"num_hidden_layers": 30, "num_attention_heads": 9, '
-        ...         '"num_key_value_heads": 3, "hidden_size": 576, "max_position_embeddings": 8192}')
-        ...     model_kv_layout(folder)
-        (30, 3, 64, 8192)
-    """
-    try:
-        data = json.loads((Path(model) / "config.json").read_text())
-        text = data.get("text_config") or data
-        heads = int(text["num_attention_heads"])
-        kv_heads = int(text.get("num_key_value_heads") or heads)
-        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-        window = max(int(text[k]) for k in _LENGTH_KEYS if isinstance(text.get(k), int))
-        scaling = text.get("rope_scaling") or {}
-        factor = scaling.get("factor") if scaling.get("rope_type", scaling.get("type")) not in (
-            "su", "longrope", "llama3") else None
-        return int(text["num_hidden_layers"]), kv_heads, head_dim, int(window * (factor or 1))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
 def kv_cache_options(model: str, dtype: str, max_model_len: int | None, extra: Sequence[str],
                      env: Mapping[str, str], available: int | None = None) -> list[str]:
     """The server's KV cache on a CPU, where neither ``VLLM_CPU_KVCACHE_SPACE`` nor ``--kv-cache-memory-bytes``
-    sizes it: a ``VllmDecoder``'s (:func:`rag_accel.vllm.requests.kv_cache_bytes`: room for 32,768 tokens, at
+    sizes it: a ``VllmDecoder``'s (:func:`rag_accel.vllm.requests.default_kv_cache_bytes`: room for 32,768 tokens, at
     least one whole sequence, at most a quarter of the memory available). vLLM's own default takes most of the
     machine's memory, and the start spends many seconds filling it. ``[]`` where the model's layout cannot be
     read here (vLLM then sizes it)."""
     if "VLLM_CPU_KVCACHE_SPACE" in env or _given(extra, "--kv-cache-memory-bytes"):
         return []
-    layout = model_kv_layout(model)
-    if layout is None:
-        return []
-    from ..vllm.requests import kv_cache_bytes
+    from ..vllm.requests import default_kv_cache_bytes
 
-    if available is None:
-        try:
-            import psutil  # (vLLM's dependency)
-
-            available = int(psutil.virtual_memory().available)
-        except ImportError:  # (a dry run without vLLM: the free memory, a lower bound)
-            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    layers, kv_heads, head_dim, window = layout
-    length = max_model_len or _option_value(extra, ("--max-model-len",)) or window
-    return ["--kv-cache-memory-bytes", str(kv_cache_bytes(layers, kv_heads, head_dim, dtype, length, available))]
+    size = default_kv_cache_bytes(model, dtype, max_model_len or _option_value(extra, ("--max-model-len",)), available)
+    return [] if size is None else ["--kv-cache-memory-bytes", str(size)]
 
 
 def model_text_bound(model: str) -> tuple[int, str | None] | None:

@@ -22,8 +22,8 @@ from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
 from ..wire import RequestArgs
 from .launch import engine_environment, engine_temp_dir, home_environment, remove_temp_dir
-from .requests import (PROPOSER_PATH, TRACKER_PATH, check_layout, exact_config, exact_mode, kv_cache_bytes,
-                       model_kv_shape, speculative_config)
+from .requests import (PROPOSER_PATH, TRACKER_PATH, check_layout, default_kv_cache_bytes, exact_config, exact_mode,
+                       speculative_config)
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -131,11 +131,9 @@ class VllmDecoder:
             from vllm.platforms import current_platform
 
             if current_platform.is_cpu():  # (vLLM's own default takes most of the machine's memory)
-                import psutil
-
-                kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(*model_kv_shape(path), dtype,
-                                                                 int(kwargs["max_model_len"]),
-                                                                 psutil.virtual_memory().available)
+                size = default_kv_cache_bytes(path, dtype, int(kwargs["max_model_len"]))
+                if size is not None:
+                    kwargs["kv_cache_memory_bytes"] = size
         kwargs["additional_config"] = exact_config(exact_mode(exact), kwargs.get("additional_config"))
         temp_dir = engine_temp_dir()  # (its caches under RAG_ACCEL_HOME, its temporary files in a folder of its
         # own, removed at close)

@@ -14,6 +14,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..config import MAX_REFERENCE_TOKENS, SERVE_MAX_REFERENCE_TOKENS, VLLM_MAX_DRAFT_TOKENS, DecoderConfig  # (the second re-exported)
@@ -23,8 +24,8 @@ from ..wire import RequestArgs  # (re-exported: rag_accel.vllm names it)
 
 __all__ = ["EXACT_KEY", "MIDDLEWARE_PATH", "PROPOSER_PATH", "SERVE_MAX_REFERENCE_TOKENS", "SETTINGS_ENV", "SPECULATION",
            "TRACKER_PATH", "PIPELINE_REFUSED", "RequestArgs", "ServerSettings", "check_extra_args", "check_layout",
-           "encode_text_bound", "exact_config", "exact_mode", "kv_cache_bytes", "model_kv_shape",
-           "speculative_config"]
+           "default_kv_cache_bytes", "encode_text_bound", "exact_config", "exact_mode", "kv_cache_bytes",
+           "model_kv_layout", "speculative_config"]
 
 PROPOSER_PATH = "rag_accel.vllm.RagProposer"  # speculative_config={"method": "custom_class", "model": ...}
 TRACKER_PATH = "rag_accel.vllm:RowTracker"  # logits_processors=[...] (vLLM's FQCN form)
@@ -95,16 +96,56 @@ def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, dtype: str, max_mo
     return max(per_token * max_model_len, min(per_token * tokens, int(available * KV_CACHE_SHARE)))
 
 
-def model_kv_shape(path: str) -> tuple[int, int, int]:
-    """(layers, key/value heads, head size) of the model at ``path`` (its config; a multimodal model's text part)."""
-    from transformers import AutoConfig
+#: Config keys a model's context window may be read from (vLLM reads the same); the largest counts here.
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
-    cfg = AutoConfig.from_pretrained(path)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return int(text.num_hidden_layers), int(kv_heads), int(head_dim)
+
+def model_kv_layout(path: str) -> tuple[int, int, int, int] | None:
+    """(layers, key/value heads, head size, context window) of the model in the local folder ``path``, from its
+    ``config.json`` (a multimodal model's text config), the window scaled by a rope scaling's factor; ``None`` when
+    that cannot be read here (a hub name). Read without transformers: a server's dry run imports neither it nor
+    torch.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as folder:  # (SmolLM2's config)
+        ...     _ = (Path(folder) / "config.json").write_text('{"num_hidden_layers": 30, "num_attention_heads": 9, '
+        ...         '"num_key_value_heads": 3, "hidden_size": 576, "max_position_embeddings": 8192}')
+        ...     model_kv_layout(folder)
+        (30, 3, 64, 8192)
+    """
+    try:
+        data = json.loads((Path(path) / "config.json").read_text())
+        text = data.get("text_config") or data
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        window = max(int(text[k]) for k in _LENGTH_KEYS if isinstance(text.get(k), int))
+        scaling = text.get("rope_scaling") or {}
+        factor = scaling.get("factor") if scaling.get("rope_type", scaling.get("type")) not in (
+            "su", "longrope", "llama3") else None
+        return int(text["num_hidden_layers"]), kv_heads, head_dim, int(window * (factor or 1))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def default_kv_cache_bytes(path: str, dtype: str, max_model_len: int | None,
+                           available: int | None = None) -> int | None:
+    """The KV cache an engine of the model at ``path`` gets on a CPU where the caller sizes none
+    (:func:`kv_cache_bytes`, ``max_model_len`` ``None``: the model's own window; ``available``: the memory
+    available now, by default read here); ``None`` where the model's layout cannot be read (vLLM then sizes it)."""
+    layout = model_kv_layout(path)
+    if layout is None:
+        return None
+    if available is None:
+        try:
+            import psutil  # (vLLM's dependency)
+
+            available = int(psutil.virtual_memory().available)
+        except ImportError:  # (a server's dry run without vLLM: the free memory, a lower bound)
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    layers, kv_heads, head_dim, window = layout
+    return kv_cache_bytes(layers, kv_heads, head_dim, dtype, max_model_len or window, available)
 
 
 def speculative_config(speculation: str, max_draft_tokens: int) -> dict[str, Any] | None:
