@@ -503,9 +503,10 @@ def serve(
     Per request: extra_body={"vllm_xargs": {"references": [...], "memory_scope": "tenant-1", "speculate": false}}."""
     import os
 
-    from .serving.serve import (cpu_backend, cpu_environment, cpu_hints, default_dtype, exec_server,
-                                home_environment, kv_cache_options, model_text_bound, model_vocab_size,
-                                resolve_model, serve_command, shell_line, vllm_bind_hint)
+    from .serving.serve import (cpu_backend, cpu_hints, default_dtype, engine_ranks, exec_server, home_environment,
+                                kv_cache_options, model_text_bound, model_vocab_size, resolve_model, serve_command,
+                                shell_line, vllm_bind_hint)
+    from .vllm.launch import cpu_environment
     from .vllm.requests import exact_mode
 
     if model.startswith("-"):
@@ -554,8 +555,8 @@ def serve(
     env = settings.environment()
     on_cpu = cpu_backend() or dtype == "float32"  # the CPU backend's settings
     env.update(home_environment(os.environ))  # (what the server writes goes under RAG_ACCEL_HOME)
-    if on_cpu:
-        env.update(cpu_environment(os.environ))
+    if on_cpu:  # (Intel OpenMP, its threads bound to the free cores, numba's workqueue layer)
+        env.update(cpu_environment(os.environ, ranks=engine_ranks(extra)))
     if dry_run:
         typer.echo("server settings (" + ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(settings).items())
                    + ")")
@@ -570,7 +571,8 @@ def serve(
                     "is the default, vLLM falls back to V1 and logs a warning saying so)", fg=typer.colors.YELLOW,
                     err=True)
     if on_cpu:
-        bind = vllm_bind_hint(os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))  # (another job on a bound core)
+        bind = vllm_bind_hint({**os.environ, **env}.get("VLLM_CPU_OMP_THREADS_BIND"))  # (another job on a core
+        # the user's binding names)
         for hint in [*cpu_hints(os.environ, cmd), *([bind] if bind else [])]:
             typer.secho(f"note: {hint}", fg=typer.colors.YELLOW, err=True)
     exec_server(cmd, env)

@@ -690,13 +690,16 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from rag_accel.cli import app
-    from rag_accel.serving.serve import cpu_environment, home_environment
+    from rag_accel.machine import cpu_spec, free_core_list
+    from rag_accel.serving.serve import home_environment
+    from rag_accel.vllm.launch import cpu_environment
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
     monkeypatch.setenv("RAG_ACCEL_HOME", str(tmp_path / "home"))
-    env = cpu_environment({}, prefix=str(tmp_path))
-    assert env == {"LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "NUMBA_THREADING_LAYER": "workqueue"}
+    env = cpu_environment({}, prefix=str(tmp_path), busy={})
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": cpu_spec(free_core_list({}))} if free_core_list({}) else {}
+    assert env == {**bind, "LD_PRELOAD": str(tmp_path / "lib" / "libiomp5.so"), "NUMBA_THREADING_LAYER": "workqueue"}
     short = Path("/tmp") / f"rah-{os.getpid()}"  # (a home whose sockets' paths fit: nothing is made there)
     monkeypatch.setenv("RAG_ACCEL_HOME", str(short))
     assert home_environment({}) == {"VLLM_CACHE_ROOT": str(short / "vllm"),
@@ -709,15 +712,15 @@ def test_serve_sets_what_vllms_cpu_backend_needs(tmp_path, monkeypatch):
     assert len(tmp) + 1 + 36 <= 107 and not tmp.startswith(str(deep)) and tmp.endswith(f"-{os.getuid()}"), tmp
     assert home_environment({})["VLLM_CACHE_ROOT"] == str(deep / "vllm")  # (the caches stay under the home)
     monkeypatch.setenv("RAG_ACCEL_HOME", str(short))
-    assert cpu_environment({"LD_PRELOAD": "/x/libtcmalloc.so"}, prefix=str(tmp_path))["LD_PRELOAD"] == (
+    assert cpu_environment({"LD_PRELOAD": "/x/libtcmalloc.so"}, prefix=str(tmp_path), busy={})["LD_PRELOAD"] == (
         f"{tmp_path / 'lib' / 'libiomp5.so'}:/x/libtcmalloc.so")
-    assert cpu_environment({"LD_PRELOAD": "/y/libiomp5.so", "NUMBA_THREADING_LAYER": "omp"},
-                           prefix=str(tmp_path)) == {}
+    assert cpu_environment({"LD_PRELOAD": "/y/libiomp5.so", "NUMBA_THREADING_LAYER": "omp",
+                            "VLLM_CPU_OMP_THREADS_BIND": "0"}, prefix=str(tmp_path)) == {}
     # vLLM imported in a process sets LD_PRELOAD to torch's GNU OpenMP for its children: a server started from there
     # (the vLLM stage of CI, after an in-process engine) died at start with both runtimes preloaded
     # (with Intel's as well it died at start: GNU OpenMP gives way)
     gomp = "/t/torch/lib/libgomp.so.1"
-    assert cpu_environment({"LD_PRELOAD": f"{gomp}:/x/libtcmalloc.so"}, prefix=str(tmp_path))["LD_PRELOAD"] == (
+    assert cpu_environment({"LD_PRELOAD": f"{gomp}:/x/libtcmalloc.so"}, prefix=str(tmp_path), busy={})["LD_PRELOAD"] == (
         f"{tmp_path / 'lib' / 'libiomp5.so'}:/x/libtcmalloc.so")
     monkeypatch.delenv("NUMBA_THREADING_LAYER", raising=False)
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
@@ -777,7 +780,7 @@ def test_the_server_removes_intel_openmps_files_of_its_ended_processes(tmp_path)
     """Issue 66: the Intel OpenMP the launcher preloads registers each process in /dev/shm and removes the file at a
     normal exit; vLLM ends its engine and worker by signal, so at the server's exit their files are removed: an
     ended process's, and one of this group still exiting once it has ended; this process's own and others stay."""
-    from rag_accel.serving.serve import remove_stale_openmp_files
+    from rag_accel.vllm.launch import remove_stale_openmp_files
 
     ended = subprocess.Popen(["true"])
     ended.wait()

@@ -83,3 +83,24 @@ def test_a_held_count_stays_whatever_the_load(capsys):
     m.load, m.now = 0.0, m.now + 2 * threads.RECHECK_S
     policy.before_call()
     assert m.count == 3 and m.sets == [3]
+
+
+def test_a_cores_reading_leaves_out_this_processs_own_threads(monkeypatch):
+    """Over a look, core 1 ran 100 ticks, all of them a thread of this process (a tokenizer, an import): it is not
+    another job's; core 0's 60 ticks were someone else's."""
+    stats = iter([[(1000, 500), (1000, 500)], [(1100, 540), (1100, 500)]])  # (total, idle) per core, before, after
+    own = iter([{7: (10, 1)}, {7: (110, 1)}])  # thread 7: its ticks so far, the core it last ran on
+    monkeypatch.setattr(machine, "_cpu_times", lambda: next(stats))
+    monkeypatch.setattr(machine, "_own_ticks", lambda: next(own))
+    monkeypatch.setattr(machine.time, "sleep", lambda s: None)
+    assert machine.busy_by_core() == {0: pytest.approx(0.6), 1: 0.0}
+
+
+def test_an_engines_binding_looks_again_before_leaving_a_core_out(monkeypatch):
+    """A core busy in the first short look but free in a longer second one (a moment's work) stays in the binding,
+    which lasts the engine's life; one busy in both looks is left out."""
+    looks = iter([{0: 0.0, 1: 0.9}, {0: 0.0, 1: 0.1}])
+    monkeypatch.setattr(machine, "busy_by_core", lambda window_s=0.25: next(looks))
+    assert machine.free_core_list(allowed={0, 1}, root=machine.Path("/nonexistent")) == [0, 1]
+    looks = iter([{0: 0.0, 1: 0.9}, {0: 0.0, 1: 0.95}])
+    assert machine.free_core_list(allowed={0, 1}, root=machine.Path("/nonexistent")) == [0]

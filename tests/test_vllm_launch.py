@@ -57,3 +57,45 @@ def test_an_engine_that_fails_to_start_puts_the_environment_back(monkeypatch, tm
     except RuntimeError:
         pass
     assert dict(os.environ) == before
+
+
+def _machine(root, siblings: dict[int, str], nodes: int = 1):
+    """A fake /sys/devices/system: each core's hyperthread siblings, and ``nodes`` NUMA nodes."""
+    for core, spec in siblings.items():
+        (root / "cpu" / f"cpu{core}" / "topology").mkdir(parents=True)
+        (root / "cpu" / f"cpu{core}" / "topology" / "thread_siblings_list").write_text(spec + "\n")
+    for n in range(nodes):
+        (root / "node" / f"node{n}").mkdir(parents=True)
+    return root
+
+
+def test_an_engines_threads_are_bound_to_the_free_cores_one_per_physical_core(tmp_path):
+    """Where the user binds nothing, an engine of one rank computes on every core other processes leave free (vLLM's
+    own binding keeps one back for its scheduler: on 2 cores, half the compute), one logical CPU of each physical
+    core as vLLM takes them; on several NUMA nodes, or for several ranks, vLLM's own binding stays."""
+    from rag_accel.machine import cpu_spec, free_core_list
+    from rag_accel.vllm.launch import cpu_environment
+
+    flat = _machine(tmp_path / "flat", {0: "0", 1: "1", 2: "2", 3: "3"})
+    assert free_core_list({}, allowed={0, 1, 2, 3}, root=flat) == [0, 1, 2, 3]
+    assert free_core_list({1: 0.95, 2: 0.3}, allowed={0, 1, 2, 3}, root=flat) == [0, 2, 3]  # (core 1 held)
+    assert free_core_list({0: 0.9, 1: 0.9}, allowed={0, 1}, root=flat) == [0, 1]  # (all held: all)
+    smt = _machine(tmp_path / "smt", {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"})
+    assert free_core_list({}, allowed={0, 1, 2, 3}, root=smt) == [2, 3]  # (the last sibling of each)
+    numa = _machine(tmp_path / "numa", {0: "0", 1: "1"}, nodes=2)
+    assert free_core_list({}, allowed={0, 1}, root=numa) is None
+    # the environment an engine gets: a binding in vLLM's list format, for one rank only, the user's own kept
+    got = cpu_environment({}, busy={}, prefix="/nonexistent")
+    expected = free_core_list({})
+    assert got.get("VLLM_CPU_OMP_THREADS_BIND") == (None if expected is None else cpu_spec(expected))
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu_environment({}, ranks=2, busy={}, prefix="/nonexistent")
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu_environment({"VLLM_CPU_OMP_THREADS_BIND": "0"}, busy={},
+                                                              prefix="/nonexistent")
+
+
+def test_a_servers_ranks_are_read_from_its_vllm_options():
+    from rag_accel.serving.serve import engine_ranks
+
+    assert engine_ranks([]) == 1
+    assert engine_ranks(["--tensor-parallel-size", "2"]) == 2
+    assert engine_ranks(["-tp=2", "--data-parallel-size", "2", "--pipeline-parallel-size=1"]) == 4

@@ -177,23 +177,36 @@ def _vllm_leftovers(folder) -> set[str]:
 
 
 @pytest.mark.slow
-def test_an_engine_from_python_leaves_nothing_in_the_temporary_folder(tiny_llama, tmp_path):
+def test_an_engine_from_python_starts_as_the_servers_and_leaves_nothing_behind(tiny_llama, tmp_path):
     """VllmDecoder's engine writes its caches under RAG_ACCEL_HOME and its temporary files (its processes'
     sockets, the file their process group starts from) in a folder of its own, removed when it closes: the system's
     temporary folder is left as it was (vLLM alone leaves seven sockets there per start), even where RAG_ACCEL_HOME
-    is too deep for a socket's path."""
+    is too deep for a socket's path. From a shell that sets nothing, its threads are bound to the free cores and
+    its processes run Intel OpenMP, as rag-accel serve's, and Intel OpenMP's files in /dev/shm go at close."""
     import subprocess
     import sys
+    from pathlib import Path
+
+    from rag_accel.machine import free_core_list
 
     home = tmp_path / "home"
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TMPDIR", "TEMP", "TMP", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "VLLM_RPC_BASE_PATH")}
+    env = {k: v for k, v in os.environ.items()  # (a user's shell: nothing of vLLM's set)
+           if k not in ("TMPDIR", "TEMP", "TMP", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "VLLM_RPC_BASE_PATH",
+                        "VLLM_CPU_OMP_THREADS_BIND", "LD_PRELOAD", "VLLM_CPU_KVCACHE_SPACE")}
     system_tmp = "/tmp"  # (where Python puts temporary files without TMPDIR, TEMP or TMP)
-    before = _vllm_leftovers(system_tmp)
+    before, openmp_before = _vllm_leftovers(system_tmp), set(Path("/dev/shm").glob("__KMP_REGISTERED_LIB_*"))
     done = subprocess.run([sys.executable, str(script), tiny_llama], cwd=tmp_path, capture_output=True, text=True,
                           env={**env, "RAG_ACCEL_HOME": str(home), "HF_HUB_OFFLINE": "1"}, timeout=600)
     assert done.returncode == 0 and "OUT [" in done.stdout, done.stderr[-3000:]
     assert _vllm_leftovers(system_tmp) - before == set()
     assert (home / "vllm").is_dir()  # (its caches' place)
+    # and it started as rag-accel serve's engine does: its threads bound to the free cores (vLLM's own binding
+    # keeps one of 2 back), its processes on Intel OpenMP, whose files in /dev/shm go at close
+    log = done.stdout + done.stderr
+    if Path(sys.prefix, "lib", "libiomp5.so").is_file():
+        assert "without Intel OpenMP" not in log and "libiomp is not found" not in log, log[-3000:]
+    if free_core_list() is not None:
+        assert "auto_setup=False" in log and "reserved_cpus=[]" in log, log[-3000:]
+    assert set(Path("/dev/shm").glob("__KMP_REGISTERED_LIB_*")) - openmp_before == set()

