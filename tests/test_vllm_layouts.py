@@ -116,7 +116,13 @@ def test_data_parallel_2_through_the_server_is_exact_and_drafts(tiny_llama, monk
 
 
 ENGINE_SCRIPT = """
+import os
 import sys
+import tempfile
+def made(event, args):  # (a folder this process makes in the system's temporary folder)
+    if event == "os.mkdir" and os.path.dirname(os.path.abspath(args[0])) == tempfile.gettempdir():
+        print("MKDIR", args[0], flush=True)
+sys.addaudithook(made)
 from rag_accel.vllm import VllmDecoder
 if __name__ == "__main__":
     dec = VllmDecoder.from_pretrained(sys.argv[1], max_model_len=512, enforce_eager=True)
@@ -201,6 +207,9 @@ def test_an_engine_from_python_starts_as_the_servers_and_leaves_nothing_behind(t
                           env={**env, "RAG_ACCEL_HOME": str(home), "HF_HUB_OFFLINE": "1"}, timeout=600)
     assert done.returncode == 0 and "OUT [" in done.stdout, done.stderr[-3000:]
     assert _vllm_leftovers(system_tmp) - before == set()
+    made = [ln for ln in done.stdout.splitlines() if ln.startswith("MKDIR")]  # (the caller's, even where the
+    # folder was there before: torch makes its cache folder as vLLM is imported)
+    assert made and all("rag-accel-vllm-" in ln for ln in made), made
     assert (home / "vllm").is_dir()  # (its caches' place)
     # and it started as rag-accel serve's engine does: its threads bound to the free cores (vLLM's own binding
     # keeps one of 2 back), its processes on Intel OpenMP, whose files in /dev/shm go at close

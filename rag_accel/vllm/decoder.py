@@ -102,7 +102,9 @@ class VllmDecoder:
         if "num_speculative_tokens" in llm_kwargs:
             raise TypeError("num_speculative_tokens is vLLM's name for max_draft_tokens: pass max_draft_tokens=")
         try:
-            from vllm import LLM
+            with engine_environment(home_environment(os.environ), None):  # (importing vLLM makes torch's cache
+                # folder, in the system's temporary folder unless told where)
+                from vllm import LLM
         except ImportError as e:
             raise ImportError(_INSTALL_HINT) from e
         from ..models import local_model
