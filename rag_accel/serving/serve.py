@@ -277,7 +277,8 @@ SOCKET_FOLDER_CHARS = 70
 
 def vllm_bind_hint(bind: str | None, busy: dict[int, float] | None = None) -> str | None:
     """For ``rag-accel serve`` on a CPU: where other processes hold cores vLLM's threads are bound to
-    (``VLLM_CPU_OMP_THREADS_BIND``; unset: vLLM binds all but one), the binding that leaves them out.
+    (``VLLM_CPU_OMP_THREADS_BIND``, the user's or :func:`rag_accel.vllm.launch.cpu_environment`'s; unset: vLLM's own
+    binding), the binding that leaves them out.
 
     Example:
         >>> vllm_bind_hint("0-1", {0: 0.05, 1: 0.98})
