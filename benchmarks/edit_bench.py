@@ -356,6 +356,24 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def engine_environment(engine: str) -> dict[str, str]:
+    """The settings the run's engines started with: the caller's, and on vLLM's CPU backend what rag_accel adds
+    where the caller sets none (Intel OpenMP; the binding to the cores free at each engine's start)."""
+    names = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD", "NUMBA_THREADING_LAYER")
+    env = {k: os.environ[k] for k in names if k in os.environ}
+    if engine == "vllm":
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from rag_accel.vllm.launch import cpu_environment
+
+            added = cpu_environment(os.environ, busy={})
+            if "VLLM_CPU_OMP_THREADS_BIND" in added:
+                added["VLLM_CPU_OMP_THREADS_BIND"] = "the cores free at each engine's start"
+            env.update({k: v for k, v in added.items() if k in names})
+    return env
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engine", choices=("transformers", "vllm"), required=True)
@@ -410,8 +428,7 @@ def main() -> None:
               "machine": f"{platform.machine()}, {cpu_description()}, {os.cpu_count()} cores, torch "
                          f"{torch.__version__}, transformers {transformers.__version__}",
               "load_before": load_before, "load_after": loadavg(),
-              "env": {k: os.environ[k] for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "LD_PRELOAD",
-                                                 "NUMBA_THREADING_LAYER") if k in os.environ},
+              "env": engine_environment(args.engine),
               "wall_s": round(time.perf_counter() - t0), "data": str(args.data.relative_to(ROOT.parent))
               if args.data.is_relative_to(ROOT.parent) else str(args.data),
               "items": args.items - 1, "baseline": baseline, "info": info,
