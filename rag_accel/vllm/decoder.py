@@ -101,9 +101,10 @@ class VllmDecoder:
         (:func:`rag_accel.vllm.launch.cpu_environment`)."""
         if "num_speculative_tokens" in llm_kwargs:
             raise TypeError("num_speculative_tokens is vLLM's name for max_draft_tokens: pass max_draft_tokens=")
+        environment = home_environment(os.environ)  # (its caches under RAG_ACCEL_HOME)
         try:
-            with engine_environment(home_environment(os.environ), None):  # (importing vLLM makes torch's cache
-                # folder, in the system's temporary folder unless told where)
+            with engine_environment(environment, None):  # (importing vLLM makes torch's cache folder, in the
+                # system's temporary folder unless told where)
                 from vllm import LLM
         except ImportError as e:
             raise ImportError(_INSTALL_HINT) from e
@@ -135,7 +136,6 @@ class VllmDecoder:
             check_scope(memory_scope, "memory_scope")
         from vllm.platforms import current_platform
 
-        environment = home_environment(os.environ)
         if current_platform.is_cpu():  # (the environment and KV cache rag-accel serve gives its engine)
             ranks = math.prod(int(kwargs.get(f"{k}_parallel_size") or 1) for k in ("tensor", "pipeline", "data"))
             environment.update(cpu_environment(os.environ, ranks=ranks))
@@ -413,7 +413,7 @@ class VllmDecoder:
             log.warning("rag_accel: vLLM engine processes %s still running %.0f s after shutdown", alive, timeout)
         else:  # (its processes' sockets and files, which they no longer use)
             remove_temp_dir(self._temp_dir)
-            remove_stale_openmp_files()
+            remove_stale_openmp_files(wait_s=0.0)  # (its processes have exited: nothing of theirs to wait for)
 
 
 def _eos_token_ids(tokenizer: Any, model_config: Any) -> frozenset[int]:
