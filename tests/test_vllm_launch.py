@@ -4,10 +4,14 @@ vLLM needed: the launcher only sets what vLLM's processes read as they start."""
 
 from __future__ import annotations
 
+import getpass
 import os
 import tempfile
 
-from rag_accel.vllm.launch import engine_environment, engine_temp_dir, home_environment, remove_temp_dir
+import pytest
+
+from rag_accel.vllm.launch import (engine_environment, engine_temp_dir, home_environment, remove_temp_dir,
+                                  torch_default_inductor_dir)
 
 
 def test_the_caches_go_under_rag_accel_home_unless_the_caller_names_them(tmp_path, monkeypatch):
@@ -99,3 +103,19 @@ def test_a_servers_ranks_are_read_from_its_vllm_options():
     assert engine_ranks([]) == 1
     assert engine_ranks(["--tensor-parallel-size", "2"]) == 2
     assert engine_ranks(["-tp=2", "--data-parallel-size", "2", "--pipeline-parallel-size=1"]) == 4
+
+
+def test_torchs_own_default_cache_folder_counts_as_unnamed(tmp_path, monkeypatch):
+    # importing vLLM runs torch's cache_dir(), which writes its default into os.environ: an engine started after
+    # that import must still keep its compiled files under RAG_ACCEL_HOME, not in the system's temporary folder
+    monkeypatch.setenv("RAG_ACCEL_HOME", str(tmp_path))
+    default = torch_default_inductor_dir()
+    assert default == os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
+    assert home_environment({"TORCHINDUCTOR_CACHE_DIR": default})["TORCHINDUCTOR_CACHE_DIR"] == str(
+        tmp_path / "vllm" / "inductor")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in home_environment({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "mine")})
+
+
+def test_the_default_cache_folder_is_torchs_own():
+    cache_dir_utils = pytest.importorskip("torch._inductor.runtime.cache_dir_utils")
+    assert torch_default_inductor_dir() == cache_dir_utils.default_cache_dir()

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = ["cpu_environment", "engine_environment", "engine_temp_dir", "home_environment", "remove_stale_openmp_files",
-           "remove_temp_dir"]
+           "remove_temp_dir", "torch_default_inductor_dir"]
 
 #: The temporary folder, as Python (``TMPDIR``) and vLLM (``VLLM_RPC_BASE_PATH``: its processes' sockets) read it.
 TEMP_VARIABLES = ("TMPDIR", "VLLM_RPC_BASE_PATH")
@@ -34,12 +34,28 @@ TEMP_VARIABLES = ("TMPDIR", "VLLM_RPC_BASE_PATH")
 def home_environment(env: Mapping[str, str]) -> dict[str, str]:
     """The caches an engine keeps, under ``$RAG_ACCEL_HOME/vllm``, where ``env`` does not name them: vLLM's
     (``VLLM_CACHE_ROOT``, else ``~/.cache/vllm``) and torch inductor's (``TORCHINDUCTOR_CACHE_DIR``, else a folder in
-    the system's temporary folder)."""
+    the system's temporary folder). Torch writes its own default into ``os.environ`` the first time it looks (as
+    importing vLLM does), so a ``TORCHINDUCTOR_CACHE_DIR`` equal to that default counts as unnamed."""
     from ..models import cache_home
 
     root = cache_home() / "vllm"
+    named = {k for k in env if k != "TORCHINDUCTOR_CACHE_DIR" or env[k] != torch_default_inductor_dir()}
     return {k: v for k, v in (("VLLM_CACHE_ROOT", str(root)), ("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor")))
-            if k not in env}
+            if k not in named}
+
+
+def torch_default_inductor_dir() -> str:
+    """Torch inductor's cache folder where nothing names one, ``<temporary folder>/torchinductor_<user>``, computed
+    as torch computes it (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``; a test holds the two
+    equal)."""
+    import getpass
+    import re
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def engine_temp_dir() -> Path:
