@@ -87,6 +87,52 @@ def test_a_choice_is_probed_once_per_shape_and_thread_count():
     assert len(rows.calls) == probed
 
 
+def timed(one_row: dict[str, float], many_rows: dict[str, float]):
+    """``seconds`` for the choice: each kernel's time on one row and on a prefill's rows, as told."""
+    return lambda rows, choice, x: (one_row if x.shape[0] == 1 else many_rows)[choice.kernel]
+
+
+EPYC = {1: 0.0, 2: 1.0, 3: 2.0}.get  # (oneDNN's calls of 1, 2, 3 and more rows: four blockings)
+
+
+@pytest.mark.parametrize("packed_kind, one_row, many_rows, want", [
+    (lambda s: 0.0, {"packed": 1.0, "onednn": 2.0}, {"packed": 10.0, "onednn": 10.0},
+     LinearChoice(LARGE_CHUNK, kernel="packed")),  # invariant and faster on a step's row
+    (lambda s: 0.0, {"packed": 1.1, "onednn": 1.0}, {"packed": 11.0, "onednn": 10.0},
+     LinearChoice(LARGE_CHUNK, kernel="packed")),  # a near tie: the packed kernel (load cannot flip the choice)
+    (lambda s: 0.0, {"packed": 2.0, "onednn": 1.0}, {"packed": 5.0, "onednn": 10.0},
+     LinearChoice(LARGE_CHUNK, floor=PADDED_ROWS)),  # slower on a step's row: a prefill's speed does not buy it
+    (lambda s: 0.0, {"packed": 1.0, "onednn": 2.0}, {"packed": 30.0, "onednn": 10.0},
+     LinearChoice(LARGE_CHUNK, floor=PADDED_ROWS)),  # 3x slower on a prefill's rows (as a 8960-wide weight here)
+    (lambda s: float(s > 4), {"packed": 1.0, "onednn": 2.0}, {"packed": 10.0, "onednn": 10.0},
+     LinearChoice(LARGE_CHUNK, floor=PADDED_ROWS)),  # another blocking past 4 rows: never chosen, however fast
+], ids=["packed-faster", "packed-near-tie", "packed-slower-alone", "packed-slow-prefill", "packed-not-invariant"])
+def test_the_packed_kernel_is_chosen_where_it_is_invariant_and_not_clearly_slower(packed_kind, one_row, many_rows, want):
+    rows = fake_rows(WEIGHT, lambda s: EPYC(s, 3.0))
+    packed = fake_rows(WEIGHT, packed_kind)
+    assert choose_linear(WEIGHT, None, rows, packed, timed(one_row, many_rows)) == want
+
+
+def test_the_packed_kernel_stands_in_where_onednn_refuses_the_dtype():
+    def refuses(x, chunk, floor=1):
+        raise RuntimeError("oneDNN: unsupported data type")
+
+    packed = fake_rows(WEIGHT, lambda s: 0.0)
+    never = timed({}, {})  # (no timing: oneDNN has no calls to time)
+    assert choose_linear(WEIGHT, None, refuses, packed, never) == LinearChoice(LARGE_CHUNK, kernel="packed")
+
+
+def test_a_remembered_choice_is_one_the_probe_can_make():
+    good = {"chunk": LARGE_CHUNK, "floor": 1, "plan": None, "kernel": "packed"}
+    assert exact._read_choice(good) == LinearChoice(LARGE_CHUNK, kernel="packed")
+    for bad in ({**good, "floor": PADDED_ROWS}, {**good, "chunk": 4}, {**good, "kernel": "mystery"},
+                {**good, "kernel": "onednn", "chunk": LARGE_CHUNK + 1}):
+        with pytest.raises(ValueError, match="no such choice"):
+            exact._read_choice(bad)
+    with pytest.raises(KeyError):
+        exact._read_choice({"chunk": LARGE_CHUNK, "floor": 1, "plan": None})  # (an older file's: measured again)
+
+
 def test_an_engines_mode_comes_from_its_config_and_a_bad_one_is_refused():
     """Exact mode is an engine's setting, passed in its config (``additional_config``), never the environment's."""
     from types import SimpleNamespace

@@ -12,7 +12,9 @@ result could depend on its neighbours computes a row as it would alone:
   chunk of ``1..c`` rows bit-equal to the row alone (:func:`rag_accel.invariant.invariant_rows`). Where ``c`` is
   under 16, oneDNN in calls of at least :data:`PADDED_ROWS` rows if the probe finds those invariant, else the torch
   plans of :mod:`rag_accel.invariant` where they give more rows. Where calls of up to :data:`LARGE_CHUNK` rows
-  give every row those bits too, a prefill goes in calls that large (:func:`choose_linear`).
+  give every row those bits too, a prefill goes in calls that large. Where vLLM's weight-packed kernel (sgl-kernel's)
+  gives every row of every count the bits of the row alone and is not clearly slower, it computes that weight instead
+  (:func:`choose_linear`).
 - **Attention** (``cpu_attn``): the kernel's scheduler may split one sequence's keys across threads
   (``VLLM_CPU_ATTN_SPLIT_KV``: off in this mode) and sizes its key tiles by how many query rows a work item
   holds. Each request's rows go to the kernel as pieces of at most as many rows as one of its query-head tiles
@@ -136,10 +138,33 @@ def _onednn_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> RowKernel:
     return rows
 
 
+def _packed_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> RowKernel:
+    """``rows(x, chunk, floor=1)``: ``F.linear(x, weight, bias)`` through vLLM's weight-packed kernel (sgl-kernel's
+    product, which vLLM itself runs for small weights on AMX CPUs) in calls of at most ``chunk`` rows (``floor``:
+    unused, the probe never pads this kernel)."""
+    load_vllm_ops()
+    n, k = weight.shape
+    packed = torch.ops._C.convert_weight_packed(weight.contiguous())
+    bias = None if bias is None else bias.float()  # (as vLLM hands it over)
+    linear = torch.ops._C.weight_packed_linear
+
+    def rows(x: torch.Tensor, chunk: int, floor: int = 1) -> torch.Tensor:
+        x2 = x.reshape(-1, k).contiguous()
+        m = x2.shape[0]
+        out = torch.empty((m, n), dtype=x.dtype)
+        for i in range(0, m, chunk):
+            linear(out[i:i + chunk], x2[i:i + chunk], packed, bias, True)
+        return out.reshape(*x.shape[:-1], n)
+
+    return rows
+
+
 #: vLLM's CPU ops exact mode calls itself, with the arguments it passes (patches.check_internals checks them).
 VLLM_OPS = {
     "create_onednn_mm_handler": ("b", "primitive_cache_size"),
     "onednn_mm": ("c", "a", "bias", "handler_tensor"),
+    "convert_weight_packed": ("weight",),
+    "weight_packed_linear": ("out", "mat1", "mat2", "bias", "is_vnni"),
     "get_scheduler_metadata": ("num_req", "num_heads_q", "num_heads_kv", "head_dim", "seq_lens", "dtype",
                                "query_start_loc", "casual", "window_size", "isa_hint", "enable_kv_split",
                                "dynamic_causal", "kv_cache_dtype"),
@@ -171,22 +196,33 @@ LARGE_TRIALS = 3
 RowKernel = Callable[..., torch.Tensor]
 
 
+#: The row kernels of vLLM's that a projection may run on: its oneDNN product (what vLLM runs on this CPU) and its
+#: weight-packed product (sgl-kernel's).
+KERNELS = ("onednn", "packed")
+#: How much slower than the oneDNN choice the packed kernel may time on any of :data:`PACKED_TIMED_ROWS` and still be
+#: chosen: only a kernel clearly slower is passed over, so that a machine's load cannot flip a near tie.
+PACKED_SLACK = 1.25
+#: The calls the two kernels are timed on: a step's row, a verify or small batch's rows, a prefill's.
+PACKED_TIMED_ROWS = (1, 16, LARGE_CHUNK)
+
+
 @dataclasses.dataclass(frozen=True)
 class LinearChoice:
-    """How exact mode computes one weight shape: vLLM's oneDNN kernel in calls of at most ``chunk`` and at least
-    ``floor`` rows, or (``plan`` set) torch's kernels as :func:`rag_accel.invariant.exact_linear` computes that
+    """How exact mode computes one weight shape: one of vLLM's :data:`KERNELS` in calls of at most ``chunk`` and at
+    least ``floor`` rows, or (``plan`` set) torch's kernels as :func:`rag_accel.invariant.exact_linear` computes that
     plan."""
 
     chunk: int
     plan: ExactPlan | None = None
     floor: int = 1
+    kernel: str = "onednn"
 
 
 #: :data:`~rag_accel.invariant.VERDICTS`' table of :func:`choose_linear`: (out, in, dtype, bias, threads) -> its
 #: :class:`LinearChoice`.
 VERDICT_KIND = "vllm linear"
 #: The format of the choices remembered on disk: a change makes every file another key's.
-CHOICES_VERSION = 1
+CHOICES_VERSION = 2
 _REMEMBERED: dict[str, LinearChoice] | None = None  # read from disk at the first choice of this process
 
 
@@ -207,15 +243,16 @@ def choices_path() -> tuple[Path, dict[str, Any]]:
 
 def _read_choice(value: Any) -> LinearChoice:
     """A remembered choice, checked to be one :func:`choose_linear` can make (else ``ValueError``)."""
-    chunk, floor, plan = value["chunk"], value["floor"], value["plan"]
+    chunk, floor, plan, kernel = value["chunk"], value["floor"], value["plan"], value["kernel"]
     if plan is not None:
         plan = ExactPlan(plan["chunk"], plan["transposed"], plan["pad"])
         if plan not in EXACT_CANDIDATES:
             raise ValueError(f"no such plan {plan}")
-    if type(chunk) is not int or not 0 <= chunk <= LARGE_CHUNK or floor not in (1, PADDED_ROWS) or floor > max(
-            chunk, 1):
+    if (type(chunk) is not int or not 0 <= chunk <= LARGE_CHUNK or floor not in (1, PADDED_ROWS)
+            or floor > max(chunk, 1) or kernel not in KERNELS
+            or (kernel == "packed" and (plan is not None or floor != 1 or chunk != LARGE_CHUNK))):
         raise ValueError(f"no such choice {value}")
-    return LinearChoice(chunk, plan, floor)
+    return LinearChoice(chunk, plan, floor, kernel)
 
 
 def _remembered() -> dict[str, LinearChoice]:
@@ -251,23 +288,26 @@ def _remember(key: str, choice: LinearChoice) -> None:
         log.debug("rag_accel: exact-mode choices not remembered (%s)", e)
 
 
-def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKernel | None = None) -> LinearChoice:
+def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKernel | None = None,
+                  packed: RowKernel | None = None, seconds: Seconds | None = None) -> LinearChoice:
     """The cheapest invariant way to compute rows of ``weight`` here (probed once per shape, dtype, bias and
-    thread count on this machine, and remembered on disk: :func:`choices_path`; ``rows``: the row kernel, vLLM's
-    oneDNN product by default, a test's fake one never remembered):
+    thread count on this machine, and remembered on disk: :func:`choices_path`; ``rows`` and ``packed``: the row
+    kernels, vLLM's by default, a test's fake ones never remembered; ``seconds``: how a call is timed):
 
     1. oneDNN in the largest chunk of at most :data:`MAX_CHUNK` rows that is invariant;
     2. where that is under 16 rows, oneDNN in calls of at least :data:`PADDED_ROWS` rows if those are invariant, else
        the torch plans of :data:`rag_accel.invariant.EXACT_CANDIDATES` where one gives larger chunks;
     3. oneDNN's calls of up to :data:`LARGE_CHUNK` rows, with the same floor, where every row of every count up to
-       it equals the rows of step 1 or 2 (a prefill then runs in a few calls)."""
+       it equals the rows of step 1 or 2 (a prefill then runs in a few calls);
+    4. the packed kernel in calls of up to :data:`LARGE_CHUNK` rows instead, where every row of every count equals
+       the row alone and it is not clearly slower (:func:`_prefer_packed`)."""
     key = (*weight.shape, weight.dtype, bias is not None, torch.get_num_threads())
     disk_key = "{}x{}:{}:{}:{}".format(*key) if rows is None else None  # (a test's fake kernel: never remembered)
 
     def probe() -> LinearChoice:
         choice = _remembered().get(disk_key) if disk_key is not None else None  # (an earlier process's)
         if choice is None:
-            choice = _probe_linear(weight, bias, rows)
+            choice = _probe_linear(weight, bias, rows, packed, seconds or _seconds)
             if disk_key is not None:
                 _remember(disk_key, choice)
         return choice
@@ -275,10 +315,12 @@ def choose_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKern
     return VERDICTS.get(VERDICT_KIND, key, probe)
 
 
-def _probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKernel | None) -> LinearChoice:
-    """:func:`choose_linear`'s three steps, measured."""
+def _probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKernel | None,
+                  packed: RowKernel | None, seconds: Seconds) -> LinearChoice:
+    """:func:`choose_linear`'s four steps, measured."""
     k, dtype = weight.shape[1], weight.dtype
     chunk = 0
+    real = rows is None
     try:
         rows = rows or _onednn_rows(weight, bias)
         chunk = invariant_rows(lambda x: rows(x, MAX_CHUNK), k, dtype, MAX_CHUNK)
@@ -294,7 +336,55 @@ def _probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKern
             choice = LinearChoice(plan.chunk, plan)
     if choice.plan is None and choice.chunk and large_calls_agree(rows, choice, k, dtype):
         choice = LinearChoice(LARGE_CHUNK, floor=choice.floor)
-    return choice
+    if real and dtype in (torch.bfloat16, torch.float16):  # (sgl-kernel's product: 16-bit weights only)
+        try:
+            packed = _packed_rows(weight, bias)
+        except RuntimeError as e:
+            log.debug("rag_accel: the packed kernel refused a %s weight (%s)", weight.shape, e)
+    return choice if packed is None else _prefer_packed(choice, rows, packed, k, dtype, seconds)
+
+
+#: ``seconds(rows, choice, x)``: how long ``rows`` takes on ``x`` in ``choice``'s calls.
+Seconds = Callable[[RowKernel, LinearChoice, torch.Tensor], float]
+
+
+def _seconds(rows: RowKernel, choice: LinearChoice, x: torch.Tensor) -> float:
+    """The least of a few timed calls (about 50 ms of them, 3 to 50), after an untimed one."""
+    import time
+
+    best = float("inf")
+    with torch.inference_mode():
+        rows(x, choice.chunk, choice.floor)
+        for i in range(50):
+            t0 = time.perf_counter()
+            rows(x, choice.chunk, choice.floor)
+            best = min(best, time.perf_counter() - t0)
+            if i >= 2 and best * (i + 1) > 0.05:
+                break
+    return best
+
+
+def _prefer_packed(choice: LinearChoice, rows: RowKernel, packed: RowKernel, in_features: int, dtype: torch.dtype,
+                   seconds: Seconds) -> LinearChoice:
+    """The packed kernel in calls of up to :data:`LARGE_CHUNK` rows where every row of every count gets the bits of
+    the row alone (the probe of step 3, against one-row calls) and it is not clearly slower than ``choice``
+    (:data:`PACKED_SLACK`, :data:`PACKED_TIMED_ROWS`); where oneDNN has no choice of its own (it refused the dtype,
+    or only torch's plans are invariant), wherever it is invariant. Else ``choice``. Both are invariant: speed
+    decides. On the EPYC it is faster on a step's rows and as fast on a prefill's for most weights, but 3x slower on
+    a 8960-wide one's prefill (results page: exact_costs_vllm_cpu_smollm2_bf16_epyc_packed)."""
+    candidate = LinearChoice(LARGE_CHUNK, kernel="packed")
+    try:
+        if not large_calls_agree(packed, LinearChoice(1, kernel="packed"), in_features, dtype):
+            return choice
+    except RuntimeError as e:
+        log.debug("rag_accel: the packed kernel failed (%s)", e)
+        return choice
+    if not choice.chunk or choice.plan is not None:
+        return candidate
+    x = torch.randn(LARGE_CHUNK, in_features, generator=torch.Generator().manual_seed(2)).to(dtype)
+    slower = any(seconds(packed, candidate, x[:m]) > PACKED_SLACK * seconds(rows, choice, x[:m])
+                 for m in PACKED_TIMED_ROWS)
+    return choice if slower else candidate
 
 
 def large_calls_agree(rows: RowKernel, choice: LinearChoice, in_features: int, dtype: torch.dtype,
@@ -318,6 +408,9 @@ def exact_kernel(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Calla
     """(the kernel exact mode computes ``F.linear(x, weight, bias)`` with, whether it still needs ``weight``)."""
     choice = choose_linear(weight, bias)
     plan = choice.plan
+    if choice.kernel == "packed":
+        packed = _packed_rows(weight, bias)
+        return (lambda x: packed(x, choice.chunk)), False
     if plan is None:
         rows = _onednn_rows(weight, bias)
         return (lambda x: rows(x, choice.chunk, choice.floor)), False
