@@ -272,3 +272,21 @@ def test_a_choice_is_remembered_for_the_next_process_and_a_damaged_file_measured
     finally:
         exact.log.removeHandler(caplog.handler)
     assert "damaged" in caplog.text and '"floor"' in path.read_text()  # measured again, written whole
+
+
+def test_a_vllm_build_without_the_packed_kernel_keeps_onednns_choice(tmp_path, monkeypatch):
+    """vLLM builds for CPUs without AVX-512 leave out the weight-packed ops: exact mode then keeps oneDNN's choice
+    and starts, rather than failing on the missing op."""
+    from rag_accel.vllm import exact
+
+    monkeypatch.setenv("RAG_ACCEL_HOME", str(tmp_path))
+    fresh_verdicts(monkeypatch, exact.VERDICT_KIND)
+    monkeypatch.setattr(exact, "_REMEMBERED", None)
+
+    def missing(*_):
+        raise AttributeError("'_OpNamespace' '_C' object has no attribute 'convert_weight_packed'")
+
+    monkeypatch.setattr(exact, "_packed_rows", missing)
+    weight = (torch.randn(96, 64, generator=torch.Generator().manual_seed(3)) * 0.05).to(torch.bfloat16)
+    choice = exact.choose_linear(weight, None)
+    assert choice.kernel == "onednn" and choice.chunk > 0

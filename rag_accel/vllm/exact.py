@@ -339,8 +339,8 @@ def _probe_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows: RowKern
     if real and dtype in (torch.bfloat16, torch.float16):  # (sgl-kernel's product: 16-bit weights only)
         try:
             packed = _packed_rows(weight, bias)
-        except RuntimeError as e:
-            log.debug("rag_accel: the packed kernel refused a %s weight (%s)", weight.shape, e)
+        except (RuntimeError, AttributeError) as e:  # (refused, or not in this vLLM build: a CPU without AVX-512)
+            log.debug("rag_accel: no packed kernel for a %s weight (%s)", tuple(weight.shape), e)
     return choice if packed is None else _prefer_packed(choice, rows, packed, k, dtype, seconds)
 
 
