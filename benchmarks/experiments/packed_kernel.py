@@ -6,13 +6,13 @@ alone and against plain vLLM + suffix decoding, on the same items in one run, in
     python benchmarks/experiments/packed_kernel.py --plot benchmarks/results/packed_kernel_vllm_cpu_smollm2_bf16.json
 
 (in the vLLM virtualenv; ``--plot`` where matplotlib is installed). Three engines in one process, bf16, one request
-at a time: ``ours`` (``rag-accel serve``'s default: exact steps, our proposer, each projection on the kernel exact
-mode chose), ``ours-onednn`` (the same with every projection on oneDNN, the choice before the packed kernel: its own
-``RAG_ACCEL_HOME`` holding those choices) and ``plain-suffix`` (vLLM's own kernels and suffix decoding). Each item
-goes to every engine in turn, the order rotating, so a slow minute of a shared machine falls on all three; every
-engine is bound to every core. Reported:
-tokens per second with the prefill included, the per-item speed-up against ``plain-suffix`` (geo-mean, worst), the
-median time to first token, tokens per step, and each engine's plain-step and verify medians.
+at a time (``--in-flight N``: groups of N sent at once): ``ours`` (``rag-accel serve``'s default: exact steps, our
+proposer, each projection on the kernel exact mode chose), ``ours-onednn`` (the same with every projection on
+oneDNN, the choice before the packed kernel: its own ``RAG_ACCEL_HOME`` holding those choices) and ``plain-suffix``
+(vLLM's own kernels and suffix decoding). Each item goes to every engine in turn, the order rotating, so a slow
+minute of a shared machine falls on all three; every engine is bound to every core. Reported: tokens per second with
+the prefill included, the per-item speed-up against ``plain-suffix`` (geo-mean, worst), the median time to first
+token and tokens per step.
 """
 
 from __future__ import annotations
@@ -103,16 +103,20 @@ def run(args: argparse.Namespace) -> dict:
             engines[name] = start(name, args, homes.get(name))
             engines[name].generate(rag_input(tokenizer, warm.query, warm.passages), max_new_tokens=8)
         rows = []
-        for i, it in enumerate(timed):
+        size = args.in_flight
+        groups = [timed[j:j + size] for j in range(0, len(timed), size)]
+        for i, group in enumerate(groups):
             n = len(args.conditions)
             order = args.conditions[i % n:] + args.conditions[:i % n]
             for name in order:
                 t0 = time.perf_counter()
-                out = engines[name].generate(rag_input(tokenizer, it.query, it.passages), references=None,
-                                             max_new_tokens=64)
-                rows.append({"condition": name, "item": it.id, "seconds": time.perf_counter() - t0,
-                             "first_token_s": out.stats.prefill_s, "steps": out.stats.steps,
-                             "tokens": len(out.token_ids), "token_ids": out.token_ids})
+                outs = engines[name].generate_batch([rag_input(tokenizer, it.query, it.passages) for it in group],
+                                                    max_new_tokens=64)
+                dt = time.perf_counter() - t0
+                rows.append({"condition": name, "item": ",".join(it.id for it in group), "seconds": dt,
+                             "first_token_s": statistics.median(o.stats.prefill_s for o in outs),
+                             "steps": sum(o.stats.steps for o in outs), "tokens": sum(len(o.token_ids) for o in outs),
+                             "token_ids": [o.token_ids for o in outs]})
             print(i + 1, {r["condition"]: round(r["seconds"], 2) for r in rows[-n:]}, flush=True)
     finally:
         for dec in engines.values():
@@ -145,8 +149,9 @@ def write_page(result: dict, path: Path) -> None:
              f"- machine: {result['machine']}; load (1/5/15 min) before {' '.join(map(str, result['load_before']))},"
              f" after {' '.join(map(str, result['load_after']))}",
              f"- the bundled sample's last {result['items']} answered questions (one more warms each engine), 64 new "
-             f"tokens, the passages in the prompt, one request at a time; engines {result['compilation']}; each item "
-             "to every engine in turn, the order rotating",
+             f"tokens, the passages in the prompt, {result.get('in_flight', 1)} in flight (each group of that many "
+             f"sent at once); engines {result['compilation']}; each group to every engine in turn, the order "
+             "rotating; with several in flight, a ratio is a group's and the first token a group's median",
              "- ours: exact steps, our proposer, each projection on the kernel exact mode chose; ours-onednn: the "
              "same on oneDNN alone; plain-suffix: vLLM's own kernels and suffix decoding", "",
              "| engine | tokens/s (prefill included) | vs plain-suffix per item (worst) | first token (median) | "
@@ -192,6 +197,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--items", type=int, default=24)
     ap.add_argument("--compiled", action="store_true", help="engines compiled (vLLM's default); else eager")
+    ap.add_argument("--in-flight", type=int, default=1, help="requests sent together to each engine in turn")
     ap.add_argument("--conditions", type=lambda v: tuple(v.split(",")), default=CONDITIONS,
                     help=f"a subset of {','.join(CONDITIONS)} (plain-suffix is every ratio's base)")
     ap.add_argument("--out", type=Path, default=None)
@@ -210,6 +216,7 @@ def main() -> None:
     result = run(args)
     result.update({"command": "python benchmarks/experiments/packed_kernel.py " + shlex.join(sys.argv[1:]),
                    "date": datetime.now(timezone.utc).isoformat(), "model": args.model, "items": args.items,
+                   "in_flight": args.in_flight,
                    "compilation": "compiled" if args.compiled else "eager",
                    "machine": f"{platform.machine()}, {cpu_description()}, {os.cpu_count()} cores, "
                               f"vllm {version('vllm-cpu')}",
