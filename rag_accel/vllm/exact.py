@@ -370,8 +370,7 @@ def _prefer_packed(choice: LinearChoice, rows: RowKernel, packed: RowKernel, in_
     the row alone (the probe of step 3, against one-row calls) and it is not clearly slower than ``choice``
     (:data:`PACKED_SLACK`, :data:`PACKED_TIMED_ROWS`); where oneDNN has no choice of its own (it refused the dtype,
     or only torch's plans are invariant), wherever it is invariant. Else ``choice``. Both are invariant: speed
-    decides. On the EPYC it is faster on a step's rows and as fast on a prefill's for most weights, but 3x slower on
-    a 8960-wide one's prefill (results page: exact_costs_vllm_cpu_smollm2_bf16_epyc_packed)."""
+    decides (results page: packed_kernel_vllm_cpu_smollm2_bf16)."""
     candidate = LinearChoice(LARGE_CHUNK, kernel="packed")
     try:
         if not large_calls_agree(packed, LinearChoice(1, kernel="packed"), in_features, dtype):
