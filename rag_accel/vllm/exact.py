@@ -152,8 +152,11 @@ def _packed_rows(weight: torch.Tensor, bias: torch.Tensor | None) -> RowKernel:
         x2 = x.reshape(-1, k).contiguous()
         m = x2.shape[0]
         out = torch.empty((m, n), dtype=x.dtype)
-        for i in range(0, m, chunk):
-            linear(out[i:i + chunk], x2[i:i + chunk], packed, bias, True)
+        if m <= chunk:  # (a step, a verify, a small batch: one call, no slicing, as every projection of a step runs)
+            linear(out, x2, packed, bias, True)
+        else:
+            for i in range(0, m, chunk):
+                linear(out[i:i + chunk], x2[i:i + chunk], packed, bias, True)
         return out.reshape(*x.shape[:-1], n)
 
     return rows
