@@ -131,7 +131,7 @@ class SuffixArrayIndex:
         sa = suffix_array(rev, max_match)
         self._rev = rev.tolist()
         self._sa = sa.tolist()
-        self._first = rev[sa]  # sorted first symbol of each reversed suffix (numpy, for searchsorted)
+        self._first = rev[sa].tolist()  # sorted first symbol of each reversed suffix (for bisect)
         self._candidate_scan = candidate_scan
 
     def __len__(self) -> int:
@@ -164,8 +164,8 @@ class SuffixArrayIndex:
             return None
         m = min(max_match, len(context), self.max_match or max_match)
         q0 = int(context[-1])
-        lo = int(np.searchsorted(self._first, q0, side="left"))
-        hi = int(np.searchsorted(self._first, q0, side="right"))
+        lo = bisect_left(self._first, q0)
+        hi = bisect_right(self._first, q0, lo)
         if lo == hi:
             return None
         depth = 1
@@ -362,7 +362,11 @@ class CountedSuffixes:
         last = len(tokens) - 1
         if last < 1 or max_len <= 0:
             return [], [], 0
-        occ = [p for p in self.latest(tokens[last], self.scan + 1) if p < last]
+        occ = self.latest(tokens[last], self.scan + 1)
+        if occ and occ[-1] == last:  # (the tail itself, indexed: every position before it is earlier)
+            occ.pop()
+        else:
+            occ = [p for p in occ if p < last]
         return counted_draft([(tokens, occ)], tokens, max_len, factor, min_prob, self.max_depth, tail=True)
 
 
@@ -414,14 +418,27 @@ def _walk(groups: Sequence[tuple[Sequence[int], list[int]]], node: int, cap: int
     probs: list[float] = []
     prob, score = 1.0, 0.0
     while len(out) < cap and node:
+        # one pass: each occurrence's next token, and the occurrences that go on to it (by source, in order)
+        follow: dict[int, list[tuple[Sequence[int], list[int]]]] = {}
         counts: dict[int, int] = {}
         for src, occ in groups:
             n = len(src)
             for p in occ:
-                if p + 1 < n:
-                    t = src[p + 1]
+                q = p + 1
+                if q < n:
+                    t = src[q]
                     if t != SEPARATOR:
-                        counts[t] = counts.get(t, 0) + 1
+                        went = follow.get(t)
+                        if went is None:
+                            follow[t] = [(src, [q])]
+                            counts[t] = 1
+                        else:
+                            last = went[-1]
+                            if last[0] is src:
+                                last[1].append(q)
+                            else:
+                                went.append((src, [q]))
+                            counts[t] += 1
         if not counts:
             break
         token, c = max(counts.items(), key=lambda kv: kv[1])  # (first seen on ties: the first group's, earliest)
@@ -431,11 +448,5 @@ def _walk(groups: Sequence[tuple[Sequence[int], list[int]]], node: int, cap: int
         out.append(token)
         probs.append(prob)
         score += prob
-        nxt_groups, node = [], c  # the occurrences that went on to `token`: c of them
-        for src, occ in groups:
-            n = len(src)
-            nxt = [p + 1 for p in occ if p + 1 < n and src[p + 1] == token]
-            if nxt:
-                nxt_groups.append((src, nxt))
-        groups = nxt_groups
+        groups, node = follow[token], c  # the occurrences that went on to `token`: c of them
     return out, probs, score

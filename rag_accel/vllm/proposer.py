@@ -81,7 +81,6 @@ class RowTracker(_LogitsProcessor):
 
     def __init__(self, vllm_config: Any, device: Any = None, is_pin_memory: bool = False) -> None:
         self.rows: dict[int, _Row] = {}
-        self.step_start: float | None = None  # when the runner began this step (update_state)
         self.added = False  # a request joined this step (its prefill is in the step)
         self.finished: list[_Row] | None = None  # rows that left the batch, when the proposer collects them
         self.vocab_size = None
@@ -112,11 +111,12 @@ class RowTracker(_LogitsProcessor):
             return None
 
     def update_state(self, batch_update: Any) -> None:
+        self.added = bool(batch_update and batch_update.added)
+        if not batch_update:  # (most steps: the same rows as the last one)
+            return
         from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-        self.step_start = time.perf_counter()
-        self.added = bool(batch_update and batch_update.added)
-        before = list(self.rows.values()) if self.finished is not None and batch_update else None
+        before = list(self.rows.values()) if self.finished is not None else None
         process_dict_updates(self.rows, batch_update, self._new_row)
         if before:  # finished, aborted or preempted (a replaced row is not in `removed`: compare)
             live = {id(r) for r in self.rows.values()}
