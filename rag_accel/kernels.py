@@ -341,14 +341,17 @@ class CountedSuffixes:
         self._indexed = 0
 
     def extend(self, tokens: Sequence[int]) -> None:
-        pos = self._pos
-        for i in range(self._indexed, len(tokens)):
-            t = tokens[i]
+        pos, start = self._pos, self._indexed
+        if start >= len(tokens):
+            self._indexed = len(tokens)
+            return
+        for i, t in enumerate(tokens[start:], start):
             if t != SEPARATOR:
-                if t in pos:
-                    pos[t].append(i)
-                else:
+                at = pos.get(t)
+                if at is None:
                     pos[t] = [i]
+                else:
+                    at.append(i)
         self._indexed = len(tokens)
 
     def latest(self, token: int, limit: int) -> list[int]:

@@ -415,7 +415,7 @@ class DraftLengthPolicy:
         known = min(len(draft.tokens), len(new_tokens))
         if known == 0:
             return
-        m = leading_matches(draft.tokens[:known], new_tokens[:known])
+        m = leading_matches(draft.tokens, new_tokens)  # (over the first `known`: zip stops at the shorter)
         if draft.probs:
             self._calibrate(draft, m, known)
         decay = self.request_decay

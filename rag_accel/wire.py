@@ -275,4 +275,11 @@ def _sources(extra_args: Mapping[str, Any], key: str, ids_key: str, vocab_size: 
 
 
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    """A list or tuple of ints (no bools); its elements' types are checked once per type, not per element.
+
+    Example:
+        >>> _is_ids([1, 2, 3]), _is_ids((4,)), _is_ids([]), _is_ids([1, True]), _is_ids([1, 2.0]), _is_ids("12")
+        (True, True, True, False, False, False)
+    """
+    return isinstance(x, (list, tuple)) and all(issubclass(t, int) and not issubclass(t, bool)
+                                                for t in set(map(type, x)))
