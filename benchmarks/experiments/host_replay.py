@@ -39,6 +39,9 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 K = 10
+# The floors: ours with every request's drafting off (its per-row bookkeeping: the batch view, the stats, the step
+# clock), and a proposer that reads each row's tokens and drafts nothing (the Python loop any proposer pays).
+FLOOR_OURS, FLOOR_EMPTY = "ours, drafting off", "empty proposer"
 
 
 class VirtualClock:
@@ -113,7 +116,8 @@ class Batch:
         return any(r is not None for r in self.rows) or bool(self.queue)
 
 
-def run_ours(prepared: list[tuple], level: int, step_s: float, profile: cProfile.Profile | None = None) -> list:
+def run_ours(prepared: list[tuple], level: int, step_s: float, profile: cProfile.Profile | None = None,
+             speculate: bool = True) -> list:
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
@@ -131,7 +135,8 @@ def run_ours(prepared: list[tuple], level: int, step_s: float, profile: cProfile
     while batch.live():
         started = batch.fill()
         added = [(i, SamplingParams(temperature=0, max_tokens=len(r["target"]),
-                                    extra_args={"references": r["refs"]}), r["prompt"], []) for i, r in started]
+                                    extra_args={"references": r["refs"], "speculate": speculate}), r["prompt"], [])
+                 for i, r in started]
         removed = [i for i in done if batch.rows[i] is None]  # (a row that takes a new request is replaced, as vLLM
         update = BatchUpdate(batch_size=level, removed=removed, moved=[], added=added) if (added or removed) else None
         #  reports it: an addition, not a removal)
@@ -151,6 +156,31 @@ def run_ours(prepared: list[tuple], level: int, step_s: float, profile: cProfile
         clock.modelled += step_s * (1 + 0.03 * sum(len(d) for d in drafts) / max(rows, 1))
         done = batch.advance(drafts)
     log.append(digest.hexdigest()[:12])  # (every draft of the replay: a change that should keep them, does)
+    return log
+
+
+def run_empty(prepared: list[tuple], level: int) -> list:
+    """The least a proposer called per step does: read each row's new tokens and its length, return no draft."""
+    batch = Batch(prepared, level, max(len(p) + len(t) for _, p, _, t in prepared) + K + 2)
+    log = []
+
+    def propose(sampled: list[list[int]], counts: Any, token_ids_cpu: Any) -> list[list[int]]:
+        drafts = []
+        for i, new in enumerate(sampled):
+            _ = list(new), int(counts[i])  # (what a proposer reads of each row)
+            drafts.append([])
+        return drafts
+
+    while batch.live():
+        batch.fill()
+        sampled = [r["new"] if r is not None else [] for r in batch.rows]
+        counts = np.array([r["n"] if r is not None else 0 for r in batch.rows])
+        t = time.perf_counter()
+        drafts = propose(sampled, counts, batch.tokens)
+        dt = time.perf_counter() - t
+        log.append((sum(1 for s in sampled if s), dt, 0))
+        batch.advance(drafts)
+    log.append("")
     return log
 
 
@@ -201,10 +231,12 @@ def plot(path: Path) -> None:
     result = json.loads(path.read_text())
     levels = sorted({r["level"] for r in result["rows"]})
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    for i, method in enumerate(("ours", "suffix")):
+    methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
+    width = 0.76 / len(methods)
+    for i, method in enumerate(methods):
         got = {r["level"]: r["per_request_us_median"] for r in result["rows"] if r["method"] == method}
-        ax.bar([j + 0.38 * i for j in range(len(levels))], [got[lv] for lv in levels], 0.36, label=method)
-    ax.set_xticks([j + 0.19 for j in range(len(levels))], [f"{lv} in flight" for lv in levels])
+        ax.bar([j + width * i for j in range(len(levels))], [got[lv] for lv in levels], width * 0.95, label=method)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(levels))], [f"{lv} in flight" for lv in levels])
     ax.set_ylabel("host us per request per step")
     ax.set_title(f"Proposers' host work, replayed: {result['model']}", fontsize=10)
     ax.legend(fontsize=8)
@@ -222,6 +254,7 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=28.0, help="the modelled forward of a plain step")
     ap.add_argument("--repeats", type=int, default=3, help="each method and level, alternating; the median kept")
     ap.add_argument("--profile", type=int, default=None, help="profile ours at this level and print it, only")
+    ap.add_argument("--floors", action="store_true", help=f"also time {FLOOR_OURS!r} and {FLOOR_EMPTY!r}")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON, and nothing else")
     args = ap.parse_args()
@@ -246,9 +279,14 @@ def main() -> None:
     rows = []
     for level in (int(x) for x in args.levels.split(",")):
         runs: dict[str, list] = {"ours": [], "suffix": []}
+        if args.floors:
+            runs.update({FLOOR_OURS: [], FLOOR_EMPTY: []})
         for _ in range(args.repeats):
             runs["ours"].append(summary(run_ours(prepared, level, args.step_ms / 1e3)))
             runs["suffix"].append(summary(run_suffix(prepared, level)))
+            if args.floors:
+                runs[FLOOR_OURS].append(summary(run_ours(prepared, level, args.step_ms / 1e3, speculate=False)))
+                runs[FLOOR_EMPTY].append(summary(run_empty(prepared, level)))
         for method, got in runs.items():
             best = sorted(got, key=lambda s: s["per_request_us_median"])[len(got) // 2]
             rows.append({"method": method, "level": level, **best,
