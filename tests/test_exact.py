@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 import torch
-from helpers import OracleDrafter, fresh_verdicts, tiny_model
+from helpers import OracleDrafter, fresh_verdicts, needs_bf16_units, tiny_model
 
 from rag_accel import DecoderConfig, ReferenceDecoder
 from rag_accel.hf import attention, linears
@@ -265,6 +265,7 @@ def test_the_1_5b_shaped_heads_take_the_batched_path(tokenizer, monkeypatch):
 
 
 @pytest.mark.slow
+@needs_bf16_units
 @pytest.mark.xdist_group("qwen")
 def test_the_real_qwen_05b_in_bfloat16_verifies_exactly():
     """Qwen2.5-Coder-0.5B-Instruct in bfloat16: a verify's rows equal the one-token steps' on a 300-token context."""

@@ -23,7 +23,7 @@ from rag_accel.serving.server_process import import_vllm_or_skip
 import_vllm_or_skip()
 
 import torch  # noqa: E402
-from helpers import fresh_verdicts  # noqa: E402
+from helpers import fresh_verdicts, needs_bf16_units  # noqa: E402
 
 from rag_accel.invariant import VERDICTS  # noqa: E402
 from rag_accel.rag.msmarco import load_msmarco_sample, rag_completion, rag_messages  # noqa: E402
@@ -167,6 +167,7 @@ def _close(dec):
 
 
 @pytest.mark.slow
+@needs_bf16_units
 def test_tiny_llama_is_exact_across_speculation_drafts_batches_and_engines(tmp_path_factory):
     """One tiny Llama, three bf16 engines: no speculation, vLLM's n-gram, ours. The same 16 requests alone and
     16 in flight give the same ids and logprobs on all three; ours with every kind of draft, at 1, 4 and 16 in
@@ -194,6 +195,7 @@ def test_tiny_llama_is_exact_across_speculation_drafts_batches_and_engines(tmp_p
 
 
 @pytest.mark.slow
+@needs_bf16_units
 @pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
 def test_tiny_qwen2_and_gemma3_are_exact_with_any_drafts(arch, tmp_path_factory):
     path = _tiny(arch, tmp_path_factory)
@@ -209,6 +211,7 @@ def test_tiny_qwen2_and_gemma3_are_exact_with_any_drafts(arch, tmp_path_factory)
 
 
 @pytest.mark.slow
+@needs_bf16_units
 @pytest.mark.parametrize("model,compiled", [("smollm2-135m-instruct", True), ("qwen2.5-coder-0.5b-instruct", False)])
 def test_offline_models_are_exact_in_bfloat16(model, compiled):
     """SmolLM2 as vLLM runs it by default (torch.compile), the 0.5B eager: ids and logprobs of plain decoding with
