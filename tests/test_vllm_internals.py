@@ -71,6 +71,24 @@ def test_check_internals_names_what_went_missing_or_changed(monkeypatch):
     assert "process_dict_updates takes ('req_entries', 'batch_update', 'new_state')" in problems[1]
 
 
+def test_check_internals_lets_an_optional_op_be_missing_but_not_a_required_one(monkeypatch):
+    """vLLM's builds for CPUs without AVX-512 have no weight-packed kernel: its ops' absence is no problem (exact
+    mode keeps oneDNN's choice there), a required op's absence is, and an optional op present is checked."""
+    import torch
+
+    from rag_accel.vllm import exact
+
+    ops = {**exact.VLLM_OPS, "no_such_packed_op": ("x",), "no_such_required_op": ("y",)}
+    monkeypatch.setattr(exact, "VLLM_OPS", ops)
+    monkeypatch.setattr(exact, "OPTIONAL_VLLM_OPS", exact.OPTIONAL_VLLM_OPS | {"no_such_packed_op"})
+    problems = patches.check_internals()
+    assert not any("no_such_packed_op" in p for p in problems)
+    assert any("torch.ops._C.no_such_required_op takes None" in p for p in problems)
+    if getattr(torch.ops._C, "weight_packed_linear", None) is not None:  # (an AVX-512 build: checked as any op)
+        ops["weight_packed_linear"] = ("out",)
+        assert any("weight_packed_linear takes" in p for p in patches.check_internals())
+
+
 def test_vllm_loads_the_patches_in_every_process_through_its_plugin_entry_point():
     from vllm.plugins import DEFAULT_PLUGINS_GROUP
 

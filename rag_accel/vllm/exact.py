@@ -177,6 +177,10 @@ VLLM_OPS = {
                                     "kv_cache_dtype"),
 }
 
+#: Ops a vLLM build may leave out: its builds for CPUs without AVX-512 have no weight-packed kernel (exact mode then
+#: keeps oneDNN's choice). Where they are, their arguments are checked as the others'.
+OPTIONAL_VLLM_OPS = frozenset({"convert_weight_packed", "weight_packed_linear"})
+
 
 def load_vllm_ops() -> None:
     """vLLM's CPU ops (``torch.ops._C``), registered when its layers' module is first imported."""

@@ -251,11 +251,13 @@ def _exact_call_sites() -> list[str | None]:
     try:
         import torch
 
-        from .exact import VLLM_OPS, load_vllm_ops
+        from .exact import OPTIONAL_VLLM_OPS, VLLM_OPS, load_vllm_ops
 
         load_vllm_ops()
         for name, params in VLLM_OPS.items():  # (vLLM's ops exact mode calls itself, positionally)
             op = getattr(torch.ops._C, name, None)
+            if op is None and name in OPTIONAL_VLLM_OPS:
+                continue
             names = tuple(a.name for a in op.default._schema.arguments) if op is not None else None
             if names != params:
                 problems.append(f"torch.ops._C.{name} takes {names}, rag_accel.vllm.exact passes {params}")
