@@ -158,8 +158,9 @@ def bf16_units() -> bool:
 
 
 #: Real bfloat16 engines (start-up probes, prefills of ~1k tokens, dozens of requests) run where bf16 is in hardware:
-#: on an AVX2 CPU test_vllm_exact.py's took 42 minutes of CI's 60. The kernel tests (products, attention pieces)
-#: and the tiny engines of the other suites still check exactness there; ``RAG_ACCEL_BF16_TESTS=1`` runs them anyway.
+#: on an AVX2 EPYC test_vllm_exact.py alone took 42 minutes (a fresh model cache; CI has 60 for everything), and the
+#: real 0.5B's HF test 623 s. The kernel tests (products, attention pieces) and the main suite's tiny bf16 decoders
+#: still check exactness there; ``RAG_ACCEL_BF16_TESTS=1`` runs the real engines anyway.
 needs_bf16_units = pytest.mark.skipif(
     not bf16_units(), reason="bfloat16 is emulated on this CPU (no AVX-512 BF16 or AMX): its real bf16 engines take "
     "about 6x as long; RAG_ACCEL_BF16_TESTS=1 runs them")
