@@ -25,6 +25,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+try:  # the hot loops below in C (rag_accel/_native.c), built at install where a C compiler is found
+    from . import _native
+except ImportError:  # pragma: no cover - an install without a compiler: the Python below, the same results
+    _native = None
+
+#: Whether this install runs the C build of the hot loops (:func:`counted_draft`, :meth:`SuffixArrayIndex.longest_match`,
+#: :meth:`CountedSuffixes.extend`); without it they run in Python, with the same results and more host time a step.
+NATIVE = _native is not None
+
 #: Token value used between documents: never equal to a real token id, so a
 #: match or a copied continuation never crosses a document boundary.
 SEPARATOR = -1
@@ -163,6 +172,9 @@ class SuffixArrayIndex:
         if self.n == 0 or not context:
             return None
         m = min(max_match, len(context), self.max_match or max_match)
+        if _native is not None:
+            return _native.longest_match(self._first, self._sa, self._rev, self.tokens, context, min_match, m,
+                                         self._candidate_scan)
         q0 = int(context[-1])
         lo = bisect_left(self._first, q0)
         hi = bisect_right(self._first, q0, lo)
@@ -345,6 +357,10 @@ class CountedSuffixes:
         if start >= len(tokens):
             self._indexed = len(tokens)
             return
+        if _native is not None:
+            _native.index_positions(pos, tokens, start)
+            self._indexed = len(tokens)
+            return
         for i, t in enumerate(tokens[start:], start):
             if t != SEPARATOR:
                 at = pos.get(t)
@@ -387,6 +403,8 @@ def counted_draft(groups: Sequence[tuple[Sequence[int], list[int]]], pattern: Se
         >>> counted_draft([(a, [1, 5]), (b, [1])], [0, 6], max_len=4, factor=2.0, min_prob=0.1)
         ([7, 8], [1.0, 0.3333333333333333], 1)
     """
+    if _native is not None:
+        return _native.counted_draft(groups, pattern, max_len, factor, min_prob, max_depth, tail)
     last = len(pattern) - 1
     best: tuple[list[int], list[float], int] = ([], [], 0)
     best_score = 0.0

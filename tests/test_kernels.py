@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rag_accel import kernels
 from rag_accel.kernels import (
     SEPARATOR,
     CountedSuffixes,
@@ -232,3 +236,79 @@ def test_counted_draft_over_several_sources_counts_as_over_them_joined(answers, 
     assert len(tokens_) <= min(max_len, int(m * factor + 1e-6)) and all(p >= min_prob for p in probs)
 
 
+
+
+# --- the C build of the hot loops (rag_accel/_native.c): the same results as the Python, exactly ---------------
+
+needs_native = pytest.mark.skipif(not kernels.NATIVE, reason="rag_accel._native is not built (no C compiler at install)")
+
+
+def _python(monkeypatch):
+    """From here on in this test, rag_accel.kernels runs its Python."""
+    monkeypatch.setattr(kernels, "_native", None)
+
+
+def test_the_c_build_is_installed_where_a_compiler_is():
+    # the build is optional: an install without a compiler runs the Python. Where one is (CI), a build that failed
+    # must not pass unnoticed, with every test below skipped.
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine")
+    assert kernels.NATIVE
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(-1, 4), min_size=0, max_size=40), min_size=1, max_size=4),
+       st.lists(st.integers(0, 4), min_size=0, max_size=8), st.integers(-1, 12), st.floats(0.5, 4.0),
+       st.floats(0.0, 1.0), st.integers(1, 30), st.booleans(), st.sampled_from([list, tuple, np.array]))
+def test_counted_draft_in_c_equals_the_python(sources, pattern, max_len, factor, min_prob, max_depth, tail, kind):
+    last = pattern[-1] if pattern else 0
+    groups = [(kind(s), [p for p, t in enumerate(s) if t == last]) for s in sources]
+    native = kernels.counted_draft(groups, pattern, max_len, factor, min_prob, max_depth, tail)
+    with pytest.MonkeyPatch.context() as mp:
+        _python(mp)
+        python = kernels.counted_draft(groups, pattern, max_len, factor, min_prob, max_depth, tail)
+    assert native == python  # tokens, the probabilities' floats and the match length, exactly
+    assert all(type(t) is int for t in native[0])
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=0, max_size=30), min_size=1, max_size=3),
+       st.lists(st.integers(0, 5), min_size=0, max_size=12), st.integers(1, 4), st.integers(1, 40),
+       st.sampled_from([None, 3, 8]), st.sampled_from([1, 64]))
+def test_longest_match_in_c_equals_the_python(docs, context, min_match, max_match, depth, scan):
+    index = SuffixArrayIndex(concat_with_separators(docs), candidate_scan=scan, max_match=depth)
+    native = index.longest_match(context, min_match, max_match)
+    with pytest.MonkeyPatch.context() as mp:
+        _python(mp)
+        python = index.longest_match(context, min_match, max_match)
+    assert native == python
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-1, 5), min_size=0, max_size=40), st.lists(st.integers(0, 40), max_size=4))
+def test_counted_suffixes_extend_in_c_equals_the_python(seq, cuts):
+    native, python = CountedSuffixes(), CountedSuffixes()
+    for cut in [*sorted(cuts), len(seq)]:  # extended in steps, as a request grows
+        native.extend(seq[:cut])
+        with pytest.MonkeyPatch.context() as mp:
+            _python(mp)
+            python.extend(seq[:cut])
+        assert native._pos == python._pos and native._indexed == python._indexed
+        if seq:
+            with pytest.MonkeyPatch.context() as mp:
+                _python(mp)
+                expected = python.draft(seq[:cut], 6, 2.0, 0.1)
+            assert native.draft(seq[:cut], 6, 2.0, 0.1) == expected
+
+
+@needs_native
+def test_the_c_loops_refuse_what_is_not_token_ids():
+    with pytest.raises(TypeError):
+        kernels.counted_draft([([1, "a", 1], [0, 2])], [1], 4, 1.0, 0.1)
+    with pytest.raises(TypeError):
+        kernels.counted_draft([1, 2], [1], 4, 1.0, 0.1)  # groups that are not (source, positions) pairs
+    with pytest.raises(TypeError):
+        CountedSuffixes().extend([1, None])

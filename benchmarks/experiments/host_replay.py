@@ -42,6 +42,8 @@ K = 10
 # The floors: ours with every request's drafting off (its per-row bookkeeping: the batch view, the stats, the step
 # clock), and a proposer that reads each row's tokens and drafts nothing (the Python loop any proposer pays).
 FLOOR_OURS, FLOOR_EMPTY = "ours, drafting off", "empty proposer"
+# Ours with rag_accel.kernels' Python loops instead of their C build (rag_accel/_native.c): what the C build saves.
+PYTHON_LOOPS = "ours, Python loops"
 
 
 class VirtualClock:
@@ -117,12 +119,26 @@ class Batch:
 
 
 def run_ours(prepared: list[tuple], level: int, step_s: float, profile: cProfile.Profile | None = None,
-             speculate: bool = True) -> list:
+             speculate: bool = True, python_loops: bool = False) -> list:
     from vllm import SamplingParams
     from vllm.v1.sample.logits_processor import BatchUpdate
 
+    import rag_accel.kernels as kernels
     import rag_accel.vllm.proposer as module
     from rag_accel.vllm.proposer import RagProposer, RowTracker
+
+    native = kernels._native
+    if python_loops:
+        kernels._native = None
+    try:
+        return _run_ours(prepared, level, step_s, profile, speculate, module, RagProposer, RowTracker,
+                         SamplingParams, BatchUpdate)
+    finally:
+        kernels._native = native
+
+
+def _run_ours(prepared, level, step_s, profile, speculate, module, RagProposer, RowTracker, SamplingParams,
+              BatchUpdate) -> list:
 
     clock = VirtualClock()
     module.time = clock  # the proposer's step clock: a modelled forward between steps
@@ -255,6 +271,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="each method and level, alternating; the median kept")
     ap.add_argument("--profile", type=int, default=None, help="profile ours at this level and print it, only")
     ap.add_argument("--floors", action="store_true", help=f"also time {FLOOR_OURS!r} and {FLOOR_EMPTY!r}")
+    ap.add_argument("--python-loops", action="store_true", help=f"also time {PYTHON_LOOPS!r} (the kernels' C build "
+                    "off)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON, and nothing else")
     args = ap.parse_args()
@@ -279,11 +297,15 @@ def main() -> None:
     rows = []
     for level in (int(x) for x in args.levels.split(",")):
         runs: dict[str, list] = {"ours": [], "suffix": []}
+        if args.python_loops:
+            runs[PYTHON_LOOPS] = []
         if args.floors:
             runs.update({FLOOR_OURS: [], FLOOR_EMPTY: []})
         for _ in range(args.repeats):
             runs["ours"].append(summary(run_ours(prepared, level, args.step_ms / 1e3)))
             runs["suffix"].append(summary(run_suffix(prepared, level)))
+            if args.python_loops:
+                runs[PYTHON_LOOPS].append(summary(run_ours(prepared, level, args.step_ms / 1e3, python_loops=True)))
             if args.floors:
                 runs[FLOOR_OURS].append(summary(run_ours(prepared, level, args.step_ms / 1e3, speculate=False)))
                 runs[FLOOR_EMPTY].append(summary(run_empty(prepared, level)))

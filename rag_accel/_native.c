@@ -1,0 +1,437 @@
+/* The hot loops of rag_accel.kernels in C: the same results as the Python there, token for token and float for float
+ * (the same operations on doubles, in the same order; built without fast-math).
+ *
+ * - counted_draft: CountedSuffixes' and the memory's choice (the match levels and the most frequent walk).
+ * - longest_match: SuffixArrayIndex's narrowing by binary searches and its earliest continuation.
+ * - index_positions: CountedSuffixes.extend's positions of new tokens.
+ *
+ * Built at install where a C compiler is found (setup.py: optional); rag_accel.kernels runs its Python otherwise.
+ * Sources are read as sequences of ints (lists and tuples directly, anything else item by item).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SEPARATOR (-1LL)
+#define END_MARK (-2LL)
+
+/* ------------------------------------------------------------------ reading ints from sequences */
+
+/* item i of seq as a long long; -1 with an error set on failure (check PyErr_Occurred) */
+static inline long long item_at(PyObject *seq, Py_ssize_t i) {
+    PyObject *o;
+    if (PyList_CheckExact(seq)) {
+        o = PyList_GET_ITEM(seq, i);
+        return PyLong_AsLongLong(o);
+    }
+    if (PyTuple_CheckExact(seq)) {
+        o = PyTuple_GET_ITEM(seq, i);
+        return PyLong_AsLongLong(o);
+    }
+    o = PySequence_GetItem(seq, i);
+    if (o == NULL) return -1;
+    long long v = PyLong_AsLongLong(o);
+    Py_DECREF(o);
+    return v;
+}
+
+#define FAILED(v) ((v) == -1 && PyErr_Occurred())
+
+/* ------------------------------------------------------------------ counted_draft */
+
+typedef struct {
+    PyObject *src;
+    Py_ssize_t len;
+} Source;
+
+/* a token -> slot table for one walk level: open addressing, cleared slot by slot */
+typedef struct {
+    long long *keys;
+    Py_ssize_t *value;  /* index into the level's distinct tokens; -1: empty */
+    Py_ssize_t mask;
+    Py_ssize_t *used;
+    Py_ssize_t n_used;
+} Table;
+
+static int table_init(Table *t, Py_ssize_t n) {
+    Py_ssize_t cap = 16;
+    while (cap < 2 * n + 2) cap <<= 1;
+    t->keys = PyMem_Malloc(sizeof(long long) * cap);
+    t->value = PyMem_Malloc(sizeof(Py_ssize_t) * cap);
+    t->used = PyMem_Malloc(sizeof(Py_ssize_t) * cap);
+    if (!t->keys || !t->value || !t->used) return -1;
+    for (Py_ssize_t i = 0; i < cap; i++) t->value[i] = -1;
+    t->mask = cap - 1;
+    t->n_used = 0;
+    return 0;
+}
+
+static void table_free(Table *t) {
+    PyMem_Free(t->keys);
+    PyMem_Free(t->value);
+    PyMem_Free(t->used);
+}
+
+static void table_clear(Table *t) {
+    for (Py_ssize_t i = 0; i < t->n_used; i++) t->value[t->used[i]] = -1;
+    t->n_used = 0;
+}
+
+/* the slot of key (inserting it with value `fresh` if absent): returns its value */
+static Py_ssize_t table_get_or_add(Table *t, long long key, Py_ssize_t fresh) {
+    unsigned long long h = (unsigned long long)key * 0x9E3779B97F4A7C15ULL;
+    Py_ssize_t i = (Py_ssize_t)(h >> 32) & t->mask;
+    while (t->value[i] != -1) {
+        if (t->keys[i] == key) return t->value[i];
+        i = (i + 1) & t->mask;
+    }
+    t->keys[i] = key;
+    t->value[i] = fresh;
+    t->used[t->n_used++] = i;
+    return fresh;
+}
+
+/* The most frequent path from the occurrences (g[k] in sources, p[k]), as kernels._walk: out/probs filled (up to
+ * cap), their count in *n_out, the score in *score. g and p are overwritten. Returns -1 on an error. */
+static int walk(Source *sources, Py_ssize_t *g, Py_ssize_t *p, Py_ssize_t count, long long node, Py_ssize_t cap,
+                double min_prob, Table *table, long long *next, long long *distinct, Py_ssize_t *counts,
+                long long *out, double *probs, Py_ssize_t *n_out, double *score) {
+    double prob = 1.0;
+    Py_ssize_t n = 0;
+    *score = 0.0;
+    while (n < cap && node) {
+        Py_ssize_t n_distinct = 0;
+        table_clear(table);
+        for (Py_ssize_t k = 0; k < count; k++) {
+            Source *s = &sources[g[k]];
+            Py_ssize_t q = p[k] + 1;
+            next[k] = END_MARK;
+            if (q < s->len) {
+                long long t = item_at(s->src, q);
+                if (FAILED(t)) return -1;
+                if (t != SEPARATOR) {
+                    Py_ssize_t slot = table_get_or_add(table, t, n_distinct);
+                    if (slot == n_distinct) {
+                        distinct[n_distinct] = t;
+                        counts[n_distinct++] = 0;
+                    }
+                    counts[slot]++;
+                    next[k] = t;
+                }
+            }
+        }
+        if (n_distinct == 0) break;
+        Py_ssize_t top = 0;  /* the first seen on ties */
+        for (Py_ssize_t j = 1; j < n_distinct; j++)
+            if (counts[j] > counts[top]) top = j;
+        long long token = distinct[top];
+        Py_ssize_t c = counts[top];
+        prob *= (double)c / (double)node;
+        if (prob < min_prob) break;
+        out[n] = token;
+        probs[n] = prob;
+        n++;
+        *score += prob;
+        Py_ssize_t kept = 0;
+        for (Py_ssize_t k = 0; k < count; k++) {
+            if (next[k] == token) {
+                g[kept] = g[k];
+                p[kept] = p[k] + 1;
+                kept++;
+            }
+        }
+        count = kept;
+        node = c;
+    }
+    *n_out = n;
+    return 0;
+}
+
+static PyObject *draft_tuple(long long *out, double *probs, Py_ssize_t n, Py_ssize_t m) {
+    PyObject *tokens = PyList_New(n), *ps = PyList_New(n);
+    if (!tokens || !ps) goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PyLong_FromLongLong(out[i]), *f = PyFloat_FromDouble(probs[i]);
+        if (!t || !f) {
+            Py_XDECREF(t);
+            Py_XDECREF(f);
+            goto fail;
+        }
+        PyList_SET_ITEM(tokens, i, t);
+        PyList_SET_ITEM(ps, i, f);
+    }
+    return Py_BuildValue("(NNn)", tokens, ps, m);
+fail:
+    Py_XDECREF(tokens);
+    Py_XDECREF(ps);
+    return NULL;
+}
+
+static PyObject *native_counted_draft(PyObject *self, PyObject *args) {
+    PyObject *groups, *pattern;
+    Py_ssize_t max_len, max_depth;
+    double factor, min_prob;
+    int tail;
+    if (!PyArg_ParseTuple(args, "OOnddnp", &groups, &pattern, &max_len, &factor, &min_prob, &max_depth, &tail))
+        return NULL;
+    PyObject *fast_groups = PySequence_Fast(groups, "groups must be a sequence");
+    if (!fast_groups) return NULL;
+    Py_ssize_t n_groups = PySequence_Fast_GET_SIZE(fast_groups);
+    Py_ssize_t last = PySequence_Length(pattern);
+    PyObject *result = NULL;
+    Source *sources = NULL;
+    Py_ssize_t *g = NULL, *p = NULL, *dg = NULL, *dp = NULL, *wg = NULL, *wp = NULL, *counts = NULL;
+    long long *next = NULL, *distinct = NULL, *out = NULL, *best_out = NULL;
+    double *probs = NULL, *best_probs = NULL;
+    Table table = {0};
+    int have_table = 0;
+    if (last < 0) goto done;
+    last -= 1;
+    /* the occurrences, flattened: (source, position), in the groups' order */
+    Py_ssize_t count = 0;
+    sources = PyMem_Malloc(sizeof(Source) * (n_groups ? n_groups : 1));
+    if (!sources) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n_groups; i++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(fast_groups, i);
+        if (!(PyTuple_Check(pair) || PyList_Check(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "each group must be a (source, positions) pair");
+            goto done;
+        }
+        sources[i].src = PySequence_Fast_GET_ITEM(pair, 0);
+        sources[i].len = PySequence_Length(sources[i].src);
+        Py_ssize_t n_occ = PySequence_Length(PySequence_Fast_GET_ITEM(pair, 1));
+        if (sources[i].len < 0 || n_occ < 0) goto done;
+        count += n_occ;
+    }
+    Py_ssize_t size = count ? count : 1;
+    g = PyMem_Malloc(sizeof(Py_ssize_t) * size);
+    p = PyMem_Malloc(sizeof(Py_ssize_t) * size);
+    dg = PyMem_Malloc(sizeof(Py_ssize_t) * size);
+    dp = PyMem_Malloc(sizeof(Py_ssize_t) * size);
+    wg = PyMem_Malloc(sizeof(Py_ssize_t) * size);
+    wp = PyMem_Malloc(sizeof(Py_ssize_t) * size);
+    counts = PyMem_Malloc(sizeof(Py_ssize_t) * size);
+    next = PyMem_Malloc(sizeof(long long) * size);
+    distinct = PyMem_Malloc(sizeof(long long) * size);
+    Py_ssize_t out_size = max_len > 0 ? max_len : 1;
+    out = PyMem_Malloc(sizeof(long long) * out_size);
+    best_out = PyMem_Malloc(sizeof(long long) * out_size);
+    probs = PyMem_Malloc(sizeof(double) * out_size);
+    best_probs = PyMem_Malloc(sizeof(double) * out_size);
+    if (!g || !p || !dg || !dp || !wg || !wp || !counts || !next || !distinct || !out || !best_out || !probs ||
+        !best_probs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (table_init(&table, count) < 0) { PyErr_NoMemory(); goto done; }
+    have_table = 1;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < n_groups; i++) {
+        PyObject *occ = PySequence_Fast_GET_ITEM(PySequence_Fast_GET_ITEM(fast_groups, i), 1);
+        Py_ssize_t n_occ = PySequence_Length(occ);
+        for (Py_ssize_t j = 0; j < n_occ; j++) {
+            long long v = item_at(occ, j);
+            if (FAILED(v)) goto done;
+            g[k] = i;
+            p[k++] = (Py_ssize_t)v;
+        }
+    }
+    Py_ssize_t best_n = 0, best_m = 0;
+    double best_score = 0.0;
+    Py_ssize_t m = 1;
+    long long extra = tail ? 1 : 0;
+    while (count) {
+        Py_ssize_t deeper = 0;
+        if (m < max_depth && m <= last) {
+            long long want = item_at(pattern, last - m);
+            if (FAILED(want)) goto done;
+            for (Py_ssize_t j = 0; j < count; j++) {
+                if (p[j] >= m) {
+                    long long v = item_at(sources[g[j]].src, p[j] - m);
+                    if (FAILED(v)) goto done;
+                    if (v == want) {
+                        dg[deeper] = g[j];
+                        dp[deeper++] = p[j];
+                    }
+                }
+            }
+        }
+        if (deeper < count) {  /* the last level with this set of occurrences: its draft */
+            Py_ssize_t cap = (Py_ssize_t)((double)m * factor + 1e-6);
+            if (max_len < cap) cap = max_len;
+            Py_ssize_t n_out = 0;
+            double score = 0.0;
+            memcpy(wg, g, sizeof(Py_ssize_t) * count);
+            memcpy(wp, p, sizeof(Py_ssize_t) * count);
+            if (walk(sources, wg, wp, count, (long long)count + extra, cap, min_prob, &table, next, distinct, counts,
+                     out, probs, &n_out, &score) < 0)
+                goto done;
+            if (n_out && score >= best_score) {
+                memcpy(best_out, out, sizeof(long long) * n_out);
+                memcpy(best_probs, probs, sizeof(double) * n_out);
+                best_n = n_out;
+                best_m = m;
+                best_score = score;
+            }
+        }
+        Py_ssize_t *swap = g;
+        g = dg;
+        dg = swap;
+        swap = p;
+        p = dp;
+        dp = swap;
+        count = deeper;
+        m++;
+    }
+    result = draft_tuple(best_out, best_probs, best_n, best_m);
+done:
+    if (result == NULL && !PyErr_Occurred()) result = draft_tuple(NULL, NULL, 0, 0);
+    if (have_table) table_free(&table);
+    PyMem_Free(sources);
+    PyMem_Free(g);
+    PyMem_Free(p);
+    PyMem_Free(dg);
+    PyMem_Free(dp);
+    PyMem_Free(wg);
+    PyMem_Free(wp);
+    PyMem_Free(counts);
+    PyMem_Free(next);
+    PyMem_Free(distinct);
+    PyMem_Free(out);
+    PyMem_Free(best_out);
+    PyMem_Free(probs);
+    PyMem_Free(best_probs);
+    Py_DECREF(fast_groups);
+    return result;
+}
+
+/* ------------------------------------------------------------------ longest_match */
+
+/* rev[sa[i] + depth], or END_MARK past the end */
+static inline long long key_at(PyObject *sa, PyObject *rev, Py_ssize_t n, Py_ssize_t i, Py_ssize_t depth) {
+    long long s = item_at(sa, i);
+    if (FAILED(s)) return END_MARK - 1;
+    long long at = s + depth;
+    if (at >= n) return END_MARK;
+    return item_at(rev, (Py_ssize_t)at);
+}
+
+static PyObject *native_longest_match(PyObject *self, PyObject *args) {
+    PyObject *first, *sa, *rev, *tokens, *context;
+    Py_ssize_t min_match, m, scan;
+    if (!PyArg_ParseTuple(args, "OOOOOnnn", &first, &sa, &rev, &tokens, &context, &min_match, &m, &scan))
+        return NULL;
+    Py_ssize_t n = PySequence_Length(rev), n_context = PySequence_Length(context);
+    if (n < 0 || n_context < 0) return NULL;
+    if (n == 0 || n_context == 0) Py_RETURN_NONE;
+    long long q0 = item_at(context, n_context - 1);
+    if (FAILED(q0)) return NULL;
+    /* bisect_left / bisect_right of q0 in first */
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        long long v = item_at(first, mid);
+        if (FAILED(v)) return NULL;
+        if (v < q0) lo = mid + 1; else hi = mid;
+    }
+    Py_ssize_t a = lo, b = n;
+    while (a < b) {
+        Py_ssize_t mid = (a + b) / 2;
+        long long v = item_at(first, mid);
+        if (FAILED(v)) return NULL;
+        if (q0 < v) b = mid; else a = mid + 1;
+    }
+    hi = a;
+    if (lo == hi) Py_RETURN_NONE;
+    Py_ssize_t depth = 1;
+    while (depth < m) {
+        long long symbol = item_at(context, n_context - 1 - depth);
+        if (FAILED(symbol)) return NULL;
+        Py_ssize_t l = lo, h = hi;  /* first key >= symbol */
+        while (l < h) {
+            Py_ssize_t mid = (l + h) / 2;
+            long long v = key_at(sa, rev, n, mid, depth);
+            if (PyErr_Occurred()) return NULL;
+            if (v < symbol) l = mid + 1; else h = mid;
+        }
+        Py_ssize_t nlo = l;
+        h = hi;  /* first key > symbol */
+        while (l < h) {
+            Py_ssize_t mid = (l + h) / 2;
+            long long v = key_at(sa, rev, n, mid, depth);
+            if (PyErr_Occurred()) return NULL;
+            if (symbol < v) h = mid; else l = mid + 1;
+        }
+        Py_ssize_t nhi = l;
+        if (nlo == nhi) break;
+        lo = nlo;
+        hi = nhi;
+        depth++;
+    }
+    if (depth < min_match) Py_RETURN_NONE;
+    long long best = -1;
+    Py_ssize_t stop = hi < lo + scan ? hi : lo + scan;
+    for (Py_ssize_t i = lo; i < stop; i++) {
+        long long s = item_at(sa, i);
+        if (FAILED(s)) return NULL;
+        long long cont = (long long)n - s;
+        if (cont < n) {
+            long long t = item_at(tokens, (Py_ssize_t)cont);
+            if (FAILED(t)) return NULL;
+            if (t != SEPARATOR && (best < 0 || cont < best)) best = cont;
+        }
+    }
+    if (best < 0) Py_RETURN_NONE;
+    return Py_BuildValue("(nL)", depth, best);
+}
+
+/* ------------------------------------------------------------------ index_positions */
+
+static PyObject *native_index_positions(PyObject *self, PyObject *args) {
+    PyObject *pos, *tokens;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "O!On", &PyDict_Type, &pos, &tokens, &start)) return NULL;
+    Py_ssize_t n = PySequence_Length(tokens);
+    if (n < 0) return NULL;
+    for (Py_ssize_t i = start; i < n; i++) {
+        PyObject *t = PySequence_GetItem(tokens, i);
+        if (t == NULL) return NULL;
+        long long v = PyLong_AsLongLong(t);
+        if (FAILED(v)) { Py_DECREF(t); return NULL; }
+        if (v != SEPARATOR) {
+            PyObject *at = PyDict_GetItemWithError(pos, t);  /* borrowed */
+            PyObject *index = PyLong_FromSsize_t(i);
+            if (index == NULL || (at == NULL && PyErr_Occurred())) { Py_XDECREF(index); Py_DECREF(t); return NULL; }
+            int failed;
+            if (at == NULL) {
+                PyObject *list = PyList_New(1);
+                if (list == NULL) { Py_DECREF(index); Py_DECREF(t); return NULL; }
+                PyList_SET_ITEM(list, 0, index);  /* (steals index) */
+                failed = PyDict_SetItem(pos, t, list);
+                Py_DECREF(list);
+            } else {
+                failed = PyList_Append(at, index);
+                Py_DECREF(index);
+            }
+            if (failed) { Py_DECREF(t); return NULL; }
+        }
+        Py_DECREF(t);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"counted_draft", native_counted_draft, METH_VARARGS,
+     "counted_draft(groups, pattern, max_len, factor, min_prob, max_depth, tail): kernels.counted_draft in C."},
+    {"longest_match", native_longest_match, METH_VARARGS,
+     "longest_match(first, sa, rev, tokens, context, min_match, m, scan): SuffixArrayIndex.longest_match in C."},
+    {"index_positions", native_index_positions, METH_VARARGS,
+     "index_positions(pos, tokens, start): CountedSuffixes.extend's loop in C."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "rag_accel.kernels' hot loops in C.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
