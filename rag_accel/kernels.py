@@ -25,8 +25,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-try:  # the hot loops below in C (rag_accel/_native.c), built at install where a C compiler is found
-    from . import _native
+try:  # the hot loops below in C (rag_accel/_native.c: this module's own), built at install where a C compiler is found
+    import rag_accel._native as _native
 except ImportError:  # pragma: no cover - an install without a compiler: the Python below, the same results
     _native = None
 

@@ -3,6 +3,7 @@ lookup, per request per step, at several requests in flight.
 
     python benchmarks/experiments/host_costs.py --model smollm2-135m-instruct --levels 1,4,16,64 \\
         --out benchmarks/results/host_costs_vllm_cpu_smollm2
+    python benchmarks/experiments/host_costs.py --methods ours,ours-python-loops,suffix ...  # the C build's share
     python benchmarks/experiments/host_costs.py --plot benchmarks/results/host_costs_vllm_cpu_smollm2.json
 
 (in the vLLM virtualenv, arctic-inference installed). One engine per method (vLLM's own kernels, no exact steps:
@@ -34,6 +35,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 K = 10
 METHODS = ("ours", "suffix", "ngram")
+# Ours with rag_accel.kernels' Python loops in the worker instead of their C build (rag_accel/_native.c).
+PYTHON_LOOPS = "ours-python-loops"
+
+
+def python_loops(worker: object) -> bool:
+    """Runs in the worker: rag_accel.kernels runs its Python loops from here on; whether their C build was on."""
+    import rag_accel.kernels as kernels
+
+    was, kernels._native = kernels._native is not None, None
+    return was
 
 
 def timer(worker: object) -> list:
@@ -148,7 +159,7 @@ def main() -> None:
     ap.add_argument("--levels", default="1,4,16,64")
     ap.add_argument("--items", type=int, default=64, help="questions run at each level above one")
     ap.add_argument("--items-alone", type=int, default=12, help="questions run one at a time")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}, {PYTHON_LOOPS}")
     ap.add_argument("--out", type=Path, default=None, help="path without suffix: writes .json and .md")
     ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON (in an environment "
                     "with matplotlib), and nothing else")
@@ -170,10 +181,13 @@ def main() -> None:
         summary[method] = {}
         # (a suffix engine's tree keeps what it answered: a fresh one for each level)
         for run_levels in ([[lv] for lv in levels] if method == "suffix" else [levels]):
-            dec = VllmDecoder.from_pretrained(args.model, dtype=args.dtype, exact=False, speculation=method,
-                                              max_draft_tokens=K, max_model_len=4096, enforce_eager=True,
-                                              enable_prefix_caching=False)
+            ours = method in ("ours", PYTHON_LOOPS)
+            dec = VllmDecoder.from_pretrained(args.model, dtype=args.dtype, exact=False,
+                                              speculation="ours" if ours else method, max_draft_tokens=K,
+                                              max_model_len=4096, enforce_eager=True, enable_prefix_caching=False)
             try:
+                if method == PYTHON_LOOPS:
+                    dec.llm.collective_rpc(python_loops)
                 dec.generate("Hello", max_new_tokens=4)  # (warm-up)
                 dec.llm.collective_rpc(timer)
                 for level in run_levels:
@@ -182,7 +196,7 @@ def main() -> None:
                     for start in range(0, len(run), level):
                         group = run[start:start + level]
                         dec.generate_batch([rag_messages(it.query, it.passages) for it in group],
-                                           [list(it.passages) if method == "ours" else None for it in group],
+                                           [list(it.passages) if ours else None for it in group],
                                            max_new_tokens=64)
                     summary[method][str(level)] = summarise(dec.llm.collective_rpc(timer)[0])
                     print(method, level, summary[method][str(level)], flush=True)
