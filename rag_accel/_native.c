@@ -3,6 +3,7 @@
  *
  * - counted_draft: CountedSuffixes' and the memory's choice (the match levels and the most frequent walk).
  * - longest_match: SuffixArrayIndex's narrowing by binary searches and its earliest continuation.
+ * - suffix_order: suffix_array's sort (the reference index's, built once a request).
  * - index_positions: CountedSuffixes.extend's positions of new tokens.
  *
  * Built at install where a C compiler is found (setup.py: optional); rag_accel.kernels runs its Python otherwise.
@@ -21,7 +22,11 @@
 /* item i of seq as a long long; -1 with an error set on failure (check PyErr_Occurred) */
 static inline long long item_at(PyObject *seq, Py_ssize_t i) {
     PyObject *o;
-    if (PyList_CheckExact(seq)) {
+    if (PyList_CheckExact(seq)) {  /* (bounds checked: a list may change under a collection's finalizer) */
+        if (i >= PyList_GET_SIZE(seq)) {
+            PyErr_SetString(PyExc_IndexError, "a token list changed while it was read");
+            return -1;
+        }
         o = PyList_GET_ITEM(seq, i);
         return PyLong_AsLongLong(o);
     }
@@ -386,6 +391,64 @@ static PyObject *native_longest_match(PyObject *self, PyObject *args) {
     return Py_BuildValue("(nL)", depth, best);
 }
 
+/* ------------------------------------------------------------------ suffix_order */
+
+/* qsort's comparator reads these (the GIL is held throughout: one sort at a time) */
+static const long long *sort_symbols;
+static Py_ssize_t sort_n, sort_depth;
+
+/* suffixes by their first sort_depth symbols ("past the end" before every symbol), equal ones latest first */
+static int compare_suffixes(const void *x, const void *y) {
+    Py_ssize_t a = *(const Py_ssize_t *)x, b = *(const Py_ssize_t *)y;
+    const long long *s = sort_symbols;
+    Py_ssize_t n = sort_n;
+    for (Py_ssize_t k = 0; k < sort_depth; k++) {
+        Py_ssize_t i = a + k, j = b + k;
+        if (i >= n || j >= n) {
+            if (i >= n && j >= n) break;
+            return i >= n ? -1 : 1;
+        }
+        if (s[i] != s[j]) return s[i] < s[j] ? -1 : 1;
+    }
+    return a > b ? -1 : (a < b ? 1 : 0);
+}
+
+static PyObject *native_suffix_order(PyObject *self, PyObject *args) {
+    PyObject *tokens_obj, *out_obj;
+    Py_ssize_t depth;
+    if (!PyArg_ParseTuple(args, "OnO", &tokens_obj, &depth, &out_obj)) return NULL;
+    Py_buffer tokens, out;
+    if (PyObject_GetBuffer(tokens_obj, &tokens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&tokens);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = tokens.len / 8;
+    if (tokens.itemsize != 8 || out.itemsize != 8 || out.len != tokens.len || !tokens.format || !out.format ||
+        strchr("qlL", tokens.format[strlen(tokens.format) - 1]) == NULL ||
+        strchr("qlL", out.format[strlen(out.format) - 1]) == NULL) {
+        PyErr_SetString(PyExc_TypeError, "suffix_order needs two int64 arrays of the same length");
+        goto done;
+    }
+    Py_ssize_t *order = PyMem_Malloc(sizeof(Py_ssize_t) * (n ? n : 1));
+    if (order == NULL) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = 0; i < n; i++) order[i] = i;
+    sort_symbols = (const long long *)tokens.buf;
+    sort_n = n;
+    sort_depth = depth < 0 ? n : depth;
+    qsort(order, (size_t)n, sizeof(Py_ssize_t), compare_suffixes);
+    long long *dest = (long long *)out.buf;
+    for (Py_ssize_t i = 0; i < n; i++) dest[i] = order[i];
+    PyMem_Free(order);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&tokens);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 /* ------------------------------------------------------------------ index_positions */
 
 static PyObject *native_index_positions(PyObject *self, PyObject *args) {
@@ -394,9 +457,16 @@ static PyObject *native_index_positions(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!On", &PyDict_Type, &pos, &tokens, &start)) return NULL;
     Py_ssize_t n = PySequence_Length(tokens);
     if (n < 0) return NULL;
+    int is_list = PyList_CheckExact(tokens);
     for (Py_ssize_t i = start; i < n; i++) {
-        PyObject *t = PySequence_GetItem(tokens, i);
-        if (t == NULL) return NULL;
+        PyObject *t;
+        if (is_list) {  /* (its size checked again: a collection an allocation triggers may run Python code) */
+            if (i >= PyList_GET_SIZE(tokens)) break;
+            t = PyList_GET_ITEM(tokens, i);
+            Py_INCREF(t);
+        } else if ((t = PySequence_GetItem(tokens, i)) == NULL) {
+            return NULL;
+        }
         long long v = PyLong_AsLongLong(t);
         if (FAILED(v)) { Py_DECREF(t); return NULL; }
         if (v != SEPARATOR) {
@@ -426,6 +496,8 @@ static PyMethodDef methods[] = {
      "counted_draft(groups, pattern, max_len, factor, min_prob, max_depth, tail): kernels.counted_draft in C."},
     {"longest_match", native_longest_match, METH_VARARGS,
      "longest_match(first, sa, rev, tokens, context, min_match, m, scan): SuffixArrayIndex.longest_match in C."},
+    {"suffix_order", native_suffix_order, METH_VARARGS,
+     "suffix_order(tokens, depth, out): suffix_array's order into out (int64 arrays; depth < 0: whole suffixes)."},
     {"index_positions", native_index_positions, METH_VARARGS,
      "index_positions(pos, tokens, start): CountedSuffixes.extend's loop in C."},
     {NULL, NULL, 0, NULL},

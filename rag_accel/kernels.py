@@ -78,6 +78,11 @@ def suffix_array(tokens: np.ndarray, depth: int | None = None) -> np.ndarray:
     n = len(tokens)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    if _native is not None:  # (the same order: by the first `depth` symbols rounded up to a power of two)
+        order = np.empty(n, dtype=np.int64)
+        _native.suffix_order(np.ascontiguousarray(tokens, dtype=np.int64), -1 if depth is None else
+                             1 << max(0, depth - 1).bit_length(), order)
+        return order
     # rank: of each suffix by its first k symbols, 1-based (0 = past the end); the symbols themselves
     # at first (shifted), dense ranks (<= n) after the first round.
     tokens = np.asarray(tokens, dtype=np.int64)

@@ -312,3 +312,16 @@ def test_the_c_loops_refuse_what_is_not_token_ids():
         kernels.counted_draft([1, 2], [1], 4, 1.0, 0.1)  # groups that are not (source, positions) pairs
     with pytest.raises(TypeError):
         CountedSuffixes().extend([1, None])
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-1, 3), min_size=0, max_size=60), st.sampled_from([None, 0, 1, 2, 3, 5, 8, 32]),
+       st.booleans())
+def test_suffix_array_in_c_equals_the_python(seq, depth, huge):
+    tokens = np.array(seq, dtype=np.int64) * ((1 << 40) if huge else 1)
+    native = suffix_array(tokens, depth)
+    with pytest.MonkeyPatch.context() as mp:
+        _python(mp)
+        python = suffix_array(tokens, depth)
+    assert native.dtype == python.dtype == np.int64 and native.tolist() == python.tolist()
