@@ -22,17 +22,26 @@
 /* item i of seq as a long long; -1 with an error set on failure (check PyErr_Occurred) */
 static inline long long item_at(PyObject *seq, Py_ssize_t i) {
     PyObject *o;
-    if (PyList_CheckExact(seq)) {  /* (bounds checked: a list may change under a collection's finalizer) */
-        if (i >= PyList_GET_SIZE(seq)) {
-            PyErr_SetString(PyExc_IndexError, "a token list changed while it was read");
+    /* (bounds checked: a position out of its source, or a list changed under a collection's finalizer) */
+    if (PyList_CheckExact(seq)) {
+        if (i < 0 || i >= PyList_GET_SIZE(seq)) {
+            PyErr_SetString(PyExc_IndexError, "a position outside its token list");
             return -1;
         }
         o = PyList_GET_ITEM(seq, i);
         return PyLong_AsLongLong(o);
     }
     if (PyTuple_CheckExact(seq)) {
+        if (i < 0 || i >= PyTuple_GET_SIZE(seq)) {
+            PyErr_SetString(PyExc_IndexError, "a position outside its token tuple");
+            return -1;
+        }
         o = PyTuple_GET_ITEM(seq, i);
         return PyLong_AsLongLong(o);
+    }
+    if (i < 0) {
+        PyErr_SetString(PyExc_IndexError, "a negative position");
+        return -1;
     }
     o = PySequence_GetItem(seq, i);
     if (o == NULL) return -1;
@@ -194,7 +203,7 @@ static PyObject *native_counted_draft(PyObject *self, PyObject *args) {
     if (last < 0) goto done;
     last -= 1;
     /* the occurrences, flattened: (source, position), in the groups' order */
-    Py_ssize_t count = 0;
+    Py_ssize_t count = 0, longest = 0;
     sources = PyMem_Malloc(sizeof(Source) * (n_groups ? n_groups : 1));
     if (!sources) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t i = 0; i < n_groups; i++) {
@@ -208,6 +217,7 @@ static PyObject *native_counted_draft(PyObject *self, PyObject *args) {
         Py_ssize_t n_occ = PySequence_Length(PySequence_Fast_GET_ITEM(pair, 1));
         if (sources[i].len < 0 || n_occ < 0) goto done;
         count += n_occ;
+        if (sources[i].len > longest) longest = sources[i].len;
     }
     Py_ssize_t size = count ? count : 1;
     g = PyMem_Malloc(sizeof(Py_ssize_t) * size);
@@ -219,7 +229,8 @@ static PyObject *native_counted_draft(PyObject *self, PyObject *args) {
     counts = PyMem_Malloc(sizeof(Py_ssize_t) * size);
     next = PyMem_Malloc(sizeof(long long) * size);
     distinct = PyMem_Malloc(sizeof(long long) * size);
-    Py_ssize_t out_size = max_len > 0 ? max_len : 1;
+    Py_ssize_t out_size = max_len < longest ? max_len : longest;  /* (a walk moves on in one source) */
+    if (out_size < 1) out_size = 1;
     out = PyMem_Malloc(sizeof(long long) * out_size);
     best_out = PyMem_Malloc(sizeof(long long) * out_size);
     probs = PyMem_Malloc(sizeof(double) * out_size);

@@ -312,6 +312,21 @@ def test_the_c_loops_refuse_what_is_not_token_ids():
         kernels.counted_draft([1, 2], [1], 4, 1.0, 0.1)  # groups that are not (source, positions) pairs
     with pytest.raises(TypeError):
         CountedSuffixes().extend([1, None])
+    for source in ([1, 2, 1, 3], (1, 2, 1, 3), np.array([1, 2, 1, 3])):  # a position outside its source
+        with pytest.raises(IndexError):
+            kernels.counted_draft([(source, [0, 9])], [5, 1], 4, 2.0, 0.1)
+        with pytest.raises(IndexError):
+            kernels.counted_draft([(source, [-7])], [1], 4, 2.0, 0.1)
+
+
+@needs_native
+def test_the_c_draft_takes_any_max_len():
+    src = [1, 2, 3, 1, 2, 3, 1, 2]  # (its buffers are as long as the longest source, not max_len)
+    native = kernels.counted_draft([(src, [0, 3, 6])], [1], 1 << 40, 8.0, 0.0)
+    assert native[0] == [2, 3, 1, 2, 3, 1, 2] and native[2] == 1
+    with pytest.MonkeyPatch.context() as mp:
+        _python(mp)
+        assert native == kernels.counted_draft([(src, [0, 3, 6])], [1], 1 << 40, 8.0, 0.0)
 
 
 @needs_native
