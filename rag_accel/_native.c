@@ -21,29 +21,14 @@
 
 /* item i of seq as a long long; -1 with an error set on failure (check PyErr_Occurred) */
 static inline long long item_at(PyObject *seq, Py_ssize_t i) {
-    PyObject *o;
     /* (bounds checked: a position out of its source, or a list changed under a collection's finalizer) */
-    if (PyList_CheckExact(seq)) {
-        if (i < 0 || i >= PyList_GET_SIZE(seq)) {
-            PyErr_SetString(PyExc_IndexError, "a position outside its token list");
-            return -1;
-        }
-        o = PyList_GET_ITEM(seq, i);
-        return PyLong_AsLongLong(o);
-    }
-    if (PyTuple_CheckExact(seq)) {
-        if (i < 0 || i >= PyTuple_GET_SIZE(seq)) {
-            PyErr_SetString(PyExc_IndexError, "a position outside its token tuple");
-            return -1;
-        }
-        o = PyTuple_GET_ITEM(seq, i);
-        return PyLong_AsLongLong(o);
-    }
-    if (i < 0) {
-        PyErr_SetString(PyExc_IndexError, "a negative position");
+    int direct = PyList_CheckExact(seq) || PyTuple_CheckExact(seq);
+    if (i < 0 || (direct && i >= PySequence_Fast_GET_SIZE(seq))) {
+        PyErr_SetString(PyExc_IndexError, "a position outside its token sequence");
         return -1;
     }
-    o = PySequence_GetItem(seq, i);
+    if (direct) return PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    PyObject *o = PySequence_GetItem(seq, i);
     if (o == NULL) return -1;
     long long v = PyLong_AsLongLong(o);
     Py_DECREF(o);

@@ -30,8 +30,9 @@ try:  # the hot loops below in C (rag_accel/_native.c: this module's own), built
 except ImportError:  # pragma: no cover - an install without a compiler: the Python below, the same results
     _native = None
 
-#: Whether this install runs the C build of the hot loops (:func:`counted_draft`, :meth:`SuffixArrayIndex.longest_match`,
-#: :meth:`CountedSuffixes.extend`); without it they run in Python, with the same results and more host time a step.
+#: Whether this install runs the C build of the hot loops (:func:`counted_draft`, :func:`suffix_array`,
+#: :meth:`SuffixArrayIndex.longest_match`, :meth:`CountedSuffixes.extend`); without it they run in Python, with the
+#: same results and more host time a step.
 NATIVE = _native is not None
 
 #: Token value used between documents: never equal to a real token id, so a
@@ -359,20 +360,16 @@ class CountedSuffixes:
 
     def extend(self, tokens: Sequence[int]) -> None:
         pos, start = self._pos, self._indexed
-        if start >= len(tokens):
-            self._indexed = len(tokens)
-            return
         if _native is not None:
             _native.index_positions(pos, tokens, start)
-            self._indexed = len(tokens)
-            return
-        for i, t in enumerate(tokens[start:], start):
-            if t != SEPARATOR:
-                at = pos.get(t)
-                if at is None:
-                    pos[t] = [i]
-                else:
-                    at.append(i)
+        else:
+            for i, t in enumerate(tokens[start:], start):
+                if t != SEPARATOR:
+                    at = pos.get(t)
+                    if at is None:
+                        pos[t] = [i]
+                    else:
+                        at.append(i)
         self._indexed = len(tokens)
 
     def latest(self, token: int, limit: int) -> list[int]:

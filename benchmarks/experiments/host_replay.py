@@ -30,6 +30,7 @@ import shlex
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -118,27 +119,25 @@ class Batch:
         return any(r is not None for r in self.rows) or bool(self.queue)
 
 
-def run_ours(prepared: list[tuple], level: int, step_s: float, profile: cProfile.Profile | None = None,
-             speculate: bool = True, python_loops: bool = False) -> list:
-    from vllm import SamplingParams
-    from vllm.v1.sample.logits_processor import BatchUpdate
-
+@contextmanager
+def python_loops():
+    """Within it, rag_accel.kernels runs its Python loops instead of their C build."""
     import rag_accel.kernels as kernels
-    import rag_accel.vllm.proposer as module
-    from rag_accel.vllm.proposer import RagProposer, RowTracker
 
-    native = kernels._native
-    if python_loops:
-        kernels._native = None
+    native, kernels._native = kernels._native, None
     try:
-        return _run_ours(prepared, level, step_s, profile, speculate, module, RagProposer, RowTracker,
-                         SamplingParams, BatchUpdate)
+        yield
     finally:
         kernels._native = native
 
 
-def _run_ours(prepared, level, step_s, profile, speculate, module, RagProposer, RowTracker, SamplingParams,
-              BatchUpdate) -> list:
+def run_ours(prepared: list[tuple], level: int, step_s: float, profile: cProfile.Profile | None = None,
+             speculate: bool = True) -> list:
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    import rag_accel.vllm.proposer as module
+    from rag_accel.vllm.proposer import RagProposer, RowTracker
 
     clock = VirtualClock()
     module.time = clock  # the proposer's step clock: a modelled forward between steps
@@ -305,7 +304,8 @@ def main() -> None:
             runs["ours"].append(summary(run_ours(prepared, level, args.step_ms / 1e3)))
             runs["suffix"].append(summary(run_suffix(prepared, level)))
             if args.python_loops:
-                runs[PYTHON_LOOPS].append(summary(run_ours(prepared, level, args.step_ms / 1e3, python_loops=True)))
+                with python_loops():
+                    runs[PYTHON_LOOPS].append(summary(run_ours(prepared, level, args.step_ms / 1e3)))
             if args.floors:
                 runs[FLOOR_OURS].append(summary(run_ours(prepared, level, args.step_ms / 1e3, speculate=False)))
                 runs[FLOOR_EMPTY].append(summary(run_empty(prepared, level)))
