@@ -309,104 +309,146 @@ done:
 
 /* ------------------------------------------------------------------ longest_match */
 
-/* rev[sa[i] + depth], or END_MARK past the end */
-static inline long long key_at(PyObject *sa, PyObject *rev, Py_ssize_t n, Py_ssize_t i, Py_ssize_t depth) {
-    long long s = item_at(sa, i);
-    if (FAILED(s)) return END_MARK - 1;
-    long long at = s + depth;
-    if (at >= n) return END_MARK;
-    return item_at(rev, (Py_ssize_t)at);
+/* a C-contiguous int64 buffer of obj (writable if asked); -1 with TypeError otherwise */
+static int int64_buffer(PyObject *obj, Py_buffer *view, int writable, const char *what) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (view->itemsize != 8 || !view->format || strchr("qlL", view->format[strlen(view->format) - 1]) == NULL) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_TypeError, "%s needs int64 arrays", what);
+        return -1;
+    }
+    return 0;
+}
+
+#define BAD_POSITION (END_MARK - 1)
+
+/* symbol depth of the suffix sa[i] of rev (END_MARK past its end; BAD_POSITION: sa[i] is not a position of rev) */
+static inline long long suffix_symbol(const long long *sa, const long long *rev, Py_ssize_t n, Py_ssize_t i,
+                                      Py_ssize_t depth) {
+    long long s = sa[i];
+    if (s < 0 || s >= n) return BAD_POSITION;
+    return s + depth < n ? rev[s + depth] : END_MARK;
 }
 
 static PyObject *native_longest_match(PyObject *self, PyObject *args) {
-    PyObject *first, *sa, *rev, *tokens, *context;
+    PyObject *sa_obj, *rev_obj, *tokens, *context;
     Py_ssize_t min_match, m, scan;
-    if (!PyArg_ParseTuple(args, "OOOOOnnn", &first, &sa, &rev, &tokens, &context, &min_match, &m, &scan))
+    if (!PyArg_ParseTuple(args, "OOOOnnn", &sa_obj, &rev_obj, &tokens, &context, &min_match, &m, &scan))
         return NULL;
-    Py_ssize_t n = PySequence_Length(rev), n_context = PySequence_Length(context);
-    if (n < 0 || n_context < 0) return NULL;
-    if (n == 0 || n_context == 0) Py_RETURN_NONE;
-    long long q0 = item_at(context, n_context - 1);
-    if (FAILED(q0)) return NULL;
-    /* bisect_left / bisect_right of q0 in first */
-    Py_ssize_t lo = 0, hi = n;
-    while (lo < hi) {
-        Py_ssize_t mid = (lo + hi) / 2;
-        long long v = item_at(first, mid);
-        if (FAILED(v)) return NULL;
-        if (v < q0) lo = mid + 1; else hi = mid;
+    Py_buffer sa_view, rev_view;
+    if (int64_buffer(sa_obj, &sa_view, 0, "longest_match") < 0) return NULL;
+    if (int64_buffer(rev_obj, &rev_view, 0, "longest_match") < 0) {
+        PyBuffer_Release(&sa_view);
+        return NULL;
     }
-    Py_ssize_t a = lo, b = n;
-    while (a < b) {
-        Py_ssize_t mid = (a + b) / 2;
-        long long v = item_at(first, mid);
-        if (FAILED(v)) return NULL;
-        if (q0 < v) b = mid; else a = mid + 1;
+    PyObject *result = NULL;
+    const long long *sa = (const long long *)sa_view.buf, *rev = (const long long *)rev_view.buf;
+    Py_ssize_t n = rev_view.len / 8, n_context = PySequence_Length(context);
+    if (n_context < 0) goto done;
+    if (sa_view.len != rev_view.len) {
+        PyErr_SetString(PyExc_ValueError, "longest_match: the suffix array and its source differ in length");
+        goto done;
     }
-    hi = a;
-    if (lo == hi) Py_RETURN_NONE;
-    Py_ssize_t depth = 1;
-    while (depth < m) {
+    if (n == 0 || n_context == 0) { result = Py_None; Py_INCREF(result); goto done; }
+    /* narrow [lo, hi) by the context read backwards: at depth d the suffixes' symbol d (END_MARK past the end) */
+    Py_ssize_t lo = 0, hi = n, depth = 0;
+    while (depth < (m > 1 ? m : 1)) {
         long long symbol = item_at(context, n_context - 1 - depth);
-        if (FAILED(symbol)) return NULL;
+        if (FAILED(symbol)) goto done;
         Py_ssize_t l = lo, h = hi;  /* first key >= symbol */
         while (l < h) {
             Py_ssize_t mid = (l + h) / 2;
-            long long v = key_at(sa, rev, n, mid, depth);
-            if (PyErr_Occurred()) return NULL;
+            long long v = suffix_symbol(sa, rev, n, mid, depth);
+            if (v == BAD_POSITION) goto bad;
             if (v < symbol) l = mid + 1; else h = mid;
         }
         Py_ssize_t nlo = l;
         h = hi;  /* first key > symbol */
         while (l < h) {
             Py_ssize_t mid = (l + h) / 2;
-            long long v = key_at(sa, rev, n, mid, depth);
-            if (PyErr_Occurred()) return NULL;
+            long long v = suffix_symbol(sa, rev, n, mid, depth);
+            if (v == BAD_POSITION) goto bad;
             if (symbol < v) h = mid; else l = mid + 1;
         }
-        Py_ssize_t nhi = l;
-        if (nlo == nhi) break;
+        if (nlo == l) break;
         lo = nlo;
-        hi = nhi;
+        hi = l;
         depth++;
     }
-    if (depth < min_match) Py_RETURN_NONE;
+    if (depth == 0 || depth < min_match) { result = Py_None; Py_INCREF(result); goto done; }
     long long best = -1;
     Py_ssize_t stop = hi < lo + scan ? hi : lo + scan;
     for (Py_ssize_t i = lo; i < stop; i++) {
-        long long s = item_at(sa, i);
-        if (FAILED(s)) return NULL;
-        long long cont = (long long)n - s;
+        if (sa[i] < 0 || sa[i] >= n) goto bad;
+        long long cont = (long long)n - sa[i];
         if (cont < n) {
             long long t = item_at(tokens, (Py_ssize_t)cont);
-            if (FAILED(t)) return NULL;
+            if (FAILED(t)) goto done;
             if (t != SEPARATOR && (best < 0 || cont < best)) best = cont;
         }
     }
-    if (best < 0) Py_RETURN_NONE;
-    return Py_BuildValue("(nL)", depth, best);
+    if (best < 0) { result = Py_None; Py_INCREF(result); goto done; }
+    result = Py_BuildValue("(nL)", depth, best);
+    goto done;
+bad:
+    PyErr_SetString(PyExc_IndexError, "a position outside its token sequence");
+done:
+    PyBuffer_Release(&sa_view);
+    PyBuffer_Release(&rev_view);
+    return result;
 }
 
 /* ------------------------------------------------------------------ suffix_order */
 
-/* qsort's comparator reads these (the GIL is held throughout: one sort at a time) */
-static const long long *sort_symbols;
-static Py_ssize_t sort_n, sort_depth;
+typedef struct {
+    const long long *symbols;
+    Py_ssize_t n, depth;
+} SuffixOrder;
 
-/* suffixes by their first sort_depth symbols ("past the end" before every symbol), equal ones latest first */
-static int compare_suffixes(const void *x, const void *y) {
-    Py_ssize_t a = *(const Py_ssize_t *)x, b = *(const Py_ssize_t *)y;
-    const long long *s = sort_symbols;
-    Py_ssize_t n = sort_n;
-    for (Py_ssize_t k = 0; k < sort_depth; k++) {
+/* suffix a before suffix b: by their first depth symbols ("past the end" before every symbol), equal ones latest
+ * first */
+static inline int suffix_before(const SuffixOrder *o, Py_ssize_t a, Py_ssize_t b) {
+    const long long *s = o->symbols;
+    Py_ssize_t n = o->n;
+    for (Py_ssize_t k = 0; k < o->depth; k++) {
         Py_ssize_t i = a + k, j = b + k;
         if (i >= n || j >= n) {
             if (i >= n && j >= n) break;
-            return i >= n ? -1 : 1;
+            return i >= n;
         }
-        if (s[i] != s[j]) return s[i] < s[j] ? -1 : 1;
+        if (s[i] != s[j]) return s[i] < s[j];
     }
-    return a > b ? -1 : (a < b ? 1 : 0);
+    return a > b;
+}
+
+/* order[0:n] sorted by suffix_before: runs of 16 by insertion, then merged bottom-up (tmp: n more) */
+static void sort_suffixes(const SuffixOrder *o, Py_ssize_t *order, Py_ssize_t *tmp, Py_ssize_t n) {
+    for (Py_ssize_t start = 0; start < n; start += 16) {
+        Py_ssize_t stop = start + 16 < n ? start + 16 : n;
+        for (Py_ssize_t i = start + 1; i < stop; i++) {
+            Py_ssize_t v = order[i], j = i;
+            while (j > start && suffix_before(o, v, order[j - 1])) {
+                order[j] = order[j - 1];
+                j--;
+            }
+            order[j] = v;
+        }
+    }
+    Py_ssize_t *from = order, *to = tmp;
+    for (Py_ssize_t width = 16; width < n; width *= 2) {
+        for (Py_ssize_t lo = 0; lo < n; lo += 2 * width) {
+            Py_ssize_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
+            Py_ssize_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) to[k++] = suffix_before(o, from[j], from[i]) ? from[j++] : from[i++];
+            while (i < mid) to[k++] = from[i++];
+            while (j < hi) to[k++] = from[j++];
+        }
+        Py_ssize_t *swap = from;
+        from = to;
+        to = swap;
+    }
+    if (from != order) memcpy(order, from, sizeof(Py_ssize_t) * (size_t)n);
 }
 
 static PyObject *native_suffix_order(PyObject *self, PyObject *args) {
@@ -414,26 +456,22 @@ static PyObject *native_suffix_order(PyObject *self, PyObject *args) {
     Py_ssize_t depth;
     if (!PyArg_ParseTuple(args, "OnO", &tokens_obj, &depth, &out_obj)) return NULL;
     Py_buffer tokens, out;
-    if (PyObject_GetBuffer(tokens_obj, &tokens, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
-    if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+    if (int64_buffer(tokens_obj, &tokens, 0, "suffix_order") < 0) return NULL;
+    if (int64_buffer(out_obj, &out, 1, "suffix_order") < 0) {
         PyBuffer_Release(&tokens);
         return NULL;
     }
     PyObject *result = NULL;
     Py_ssize_t n = tokens.len / 8;
-    if (tokens.itemsize != 8 || out.itemsize != 8 || out.len != tokens.len || !tokens.format || !out.format ||
-        strchr("qlL", tokens.format[strlen(tokens.format) - 1]) == NULL ||
-        strchr("qlL", out.format[strlen(out.format) - 1]) == NULL) {
+    if (out.len != tokens.len) {
         PyErr_SetString(PyExc_TypeError, "suffix_order needs two int64 arrays of the same length");
         goto done;
     }
-    Py_ssize_t *order = PyMem_Malloc(sizeof(Py_ssize_t) * (n ? n : 1));
+    Py_ssize_t *order = PyMem_Malloc(sizeof(Py_ssize_t) * (2 * n + 1));
     if (order == NULL) { PyErr_NoMemory(); goto done; }
     for (Py_ssize_t i = 0; i < n; i++) order[i] = i;
-    sort_symbols = (const long long *)tokens.buf;
-    sort_n = n;
-    sort_depth = depth < 0 ? n : depth;
-    qsort(order, (size_t)n, sizeof(Py_ssize_t), compare_suffixes);
+    SuffixOrder o = {(const long long *)tokens.buf, n, depth < 0 ? n : depth};
+    sort_suffixes(&o, order, order + n, n);
     long long *dest = (long long *)out.buf;
     for (Py_ssize_t i = 0; i < n; i++) dest[i] = order[i];
     PyMem_Free(order);
@@ -491,7 +529,8 @@ static PyMethodDef methods[] = {
     {"counted_draft", native_counted_draft, METH_VARARGS,
      "counted_draft(groups, pattern, max_len, factor, min_prob, max_depth, tail): kernels.counted_draft in C."},
     {"longest_match", native_longest_match, METH_VARARGS,
-     "longest_match(first, sa, rev, tokens, context, min_match, m, scan): SuffixArrayIndex.longest_match in C."},
+     "longest_match(sa, rev, tokens, context, min_match, m, scan): SuffixArrayIndex.longest_match in C "
+     "(sa, rev: int64 arrays)."},
     {"suffix_order", native_suffix_order, METH_VARARGS,
      "suffix_order(tokens, depth, out): suffix_array's order into out (int64 arrays; depth < 0: whole suffixes)."},
     {"index_positions", native_index_positions, METH_VARARGS,

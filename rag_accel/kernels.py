@@ -49,6 +49,18 @@ def concat_with_separators(docs: Sequence[Sequence[int]]) -> np.ndarray:
         >>> concat_with_separators([[5, 6], [7]]).tolist()
         [5, 6, -1, 7]
     """
+    if all(type(doc) is list for doc in docs):  # (the usual case: one array from one list, not one per document)
+        joined: list[int] = []
+        for i, doc in enumerate(docs):
+            if i:
+                joined.append(SEPARATOR)
+            joined += doc
+        try:
+            flat = np.array(joined, dtype=np.int64)
+        except ValueError:  # (nested lists: flattened below, document by document)
+            flat = None
+        if flat is not None and flat.ndim == 1:
+            return flat
     parts: list[np.ndarray] = []
     sep = np.full(1, SEPARATOR, dtype=np.int64)
     for i, doc in enumerate(docs):
@@ -142,18 +154,23 @@ class SuffixArrayIndex:
         self.n = len(arr)
         self.tokens = arr.tolist()  # forward order, for copying continuations
         self.max_match = max_match  # (None: any length)
-        rev = arr[::-1].copy()
-        sa = suffix_array(rev, max_match)
-        self._rev = rev.tolist()
-        self._sa = sa.tolist()
-        self._first = rev[sa].tolist()  # sorted first symbol of each reversed suffix (for bisect)
+        self._rev = arr[::-1].copy()
+        self._sa = suffix_array(self._rev, max_match)
+        self._lists: tuple[list[int], list[int], list[int]] | None = None  # the Python loops': built if they run
         self._candidate_scan = candidate_scan
 
     def __len__(self) -> int:
         return self.n
 
+    def _python_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """The reversed source, its suffix array and each suffix's first symbol, as lists (the Python loops')."""
+        if self._lists is None:
+            self._lists = self._rev.tolist(), self._sa.tolist(), self._rev[self._sa].tolist()
+        return self._lists
+
     def _narrow(self, lo: int, hi: int, depth: int, symbol: int) -> tuple[int, int]:
-        rev, sa, n = self._rev, self._sa, self.n
+        rev, sa, _ = self._python_lists()
+        n = self.n
 
         def key(i: int) -> int:
             p = sa[i] + depth
@@ -179,11 +196,12 @@ class SuffixArrayIndex:
             return None
         m = min(max_match, len(context), self.max_match or max_match)
         if _native is not None:
-            return _native.longest_match(self._first, self._sa, self._rev, self.tokens, context, min_match, m,
+            return _native.longest_match(self._sa, self._rev, self.tokens, context, min_match, m,
                                          self._candidate_scan)
+        _, sa, first = self._python_lists()
         q0 = int(context[-1])
-        lo = bisect_left(self._first, q0)
-        hi = bisect_right(self._first, q0, lo)
+        lo = bisect_left(first, q0)
+        hi = bisect_right(first, q0, lo)
         if lo == hi:
             return None
         depth = 1
@@ -198,7 +216,7 @@ class SuffixArrayIndex:
         # order whose continuation exists: forward last-matched pos = n - 1 - s.
         best = None
         for i in range(lo, min(hi, lo + self._candidate_scan)):
-            cont = self.n - self._sa[i]  # = (n - 1 - s) + 1
+            cont = self.n - sa[i]  # = (n - 1 - s) + 1
             if cont < self.n and self.tokens[cont] != SEPARATOR and (best is None or cont < best):
                 best = cont
         if best is None:

@@ -84,6 +84,18 @@ def test_suffix_array_index_to_a_depth_matches_brute_force(docs, context, max_ma
     assert idx.longest_match(context, 1, max_match) == _brute_longest(source, context, 1, min(max_match, depth))
 
 
+@settings(max_examples=200)
+@given(st.lists(st.lists(st.integers(-3, 1 << 40), max_size=6), max_size=4))
+def test_concat_of_lists_equals_it_document_by_document(docs):
+    joined = concat_with_separators(docs)  # (lists: joined as one list first)
+    by_document = concat_with_separators([np.array(d, dtype=np.int64) for d in docs])
+    assert joined.dtype == by_document.dtype == np.int64 and joined.tolist() == by_document.tolist()
+
+
+def test_concat_flattens_nested_documents():
+    assert concat_with_separators([[[1, 2], [3, 4]], [5]]).tolist() == [1, 2, 3, 4, SEPARATOR, 5]
+
+
 def test_suffix_array_index_five_tokens():
     idx = SuffixArrayIndex([3, 1, 4, 1, 5])
     assert idx.longest_match([9, 4, 1], min_match=1, max_match=4) == (2, 4)  # "4 1" -> 5
@@ -317,6 +329,16 @@ def test_the_c_loops_refuse_what_is_not_token_ids():
             kernels.counted_draft([(source, [0, 9])], [5, 1], 4, 2.0, 0.1)
         with pytest.raises(IndexError):
             kernels.counted_draft([(source, [-7])], [1], 4, 2.0, 0.1)
+
+
+@needs_native
+def test_the_c_match_refuses_an_index_that_is_not_its_sources():
+    with pytest.raises(IndexError):  # a suffix array naming a position past its source
+        kernels._native.longest_match(np.array([0, 7]), np.array([1, 2]), [2, 1], [1], 1, 4, 64)
+    with pytest.raises(ValueError):
+        kernels._native.longest_match(np.array([0]), np.array([1, 2]), [2, 1], [1], 1, 4, 64)
+    with pytest.raises(TypeError):  # not int64
+        kernels._native.longest_match(np.array([0, 1], dtype=np.int32), np.array([1, 2]), [2, 1], [1], 1, 4, 64)
 
 
 @needs_native
