@@ -349,7 +349,7 @@ class DrafterChain:
     for the adaptive policy to weigh (it breaks ties by this order). Drafters
     marked ``costly`` (draft models: real compute per token) are left out of it
     and listed in :attr:`costly`: the decoder asks them only when no cheap
-    draft is worth sending.
+    draft is worth sending. :attr:`priced`: those with ``priced_up_to``.
     """
 
     def __init__(self, drafters: Sequence[Drafter]) -> None:
@@ -359,6 +359,7 @@ class DrafterChain:
     def _split(self) -> None:
         self.costly = [d for d in self.drafters if getattr(d, "costly", False)]
         self._cheap = [d for d in self.drafters if not getattr(d, "costly", False)]
+        self.priced = [d for d in self.drafters if getattr(d, "priced_up_to", None) is not None]
 
     def insert(self, position: int, drafter: Drafter) -> None:
         """Add ``drafter`` at ``position`` mid-request (a reference index that was built off the
@@ -383,10 +384,13 @@ class DrafterChain:
         return NO_DRAFT
 
     def candidates(self, context: Sequence[int], max_len: int) -> list[Draft]:
-        if max_len <= 0:
-            return []
-        drafts = (drafter.propose(context, max_len) for drafter in self._cheap)
-        return [d for d in drafts if d.tokens]
+        drafts = []
+        if max_len > 0:
+            for drafter in self._cheap:
+                draft = drafter.propose(context, max_len)
+                if draft.tokens:
+                    drafts.append(draft)
+        return drafts
 
     def update(self, context: Sequence[int], num_new: int) -> None:
         for drafter in self.drafters:

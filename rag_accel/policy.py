@@ -216,8 +216,10 @@ class DraftLengthPolicy:
         return min(1.0, (self._hits + k) / (self._expected + k))
 
     def _learnt_rates(self, source: str, match_len: int) -> tuple[float, float]:
+        return self._bucket_rates(source, _bucket(match_len))
+
+    def _bucket_rates(self, source: str, bucket: int) -> tuple[float, float]:
         w = self.w
-        bucket = _bucket(match_len)
         p0, p1 = COLD_RATES[_BUCKET_EDGES[bucket]] if self.prior is None else (self.prior, self.prior)
         o = self._overall.get(source)
         if o is None:
@@ -418,15 +420,15 @@ class DraftLengthPolicy:
         m = leading_matches(draft.tokens, new_tokens)  # (over the first `known`: zip stops at the shorter)
         if draft.probs:
             self._calibrate(draft, m, known)
-        decay = self.request_decay
-        self._expected = decay * self._expected + self._learnt_rates(draft.source, draft.match_len)[0]  # (before
-        self._hits = decay * self._hits + (m > 0)  # learning from it)
-        key = (draft.source, _bucket(draft.match_len))
-        for rates in (
-            self._overall.setdefault(draft.source, _Rates()),
-            self._buckets.setdefault(key, _Rates()),
-            self._local.setdefault(key, _Rates()),
-        ):
+        decay, source = self.request_decay, draft.source
+        key = (source, _bucket(draft.match_len))
+        self._expected = decay * self._expected + self._bucket_rates(*key)[0]  # (before learning from it)
+        self._hits = decay * self._hits + (m > 0)
+        horizon = self.stats.horizon
+        for table, at in ((self._overall, source), (self._buckets, key), (self._local, key)):
+            rates = table.get(at)
+            if rates is None:
+                rates = table[at] = _Rates()
             if m == 0:
                 rates.f0 += 1
             else:
@@ -434,4 +436,4 @@ class DraftLengthPolicy:
                 rates.s1 += m - 1
                 if m < known:
                     rates.f1 += 1
-            rates.forget(self.stats.horizon)
+            rates.forget(horizon)

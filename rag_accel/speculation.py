@@ -20,7 +20,6 @@ across requests lives in :class:`StepCosts` (a batch engine's:
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from collections.abc import Callable, Sequence
 
 from .config import DecoderConfig
@@ -168,10 +167,8 @@ class RequestDrafting:
         policy = self.policy
         policy.scale_cost(self.costs.scale_at(len(context)))
         if policy.adaptive:
-            for d in self.chain.drafters:  # a drafter that prices its drafts hears what a draft token costs now
-                up_to = getattr(d, "priced_up_to", None)
-                if up_to is not None:
-                    d.price(policy.token_cost(up_to))  # type: ignore[attr-defined]
+            for d in self.chain.priced:  # a drafter that prices its drafts hears what a draft token costs now
+                d.price(policy.token_cost(d.priced_up_to))  # type: ignore[attr-defined]
             self.candidates = self.chain.candidates(context, max_len)
         else:
             self.candidates = [d for d in [self.chain.propose(context, max_len)] if d.tokens]
@@ -207,9 +204,11 @@ class RequestDrafting:
         for candidate in self.candidates:
             if candidate.source == REFERENCE_SOURCE and candidate.tokens[:n_send] == sent:
                 return candidate
-        references = [d for d in self.chain.drafters if getattr(d, "name", "") == REFERENCE_SOURCE]
-        if context and any(r.holds([context[-1], *sent]) for r in references):  # type: ignore[attr-defined]
-            return replace(draft, source=REFERENCE_SOURCE)
+        if context:
+            run = [context[-1], *sent]
+            for r in self.chain.drafters:
+                if getattr(r, "name", "") == REFERENCE_SOURCE and r.holds(run):  # type: ignore[attr-defined]
+                    return Draft(draft.tokens, draft.match_len, REFERENCE_SOURCE, draft.probs)
         return draft
 
     def loss_budget(self, n_generated: int) -> float:

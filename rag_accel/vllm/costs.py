@@ -77,7 +77,7 @@ class BatchStepCosts(StepCosts):
         learnt = self._learnt.get(bucket)
         prior_b = generic_b if learnt is None else learnt * my / mt
         k = self.prior_weight / w
-        b = max(self.slope_floor(), (cov + k * prior_b) / (var + k))
+        b = max(self.slope_floor(generic_b), (cov + k * prior_b) / (var + k))
         if var >= 4.0 * k and my > 0:  # the data outweigh the prior (4:1): remember what they say at this size
             rel = b * mt / my  # the marginal token's cost in average tokens' (1: fully compute-bound)
             self._learnt[bucket] = rel if learnt is None else 0.9 * learnt + 0.1 * rel
@@ -91,12 +91,12 @@ class BatchStepCosts(StepCosts):
             return 0.0
         return self.prior_slope * (sy / w) / (1.0 + self.prior_slope * st / w)
 
-    def slope_floor(self) -> float:
-        """The least ``b`` may be: ``min_slope_frac`` of :meth:`generic_prior_b`, unless the long window's
-        data place the slope below that (a GPU with several rows in a step, where a draft token costs a
-        fraction of a percent of it): then their upper bound (:meth:`slope_bound`). Noise alone cannot lower
-        it: it widens the bound."""
-        floor = self.min_slope_frac * self.generic_prior_b()
+    def slope_floor(self, generic_b: float | None = None) -> float:
+        """The least ``b`` may be: ``min_slope_frac`` of :meth:`generic_prior_b` (``generic_b``: it, computed
+        already), unless the long window's data place the slope below that (a GPU with several rows in a step,
+        where a draft token costs a fraction of a percent of it): then their upper bound (:meth:`slope_bound`).
+        Noise alone cannot lower it: it widens the bound."""
+        floor = self.min_slope_frac * (self.generic_prior_b() if generic_b is None else generic_b)
         bound = self.slope_bound()
         return floor if bound is None else min(floor, bound)
 
