@@ -112,11 +112,14 @@ def markdown(run: dict) -> str:
              f"- command: `{run['command']}`",
              f"- machine: {e['machine']}; load (1/5/15 min) before {e['load_before']}, after {e['load_after']}",
              f"- the sample's last {e['items']} answered questions ({e['items_alone']} at one in flight), 64 new "
-             f"tokens, greedy, at most {K} draft tokens; vLLM's own kernels; one engine per method (suffix: per level)",
+             f"tokens, greedy, at most {K} draft tokens; vLLM's own kernels; one engine per method (suffix: per level)"
+             + (f"; {e['rounds']} rounds of the methods, alternating, each figure over all rounds' steps"
+                if e.get("rounds", 1) > 1 else ""),
              "- host time: a step's call of the drafter's `propose` (ours: with its batch view's `update_state`), "
              "steps where at least one request had a sampled token; forward: `execute_model`'s median", "",
              "| method | in flight | steps | requests a step (median) | host per step, median (p90) | "
-             "per request per step | forward (median) | host / forward |", "|---|---|---|---|---|---|---|---|"]
+             "per request per step | forward (median) | host / forward | rounds (per request, us) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for method, levels in run["summary"].items():
         for level, s in levels.items():
             if not s["steps"]:
@@ -125,7 +128,8 @@ def markdown(run: dict) -> str:
             share = s["host_us_median"] / (1e3 * s["forward_ms_median"]) if s["forward_ms_median"] else None
             lines.append(f"| {method} | {level} | {s['steps']} | {s['rows_median']:.0f} | {s['host_us_median']:.0f} us"
                          f"{p90} | {s['per_request_us_median']:.0f} us | {s['forward_ms_median']:.1f} ms | "
-                         + (f"{share:.1%}" if share is not None else "-") + " |")
+                         + (f"{share:.1%}" if share is not None else "-") + " | "
+                         + ", ".join(f"{x:.0f}" for x in s.get("rounds_per_request_us", []) if x is not None) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -160,6 +164,8 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=64, help="questions run at each level above one")
     ap.add_argument("--items-alone", type=int, default=12, help="questions run one at a time")
     ap.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}, {PYTHON_LOOPS}")
+    ap.add_argument("--rounds", type=int, default=1, help="run the methods this many times, alternating (a shared "
+                    "machine drifts): each figure is over all rounds' steps")
     ap.add_argument("--out", type=Path, default=None, help="path without suffix: writes .json and .md")
     ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON (in an environment "
                     "with matplotlib), and nothing else")
@@ -176,9 +182,9 @@ def main() -> None:
     load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
     items = load_msmarco_sample(with_answers=True)[-args.items:]
     levels = [int(x) for x in args.levels.split(",")]
-    summary: dict[str, dict[str, dict]] = {}
-    for method in args.methods.split(","):
-        summary[method] = {}
+    logs: dict[str, dict[str, list]] = {}  # method -> level -> every round's timings
+    rounds: dict[str, dict[str, list]] = {}  # method -> level -> each round's median per request per step
+    for method in [m for _ in range(args.rounds) for m in args.methods.split(",")]:
         # (a suffix engine's tree keeps what it answered: a fresh one for each level)
         for run_levels in ([[lv] for lv in levels] if method == "suffix" else [levels]):
             ours = method in ("ours", PYTHON_LOOPS)
@@ -198,15 +204,20 @@ def main() -> None:
                         dec.generate_batch([rag_messages(it.query, it.passages) for it in group],
                                            [list(it.passages) if ours else None for it in group],
                                            max_new_tokens=64)
-                    summary[method][str(level)] = summarise(dec.llm.collective_rpc(timer)[0])
-                    print(method, level, summary[method][str(level)], flush=True)
+                    got = dec.llm.collective_rpc(timer)[0]
+                    logs.setdefault(method, {}).setdefault(str(level), []).extend(got)
+                    this = summarise(got)
+                    rounds.setdefault(method, {}).setdefault(str(level), []).append(this["per_request_us_median"])
+                    print(method, level, this, flush=True)
             finally:
                 dec.close()
+    summary = {method: {level: {**summarise(log), "rounds_per_request_us": rounds[method][level]}
+                        for level, log in by_level.items()} for method, by_level in logs.items()}
     import torch
     import vllm
 
     run = {"command": shlex.join(["python", "benchmarks/experiments/host_costs.py", *sys.argv[1:]]),
-           "environment": {"model": args.model, "dtype": args.dtype, "items": args.items,
+           "environment": {"model": args.model, "dtype": args.dtype, "items": args.items, "rounds": args.rounds,
                            "items_alone": args.items_alone,
                            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                            "machine": f"{platform.machine()}, {cpu_description()}, {os.cpu_count()} cores, torch "
