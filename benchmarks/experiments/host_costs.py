@@ -37,6 +37,10 @@ K = 10
 METHODS = ("ours", "suffix", "ngram")
 # Ours with rag_accel.kernels' Python loops in the worker instead of their C build (rag_accel/_native.c).
 PYTHON_LOOPS = "ours-python-loops"
+# Ours with every request's drafting off (speculate=False): the proposer's call and per-row bookkeeping, no drafting.
+# What ours would cost in the worker if its drafting took no time: the floor any faster drafting meets.
+DRAFTING_OFF = "ours-drafting-off"
+OURS = ("ours", PYTHON_LOOPS, DRAFTING_OFF)
 
 
 def python_loops(worker: object) -> bool:
@@ -163,7 +167,8 @@ def main() -> None:
     ap.add_argument("--levels", default="1,4,16,64")
     ap.add_argument("--items", type=int, default=64, help="questions run at each level above one")
     ap.add_argument("--items-alone", type=int, default=12, help="questions run one at a time")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}, {PYTHON_LOOPS}")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}, {PYTHON_LOOPS}, "
+                    f"{DRAFTING_OFF}")
     ap.add_argument("--rounds", type=int, default=1, help="run the methods this many times, alternating (a shared "
                     "machine drifts): each figure is over all rounds' steps")
     ap.add_argument("--out", type=Path, default=None, help="path without suffix: writes .json and .md")
@@ -187,7 +192,7 @@ def main() -> None:
     for method in [m for _ in range(args.rounds) for m in args.methods.split(",")]:
         # (a suffix engine's tree keeps what it answered: a fresh one for each level)
         for run_levels in ([[lv] for lv in levels] if method == "suffix" else [levels]):
-            ours = method in ("ours", PYTHON_LOOPS)
+            ours = method in OURS
             dec = VllmDecoder.from_pretrained(args.model, dtype=args.dtype, exact=False,
                                               speculation="ours" if ours else method, max_draft_tokens=K,
                                               max_model_len=4096, enforce_eager=True, enable_prefix_caching=False)
@@ -203,7 +208,8 @@ def main() -> None:
                         group = run[start:start + level]
                         dec.generate_batch([rag_messages(it.query, it.passages) for it in group],
                                            [list(it.passages) if ours else None for it in group],
-                                           max_new_tokens=64)
+                                           max_new_tokens=64,
+                                           **({"speculate": False} if method == DRAFTING_OFF else {}))
                     got = dec.llm.collective_rpc(timer)[0]
                     logs.setdefault(method, {}).setdefault(str(level), []).extend(got)
                     this = summarise(got)
