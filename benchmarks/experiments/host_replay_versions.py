@@ -4,9 +4,10 @@ alternating processes: what a change of the library's code saved, on the same ba
     git worktree add /tmp/base fe2b20f && (cd /tmp/base && python setup.py build_ext --inplace)
     python benchmarks/experiments/host_replay_versions.py --outputs benchmarks/results/greedy_outputs_smollm2_last100x64.json \\
         --trees /tmp/base,. --rounds 4 --out benchmarks/results/host_replay_versions_smollm2
+    python benchmarks/experiments/host_replay_versions.py --plot benchmarks/results/host_replay_versions_smollm2.json
 
 (in the vLLM virtualenv). Each round runs every checkout once, in a fresh process that imports rag_accel from it
-(its C build in place), ``--runs`` replays a level in each; a figure is the median over all runs of a checkout.
+(its C build in place; the replay is this checkout's), ``--runs`` replays a level in each; a figure is the median over all runs of a checkout.
 One process's median moved by up to 40% against the next's on a VM: hence rounds of processes, not runs in one.
 The drafts' sha256 shows whether two checkouts drafted alike.
 """
@@ -28,8 +29,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def one(tree: Path, outputs: Path, items: int, levels: list[int], runs: int, step_ms: float) -> None:
-    """In a process of its own: ours replayed from ``tree``; prints one JSON line."""
-    sys.path[:0] = [str(tree), str(tree / "benchmarks" / "experiments")]
+    """In a process of its own, started with ``tree`` first on PYTHONPATH: ours replayed with the library from
+    ``tree`` (the replay itself is this checkout's ``host_replay.py``); prints one JSON line."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import host_replay
     import rag_accel
@@ -50,21 +51,50 @@ def one(tree: Path, outputs: Path, items: int, levels: list[int], runs: int, ste
                                for lv, ss in got.items()}}))
 
 
+def plot(path: Path) -> None:
+    """Ours' host time per request per step, by version and requests in flight."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = json.loads(path.read_text())["rows"]
+    levels = sorted({r["level"] for r in rows})
+    versions = list(dict.fromkeys(r["commit"] for r in rows))
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    width = 0.76 / len(versions)
+    for i, version in enumerate(versions):
+        got = {r["level"]: r["per_request_us_median"] for r in rows if r["commit"] == version}
+        ax.bar([j + width * i for j in range(len(levels))], [got[lv] for lv in levels], width * 0.95, label=version)
+    ax.set_xticks([j + width * (len(versions) - 1) / 2 for j in range(len(levels))],
+                  [f"{lv} in flight" for lv in levels])
+    ax.set_ylabel("host us per request per step")
+    ax.set_title("Our proposer's host work replayed, by version of the code", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--outputs", type=Path, required=True, help="the model's greedy answers")
-    ap.add_argument("--trees", required=True, help="checkouts of rag_accel, comma-separated (built in place)")
+    ap.add_argument("--outputs", type=Path, default=None, help="the model's greedy answers")
+    ap.add_argument("--trees", default=None, help="checkouts of rag_accel, comma-separated (built in place)")
     ap.add_argument("--items", type=int, default=64)
     ap.add_argument("--levels", default="1,16")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--runs", type=int, default=2, help="replays of each level in each process")
     ap.add_argument("--step-ms", type=float, default=28.0)
     ap.add_argument("--one", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--plot", type=Path, default=None, help="draw a run's plot from its JSON, and nothing else")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.plot is not None:
+        return plot(args.plot)
     levels = [int(x) for x in args.levels.split(",")]
     if args.one is not None:
         return one(args.one.resolve(), args.outputs, args.items, levels, args.runs, args.step_ms)
+    if args.trees is None or args.outputs is None:
+        ap.error("--trees and --outputs are required")
     trees = [Path(t).resolve() for t in args.trees.split(",")]
     load_before = os.getloadavg()
     found: dict[str, dict] = {str(t): {"native": None, "runs": {str(lv): [] for lv in levels}} for t in trees}
@@ -72,7 +102,9 @@ def main() -> None:
         for tree in trees:
             cmd = [sys.executable, __file__, "--one", str(tree), "--outputs", str(args.outputs), "--items",
                    str(args.items), "--levels", args.levels, "--runs", str(args.runs), "--step-ms", str(args.step_ms)]
-            line = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+            line = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip()
+            line = line.splitlines()[-1]
             got = json.loads(line)
             found[str(tree)]["native"] = got["native"]
             for lv, runs in got["runs"].items():
