@@ -277,3 +277,21 @@ def test_the_real_qwen_05b_in_bfloat16_verifies_exactly():
     context, seq = (torch.randint(0, dec.vocab_size, (n,), generator=g).tolist() for n in (300, 33))
     alone, together = _rows(dec, context, seq)
     assert all(torch.equal(logits[i], alone[i]) for k, logits in together.items() for i in range(k))
+
+
+def test_gpt2s_conv1d_projections_take_an_invariant_plan(tokenizer):
+    """GPT-2's projections are transformers' ``Conv1D`` (weight [in, out]), not ``nn.Linear``: they take an invariant
+    plan too (unwrapped, a 4-row MLP product differed from one row in the last bit on an AVX-512 CPU without bfloat16
+    instructions), and compute what they computed before."""
+    model = tiny_model("gpt2", vocab_size=len(tokenizer)).to(torch.bfloat16)
+    conv = [m for m in model.modules() if type(m).__name__ == "Conv1D"]
+    x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        before = conv[0](x)
+        assert conv and linears.install_exact(model, linears.exact_plans(model)) == len(conv) + 1  # (+ the head)
+        assert all(m.__dict__.get("_rag_accel_exact") is not None for m in conv)
+        assert torch.equal(conv[0](x), before)  # (outside exact steps: its own forward)
+        with linears.exact_linears():
+            torch.testing.assert_close(conv[0](x), before, atol=0.02, rtol=0.02)
+            rows = conv[0](x)
+            assert all(torch.equal(rows[:, i:i + 1], conv[0](x[:, i:i + 1])) for i in range(5))

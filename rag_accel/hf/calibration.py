@@ -31,8 +31,9 @@ from .linears import LinearPlan
 
 __all__ = ["Calibration", "cpu_identity", "model_identity"]
 
-#: The format (and the measurements' method): a change makes every stored calibration another key's.
-VERSION = 1
+#: The format (and the measurements' method): a change makes every stored calibration another key's. (2: exact plans
+#: cover Conv1D projections; the attention probe draws each case three times.)
+VERSION = 2
 
 
 def model_identity(path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -99,14 +99,17 @@ def planned_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def exact_plan(modules: Sequence[torch.nn.Linear]) -> ExactPlan:
-    """The first of :data:`EXACT_CANDIDATES` that :func:`is_invariant` on these modules' weight shape."""
-    m = modules[0]
-    return next(plan for plan in EXACT_CANDIDATES if plan.pad == 1 or is_invariant(m.weight, m.bias, plan))
+    """The first of :data:`EXACT_CANDIDATES` that :func:`is_invariant` on these modules' weight shape (on one
+    module of each kind among them: ``nn.Linear``, ``Conv1D``, with and without a bias)."""
+    kinds = {(_is_conv1d(m), m.bias is not None): m for m in reversed(modules)}.values()
+    return next(plan for plan in EXACT_CANDIDATES
+                if plan.pad == 1 or all(is_invariant(_weight(m), m.bias, plan) for m in kinds))
 
 
 def exact_plans(model: Any) -> dict[tuple[int, int, torch.dtype], ExactPlan]:
-    """An invariant plan per weight shape of ``model``'s linears (tested on this machine's kernels)."""
-    return {shape: exact_plan(mods) for shape, mods in linears(model, device=None).items()}
+    """An invariant plan per weight shape of ``model``'s projections, ``nn.Linear`` and ``Conv1D`` (tested on this
+    machine's kernels)."""
+    return {shape: exact_plan(mods) for shape, mods in linears(model, device=None, conv1d=True).items()}
 
 
 def forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
@@ -125,15 +128,36 @@ def forward(self: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     return torch.nn.Linear.forward(self, hidden)
 
 
-def linears(model: Any, device: str | None = "cpu") -> dict[tuple[int, int, torch.dtype], list[torch.nn.Linear]]:
-    """The model's plain ``nn.Linear`` modules (on ``device``'s type; ``None``: any), by weight shape and dtype."""
+def conv1d_forward(self: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``forward`` of a wrapped ``Conv1D``: inside :func:`exact_linears` its invariant plan, else its own."""
+    if _ACTIVE.get() == EXACT and hidden.dtype == self.weight.dtype and not torch.is_grad_enabled():
+        plan = self.__dict__.get("_rag_accel_exact")
+        if plan is not None:
+            return exact_linear(hidden, self.weight.t(), self.bias, plan)
+    return type(self).forward(self, hidden)
+
+
+def linears(model: Any, device: str | None = "cpu",
+            conv1d: bool = False) -> dict[tuple[int, int, torch.dtype], list[torch.nn.Linear]]:
+    """The model's plain ``nn.Linear`` modules (on ``device``'s type; ``None``: any), by weight shape and dtype;
+    ``conv1d``: transformers' ``Conv1D`` too (GPT-2's projections), by the shape of their weight transposed."""
     groups: dict[tuple[int, int, torch.dtype], list[torch.nn.Linear]] = {}
     if not isinstance(model, torch.nn.Module):
         return groups
     for m in model.modules():
-        if type(m) is torch.nn.Linear and (device is None or m.weight.device.type == device):
-            groups.setdefault((*m.weight.shape, m.weight.dtype), []).append(m)  # type: ignore[arg-type]
+        if (type(m) is torch.nn.Linear or (conv1d and _is_conv1d(m))) and (device is None or
+                                                                          m.weight.device.type == device):
+            groups.setdefault((*_weight(m).shape, m.weight.dtype), []).append(m)  # type: ignore[arg-type]
     return groups
+
+
+def _is_conv1d(module: Any) -> bool:
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor)
+
+
+def _weight(module: Any) -> torch.Tensor:
+    """A projection's weight as ``F.linear`` takes it, [out, in] (a ``Conv1D`` keeps it as [in, out])."""
+    return module.weight.t() if _is_conv1d(module) else module.weight
 
 
 def time_layouts(modules: Sequence[torch.nn.Linear], rows: Sequence[int] = MEASURED_ROWS,
@@ -186,16 +210,16 @@ def install(model: Any, plans: dict[tuple[int, int, torch.dtype], LinearPlan]) -
 
 
 def install_exact(model: Any, plans: dict[tuple[int, int, torch.dtype], ExactPlan]) -> int:
-    """Give every linear of ``model`` its shape's invariant plan, wrapping its ``forward`` (idempotent); returns how
-    many modules have one."""
+    """Give every projection of ``model`` (``nn.Linear``, ``Conv1D``) its shape's invariant plan, wrapping its
+    ``forward`` (idempotent); returns how many modules have one."""
     count = 0
-    for shape, mods in linears(model, device=None).items():
+    for shape, mods in linears(model, device=None, conv1d=True).items():
         for m in mods:
             m.__dict__["_rag_accel_exact"] = plans.get(shape)
             if plans.get(shape) is not None:
                 count += 1
                 if "forward" not in vars(m):
-                    m.forward = types.MethodType(forward, m)
+                    m.forward = types.MethodType(conv1d_forward if _is_conv1d(m) else forward, m)
     return count
 
 
