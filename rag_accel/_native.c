@@ -7,7 +7,8 @@
  * - index_positions: CountedSuffixes.extend's positions of new tokens.
  *
  * Built at install where a C compiler is found (setup.py: optional); rag_accel.kernels runs its Python otherwise.
- * Sources are read as sequences of ints (lists and tuples directly, anything else item by item).
+ * Sources are read as sequences of ints (lists and tuples directly, anything else item by item); the reference
+ * index's suffix array and reversed source (longest_match, suffix_order) as int64 arrays.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
